@@ -1,0 +1,70 @@
+"""Frozen configuration, one dataclass per concern, built once at the edge (CLI or `LLM(...)`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which weights to run, where, and in what dtype."""
+
+    model: str | None = None  # a HF directory or a .gguf file; None = the default model
+    device: str = "auto"  # "auto" picks cuda when present, else cpu
+    dtype: str = "auto"  # "auto" = float32 on CPU, bfloat16 on CUDA
+    max_model_len: int | None = None  # None = the model's own context length (capped, see below)
+    seed: int | None = 0  # seeds the per-request seeds of unseeded requests; None = random
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
+        names = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+        if self.dtype not in names:
+            raise ValueError(f"dtype={self.dtype!r} is not one of {['auto', *names]}")
+        return names[self.dtype]
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache: block size and how much memory it may take."""
+
+    block_size: int = 16
+    kv_cache_memory_bytes: int | None = None  # None = 2 GiB on CPU, 90% of free GPU memory
+    num_blocks: int | None = None  # overrides the memory budget (tests use tiny caches)
+    enable_prefix_caching: bool = True
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """How much work one engine step may take."""
+
+    max_num_seqs: int = 64  # requests running at once
+    max_num_batched_tokens: int = 2048  # tokens in one forward pass (prefill chunks + decodes)
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine core needs, in one place."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+

@@ -1,0 +1,153 @@
+"""EngineCore: schedule -> run -> sample -> update, one step at a time, with no I/O.
+
+It runs in-process under tests and in `LLM`; the server wraps it in its own process.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+from nanoserve.config import GiB, EngineConfig
+from nanoserve.engine.kv_cache import KVCacheManager
+from nanoserve.engine.model_runner import ModelRunner, kv_bytes_per_block
+from nanoserve.engine.request import Request
+from nanoserve.engine.scheduler import Scheduler
+from nanoserve.model.loader import LoadedModel, load_model
+from nanoserve.sample.sampler import Sampler
+from nanoserve.sampling_params import SamplingParams
+
+DEFAULT_CPU_KV_CACHE_BYTES = 2 * GiB
+GPU_MEMORY_FRACTION = 0.9
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
+    stop_reason: int | str | None = None  # the stop token id that ended it, if any
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
+@dataclass
+class EngineStats:
+    """Counters since start-up (prefix-cache figures are in tokens, as vLLM counts them)."""
+
+    num_steps: int = 0
+    num_computed_tokens: int = 0  # tokens run through the model (prefill and decode)
+    num_generated_tokens: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    num_free_blocks: int = 0
+    num_blocks: int = 0
+
+
+class EngineCore:
+    """The continuous-batching engine: `add_request`, `step`, `abort`, `has_unfinished`."""
+
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        device, dtype = config.model.torch_device, config.model.torch_dtype
+        if loaded is None:
+            loaded = load_model(config.model.model, device, dtype, config.model.max_model_len)
+        self.loaded = loaded
+        block_size = config.cache.block_size
+        num_blocks = config.cache.num_blocks or self._blocks_for_budget(block_size, dtype, device)
+        self.max_model_len = self._max_model_len(num_blocks * block_size)
+        self.kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
+        self.runner = ModelRunner(loaded.model, num_blocks, block_size, device, dtype)
+        self.sampler = Sampler(config.scheduler.max_num_seqs, device)
+        self.seed_rng = random.Random(config.model.seed)
+        self.stats = EngineStats(num_blocks=num_blocks, num_free_blocks=num_blocks)
+
+    def _blocks_for_budget(self, block_size: int, dtype: torch.dtype,
+                           device: torch.device) -> int:
+        budget = self.config.cache.kv_cache_memory_bytes
+        if budget is None:
+            if device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(device)
+                budget = int(free * GPU_MEMORY_FRACTION)
+            else:
+                budget = DEFAULT_CPU_KV_CACHE_BYTES
+        return max(1, budget // kv_bytes_per_block(self.loaded.arch, block_size, dtype))
+
+    def _max_model_len(self, cache_tokens: int) -> int:
+        arch = self.loaded.arch
+        wanted = self.config.model.max_model_len
+        limit = arch.max_position_embeddings
+        if arch.sliding_window:
+            limit = min(limit, arch.sliding_window)  # beyond it, full attention would differ
+        if wanted is not None:
+            if wanted > limit:
+                raise ValueError(f"max_model_len={wanted} exceeds the model's context of {limit}")
+            if wanted > cache_tokens:
+                raise ValueError(
+                    f"max_model_len={wanted} does not fit the KV cache ({cache_tokens} tokens); "
+                    "give the cache more memory or lower max_model_len")
+            return wanted
+        return min(limit, cache_tokens)
+
+    # -- the interface ------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int],
+                    params: SamplingParams) -> Request:
+        """Queue a request; raises ValueError if it can never run (too long, empty)."""
+        request = Request(request_id, prompt_token_ids, params, self.loaded.eos_token_ids)
+        vocab = self.loaded.arch.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is out of range [0, {vocab})")
+        request.sampling_seed = (params.seed if params.seed is not None
+                                 else self.seed_rng.getrandbits(64))
+        self.scheduler.add_request(request)
+        return request
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free everything it holds; False if it was not in the engine."""
+        return self.scheduler.abort(request_id) is not None
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[EngineCoreOutput]:
+        """Advance every running request by one forward pass; outputs for those that sampled."""
+        # 1) schedule
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return []
+        for request in sched.admitted:
+            assert request.slot is not None
+            self.sampler.add_request(request.slot, request.params, request.sampling_seed)
+        # 2) run the model
+        block_tables = [self.kv_cache.block_ids(s.request.request_id) for s in sched.scheduled]
+        logits = self.runner.execute(sched.scheduled, block_tables)
+        # 3) sample (the one device -> host copy of the step)
+        sampling = [s.request for s in sched.scheduled if s.samples]
+        slots = [r.slot for r in sampling]
+        positions = torch.tensor([r.num_output_tokens for r in sampling],
+                                 device=self.runner.device)
+        token_ids = self.sampler.sample(logits, slots, positions).tolist()  # type: ignore[arg-type]
+        # 4) update requests, finish those that stop
+        self.scheduler.update_after_step(sched, token_ids)
+        self._count(sched.num_tokens, len(token_ids))
+        return [
+            EngineCoreOutput(r.request_id, [r.output_token_ids[-1]], r.status.finish_reason,
+                             r.stop_reason, r.num_cached_tokens)
+            for r in sampling
+        ]
+
+    def _count(self, num_tokens: int, num_sampled: int) -> None:
+        stats = self.stats
+        stats.num_steps += 1
+        stats.num_computed_tokens += num_tokens
+        stats.num_generated_tokens += num_sampled
+        stats.prefix_cache_queries = self.kv_cache.prefix_cache_queries
+        stats.prefix_cache_hits = self.kv_cache.prefix_cache_hits
+        stats.num_preemptions = self.scheduler.num_preemptions
+        stats.num_free_blocks = self.kv_cache.num_free_blocks

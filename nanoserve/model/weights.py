@@ -1,0 +1,153 @@
+"""Weights from safetensors directories and GGUF files, named the Hugging Face way, into CausalLM.
+
+Both sources are first turned into one dict keyed by Hugging Face parameter names
+(`model.layers.0.self_attn.q_proj.weight`, ...); `load_into` then fuses q/k/v and gate/up.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from nanoserve.model.arch import ArchConfig
+from nanoserve.model.gguf_file import GGUFFile
+from nanoserve.model.llama import CausalLM
+
+# GGUF tensor name (after `blk.N.`) -> Hugging Face name (after `model.layers.N.`)
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def read_safetensors_dir(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of a single-file or sharded (`*.safetensors.index.json`) checkpoint."""
+    from safetensors import safe_open
+
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path} has a config.json but no *.safetensors weights")
+    for name in files:
+        with safe_open(str(path / name), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                yield key, f.get_tensor(key)
+
+
+def read_gguf_tensors(gguf: GGUFFile, arch: ArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """Dequantized GGUF tensors under Hugging Face names, with Q/K rows un-permuted for Llama.
+
+    llama.cpp's converter reorders each Llama head's Q and K rows from the HF "rotate halves"
+    layout to interleaved pairs; we undo it so the same RoPE code serves both sources. Qwen
+    files are written without that permutation.
+    """
+    is_permuted = gguf.metadata.get("general.architecture") == "llama"
+    for name in gguf.tensors:
+        if name == "rope_freqs.weight":
+            continue  # read by the loader as RoPE scaling factors
+        hf_name = gguf_to_hf_name(name)
+        values = gguf.dequantize(name)
+        if is_permuted and hf_name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias",
+                                             "k_proj.bias")):
+            num_heads = arch.num_heads if ".q_proj." in hf_name else arch.num_kv_heads
+            values = unpermute_rope_rows(values, num_heads)
+        yield hf_name, values
+
+
+def gguf_to_hf_name(name: str) -> str:
+    if name in _GGUF_GLOBAL_NAMES:
+        return _GGUF_GLOBAL_NAMES[name]
+    parts = name.split(".")
+    if parts[0] != "blk" or parts[2] not in _GGUF_LAYER_NAMES:
+        raise ValueError(f"unexpected GGUF tensor {name!r}")
+    return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{parts[3]}"
+
+
+def unpermute_rope_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Inverse of llama.cpp's `permute`: per head, rows (2, D/2) interleaved -> (D/2, 2)."""
+    rows = w.shape[0]
+    return (w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:])
+            .transpose(1, 2).reshape(w.shape))
+
+
+def load_into(model: CausalLM, tensors: Iterator[tuple[str, torch.Tensor]],
+              dtype: torch.dtype, device: torch.device) -> None:
+    """Copy HF-named tensors into the model, fusing q/k/v and gate/up; check nothing is missing."""
+    arch = model.arch
+    state = {name: t for name, t in tensors}
+    fused: dict[str, torch.Tensor] = {
+        "embed_tokens": state.pop("model.embed_tokens.weight"),
+        "norm": state.pop("model.norm.weight"),
+    }
+    head = state.pop("lm_head.weight", None)
+    if head is not None and not arch.tie_word_embeddings:
+        fused["lm_head"] = head
+    for i in range(arch.num_layers):
+        p = f"model.layers.{i}."
+        attn = p + "self_attn."
+        fused[f"layers.{i}.input_layernorm"] = state.pop(p + "input_layernorm.weight")
+        fused[f"layers.{i}.post_attention_layernorm"] = state.pop(
+            p + "post_attention_layernorm.weight")
+        fused[f"layers.{i}.qkv_proj"] = torch.cat(
+            [state.pop(f"{attn}{n}_proj.weight") for n in "qkv"])
+        if arch.has_qkv_bias:
+            fused[f"layers.{i}.qkv_bias"] = torch.cat(
+                [state.pop(f"{attn}{n}_proj.bias") for n in "qkv"])
+        fused[f"layers.{i}.o_proj"] = state.pop(attn + "o_proj.weight")
+        if arch.has_qk_norm:
+            fused[f"layers.{i}.q_norm"] = state.pop(attn + "q_norm.weight")
+            fused[f"layers.{i}.k_norm"] = state.pop(attn + "k_norm.weight")
+        fused[f"layers.{i}.gate_up_proj"] = torch.cat(
+            [state.pop(p + "mlp.gate_proj.weight"), state.pop(p + "mlp.up_proj.weight")])
+        fused[f"layers.{i}.down_proj"] = state.pop(p + "mlp.down_proj.weight")
+    leftover = [k for k in state if "rotary_emb" not in k]
+    if leftover:
+        raise ValueError(f"unexpected weights in checkpoint: {leftover[:5]}")
+
+    expected = dict(model.named_parameters())
+    if arch.tie_word_embeddings:
+        expected.pop("lm_head", None)
+    missing = sorted(set(expected) - set(fused))
+    if missing:
+        raise ValueError(f"checkpoint is missing weights: {missing[:5]}")
+    for name, value in fused.items():
+        want = tuple(expected[name].shape)
+        if tuple(value.shape) != want:
+            raise ValueError(f"weight {name}: checkpoint shape {tuple(value.shape)}, "
+                             f"model expects {want}")
+        _set_parameter(model, name, value.to(device=device, dtype=dtype).contiguous())
+    if arch.tie_word_embeddings:
+        model.lm_head = model.embed_tokens
+
+
+def _set_parameter(model: torch.nn.Module, dotted_name: str, value: torch.Tensor) -> None:
+    """Replace a (meta-device) parameter with real data, without an init pass or a copy."""
+    owner_name, _, attr = dotted_name.rpartition(".")
+    owner = model.get_submodule(owner_name) if owner_name else model
+    setattr(owner, attr, torch.nn.Parameter(value, requires_grad=False))
+
+
+def gguf_rope_factors(gguf: GGUFFile) -> torch.Tensor | None:
+    if "rope_freqs.weight" not in gguf.tensors:
+        return None
+    return gguf.dequantize("rope_freqs.weight")
