@@ -13,6 +13,7 @@ from torch import nn
 
 from nanoserve.model.arch import ArchConfig
 from nanoserve.model.attention import AttentionMetadata, paged_attention
+from nanoserve.model.linear import linear
 from nanoserve.model.rope import RotaryEmbedding, apply_rope
 
 
@@ -41,7 +42,7 @@ class DecoderLayer(nn.Module):
         eps = arch.rms_norm_eps
         # 1) attention
         x = F.rms_norm(hidden, (arch.hidden_size,), self.input_layernorm, eps)
-        qkv = F.linear(x, self.qkv_proj, self.qkv_bias)  # [T, (H + 2 * Hkv) * D]
+        qkv = linear(x, self.qkv_proj, self.qkv_bias)  # [T, (H + 2 * Hkv) * D]
         q, k, v = qkv.split([arch.q_size, arch.kv_size, arch.kv_size], dim=-1)
         q = q.view(num_tokens, arch.num_heads, arch.head_dim)
         k = k.view(num_tokens, arch.num_kv_heads, arch.head_dim)
@@ -52,11 +53,11 @@ class DecoderLayer(nn.Module):
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
         attn = paged_attention(q, k, v, k_cache, v_cache, meta)  # [T, H * D]
-        hidden = hidden + F.linear(attn, self.o_proj)
+        hidden = hidden + linear(attn, self.o_proj)
         # 2) MLP
         x = F.rms_norm(hidden, (arch.hidden_size,), self.post_attention_layernorm, eps)
-        gate, up = F.linear(x, self.gate_up_proj).chunk(2, dim=-1)
-        return hidden + F.linear(F.silu(gate) * up, self.down_proj)
+        gate, up = linear(x, self.gate_up_proj).chunk(2, dim=-1)
+        return hidden + linear(F.silu(gate) * up, self.down_proj)
 
 
 class CausalLM(nn.Module):
@@ -85,7 +86,7 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_rows, hidden] -> [num_rows, vocab] in float32 (the sampler's dtype)."""
-        return F.linear(hidden, self.lm_head).float()
+        return linear(hidden, self.lm_head).float()
 
 
 def _param(*shape: int) -> nn.Parameter:

@@ -14,6 +14,7 @@ import torch
 
 from nanoserve.model.arch import ArchConfig
 from nanoserve.model.gguf_file import GGUFFile
+from nanoserve.model.linear import pack_weight
 from nanoserve.model.llama import CausalLM
 
 # GGUF tensor name (after `blk.N.`) -> Hugging Face name (after `model.layers.N.`)
@@ -135,9 +136,15 @@ def load_into(model: CausalLM, tensors: Iterator[tuple[str, torch.Tensor]],
         if tuple(value.shape) != want:
             raise ValueError(f"weight {name}: checkpoint shape {tuple(value.shape)}, "
                              f"model expects {want}")
-        _set_parameter(model, name, value.to(device=device, dtype=dtype).contiguous())
-    if arch.tie_word_embeddings:
-        model.lm_head = model.embed_tokens
+        value = value.to(device=device, dtype=dtype).contiguous()
+        if name.endswith(_MATMUL_WEIGHTS):
+            value = pack_weight(value)
+        _set_parameter(model, name, value)
+    if arch.tie_word_embeddings:  # the embedding stays plain for lookups; the head gets a copy
+        _set_parameter(model, "lm_head", pack_weight(model.embed_tokens.data))
+
+
+_MATMUL_WEIGHTS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
 
 
 def _set_parameter(model: torch.nn.Module, dotted_name: str, value: torch.Tensor) -> None:

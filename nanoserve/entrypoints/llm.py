@@ -1,0 +1,145 @@
+"""The offline API, shaped like vLLM's: `LLM(model).generate(prompts, params)` and `LLM.chat`.
+
+    from nanoserve import LLM, SamplingParams
+    llm = LLM()  # the default model, SmolLM2-135M-Instruct
+    outs = llm.generate(["Hello, my name is"], SamplingParams(temperature=0, max_tokens=20))
+    print(outs[0].outputs[0].text)
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from nanoserve.config import GiB, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from nanoserve.engine.core import EngineCore
+from nanoserve.output.processor import OutputProcessor
+from nanoserve.outputs import RequestOutput
+from nanoserve.sampling_params import SamplingParams
+
+# A prompt is text, or a dict with "prompt" (text) or "prompt_token_ids" (pre-tokenized).
+Prompt = str | dict[str, Any]
+Message = dict[str, Any]
+
+
+class LLM:
+    """An engine core in this process, with a tokenizer and the shared output path."""
+
+    def __init__(self, model: str | None = None, *, device: str = "auto", dtype: str = "auto",
+                 max_model_len: int | None = None, max_num_seqs: int = 64,
+                 max_num_batched_tokens: int = 2048, kv_cache_memory_gb: float | None = None,
+                 num_kv_blocks: int | None = None, block_size: int = 16,
+                 enable_prefix_caching: bool = True, seed: int | None = 0) -> None:
+        config = EngineConfig(
+            model=ModelConfig(model=model, device=device, dtype=dtype,
+                              max_model_len=max_model_len, seed=seed),
+            cache=CacheConfig(
+                block_size=block_size, num_blocks=num_kv_blocks,
+                kv_cache_memory_bytes=None if kv_cache_memory_gb is None
+                else int(kv_cache_memory_gb * GiB),
+                enable_prefix_caching=enable_prefix_caching),
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
+                                      max_num_batched_tokens=max_num_batched_tokens),
+        )
+        self.engine = EngineCore(config)
+        self.tokenizer = self.engine.loaded.tokenizer
+        self._request_ids = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 *, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run every prompt to completion, batched; one RequestOutput per prompt, in order."""
+        if isinstance(prompts, str | dict):
+            prompts = [prompts]
+        encoded = [self._encode(p) for p in prompts]
+        return self._run(encoded, sampling_params, use_tqdm)
+
+    def chat(self, messages: Sequence[Message] | Sequence[Sequence[Message]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             *, use_tqdm: bool = True, add_generation_prompt: bool = True,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        encoded = []
+        for conversation in conversations:
+            text = self.tokenizer.apply_chat_template(
+                list(conversation), tokenize=False, add_generation_prompt=add_generation_prompt,
+                **(chat_template_kwargs or {}))
+            # the template already wrote any BOS it wants: add no special tokens again
+            encoded.append((text, self.tokenizer.encode(text, add_special_tokens=False)))
+        return self._run(encoded, sampling_params, use_tqdm)
+
+    def _encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        if "prompt" in prompt:
+            return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+        raise ValueError("a prompt dict needs 'prompt' (text) or 'prompt_token_ids' (ints)")
+
+    def _run(self, encoded: list[tuple[str | None, list[int]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+             use_tqdm: bool) -> list[RequestOutput]:
+        params = _params_per_prompt(sampling_params, len(encoded))
+        processor = OutputProcessor(self.tokenizer)
+        ids = []
+        try:
+            for (text, token_ids), p in zip(encoded, params, strict=True):
+                request_id = str(next(self._request_ids))
+                processor.add_request(request_id, text, token_ids)
+                self.engine.add_request(request_id, token_ids, p)
+                ids.append(request_id)
+            finished = self._drain(processor, _progress(len(ids), use_tqdm))
+        except BaseException:
+            for request_id in ids:  # leave the engine clean for the next call
+                self.engine.abort(request_id)
+            raise
+        return [finished[i] for i in ids]
+
+    def _drain(self, processor: OutputProcessor,
+               on_finish: Callable[[RequestOutput], None]) -> dict[str, RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished():
+            for output, _ in processor.process(self.engine.step()):
+                if output.finished:
+                    finished[output.request_id] = output
+                    on_finish(output)
+        return finished
+
+
+def _params_per_prompt(params: SamplingParams | Sequence[SamplingParams] | None,
+                       count: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * count
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    if len(params) != count:
+        raise ValueError(f"got {len(params)} SamplingParams for {count} prompts; "
+                         "give one, or one per prompt")
+    return list(params)
+
+
+def _progress(total: int, enabled: bool) -> Callable[[RequestOutput], None]:
+    """A tqdm bar over finished requests (multi-prompt runs only), with output tokens/s."""
+    if not enabled or total < 2:
+        return lambda _: None
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, desc="Generating", unit="req", dynamic_ncols=True)
+    num_tokens = 0
+
+    def update(output: RequestOutput) -> None:
+        nonlocal num_tokens
+        num_tokens += len(output.outputs[0].token_ids)
+        bar.update(1)
+        elapsed = bar.format_dict["elapsed"] or 1e-9
+        bar.set_postfix_str(f"output {num_tokens / elapsed:.1f} tok/s")
+        if bar.n == total:
+            bar.close()
+
+    return update

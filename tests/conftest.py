@@ -1,0 +1,79 @@
+"""Shared fixtures: tiny random-weight checkpoints written by the tests, and references.
+
+Each tiny model is a real Hugging Face checkpoint (config.json, model.safetensors, tokenizer
+files) built with transformers from a fixed seed, so nanoserve and transformers read the very
+same weights. They reuse the default model's tokenizer (SmolLM2's 49,152-token vocabulary).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from nanoserve.model.gguf_file import GGUFFile
+from nanoserve.model.loader import default_model_path
+from nanoserve.tokenizer import load_tokenizer_from_gguf
+
+TINY_FAMILIES = ("llama", "qwen2", "qwen3")
+
+
+def tiny_config(family: str) -> Any:
+    """Small enough to run in milliseconds, big enough to exercise GQA, rope scaling, biases."""
+    import transformers
+
+    common: dict[str, Any] = dict(
+        vocab_size=49152, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, initializer_range=0.05,
+    )
+    if family == "llama":  # Llama 3.1-style rope scaling and tied embeddings
+        return transformers.LlamaConfig(
+            **common, tie_word_embeddings=True,
+            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+                          "rope_theta": 500000.0})
+    if family == "qwen2":  # qkv bias, untied head
+        return transformers.Qwen2Config(**common, tie_word_embeddings=False,
+                                        rope_theta=1000000.0)
+    if family == "qwen3":  # q/k RMSNorm, explicit head_dim different from hidden / heads
+        return transformers.Qwen3Config(**common, head_dim=32, tie_word_embeddings=False)
+    raise ValueError(family)
+
+
+@pytest.fixture(scope="session")
+def default_tokenizer() -> Any:
+    return load_tokenizer_from_gguf(GGUFFile(default_model_path()))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory,
+                   default_tokenizer: Any) -> Callable[[str], Path]:
+    """family -> a directory holding that tiny checkpoint (written once per session)."""
+    import transformers
+
+    made: dict[str, Path] = {}
+
+    def make(family: str) -> Path:
+        if family not in made:
+            path = tmp_path_factory.mktemp(f"tiny-{family}")
+            torch.manual_seed(1234)
+            model = transformers.AutoModelForCausalLM.from_config(tiny_config(family))
+            _spread_norm_weights(model)
+            model.save_pretrained(path)
+            default_tokenizer.save_pretrained(path)
+            made[family] = path
+        return made[family]
+
+    return make
+
+
+def _spread_norm_weights(model: torch.nn.Module) -> None:
+    """Random (not all-ones) norm weights, so a mix-up between norms would show."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)

@@ -1,0 +1,65 @@
+"""Helpers the tests share: the transformers reference and small engine drivers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nanoserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from nanoserve.engine.core import EngineCore
+from nanoserve.sampling_params import SamplingParams
+
+
+def hf_model(path: Path | str) -> Any:
+    """The transformers reference, float32, for a directory or a .gguf file."""
+    import transformers
+
+    path = Path(path)
+    if path.suffix == ".gguf":
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    else:
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(path),
+                                                                  dtype=torch.float32)
+    return model.eval()
+
+
+@torch.inference_mode()
+def hf_greedy(model: Any, prompt_ids: list[int], num_new: int) -> list[int]:
+    """Greedy decoding with transformers' own KV cache, EOS ignored: the reference tokens."""
+    out = model(torch.tensor([prompt_ids]), use_cache=True)
+    tokens = [int(out.logits[0, -1].argmax())]
+    for _ in range(num_new - 1):
+        out = model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values,
+                    use_cache=True)
+        tokens.append(int(out.logits[0, -1].argmax()))
+    return tokens
+
+
+def make_engine(model: str | Path | None, *, num_blocks: int | None = None,
+                max_num_batched_tokens: int = 2048, max_num_seqs: int = 64,
+                max_model_len: int | None = None, enable_prefix_caching: bool = True,
+                block_size: int = 16) -> EngineCore:
+    return EngineCore(EngineConfig(
+        model=ModelConfig(model=None if model is None else str(model), device="cpu",
+                          dtype="float32", max_model_len=max_model_len),
+        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks,
+                          kv_cache_memory_bytes=64 << 20,
+                          enable_prefix_caching=enable_prefix_caching),
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
+                                  max_num_batched_tokens=max_num_batched_tokens),
+    ))
+
+
+def run_to_completion(engine: EngineCore, prompts: dict[str, list[int]],
+                      params: SamplingParams) -> dict[str, list[int]]:
+    """Add every prompt, step until done; the output token ids per request id."""
+    for request_id, ids in prompts.items():
+        engine.add_request(request_id, ids, params)
+    outputs: dict[str, list[int]] = {request_id: [] for request_id in prompts}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs[out.request_id].extend(out.new_token_ids)
+    return outputs
