@@ -61,5 +61,6 @@ def run_to_completion(engine: EngineCore, prompts: dict[str, list[int]],
     outputs: dict[str, list[int]] = {request_id: [] for request_id in prompts}
     while engine.has_unfinished():
         for out in engine.step():
-            outputs[out.request_id].extend(out.new_token_ids)
+            if out.request_id in outputs:  # requests added beforehand are not collected
+                outputs[out.request_id].extend(out.new_token_ids)
     return outputs

@@ -99,7 +99,6 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
         self.req_blocks: dict[str, list[KVBlock]] = {}
-        self.req_hashes: dict[str, list[BlockHash]] = {}
         self.req_num_registered: dict[str, int] = {}
         # Prefix-cache counters, in tokens (vLLM's meaning): looked up, and found cached.
         self.prefix_cache_queries = 0
@@ -174,14 +173,9 @@ class KVCacheManager:
         self.pool.release(reversed(blocks))
         self.req_num_registered.pop(request.request_id, None)
 
-    def forget(self, request: Request) -> None:
-        """Free and also drop the request's hash list (it has left the engine for good)."""
-        self.free(request)
-        self.req_hashes.pop(request.request_id, None)
-
     def _block_hashes(self, request: Request) -> list[BlockHash]:
         """The chained hashes of the request's full blocks, extended as tokens arrive."""
-        hashes = self.req_hashes.setdefault(request.request_id, [])
+        hashes = request.block_hashes
         size = self.block_size
         tokens = request.all_token_ids
         for i in range(len(hashes), len(tokens) // size):

@@ -39,6 +39,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_computed_tokens = 0
+        self.block_hashes: list[bytes] = []  # prefix-cache keys of its full blocks, grown lazily
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at admission
         self.num_preemptions = 0
         self.sampling_seed = 0  # the seed the sampler uses: params.seed, or drawn at admission

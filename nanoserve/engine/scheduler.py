@@ -166,7 +166,7 @@ class Scheduler:
         elif not request.is_finished:
             self.waiting.remove(request)
         request.status = status
-        self.kv_cache.forget(request)
+        self.kv_cache.free(request)
         self.requests.pop(request.request_id, None)
 
     def abort(self, request_id: str) -> Request | None:
