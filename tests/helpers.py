@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from nanoserve.bench.throughput import load_transformers
 from nanoserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from nanoserve.engine.core import EngineCore
 from nanoserve.sampling_params import SamplingParams
@@ -14,16 +15,7 @@ from nanoserve.sampling_params import SamplingParams
 
 def hf_model(path: Path | str) -> Any:
     """The transformers reference, float32, for a directory or a .gguf file."""
-    import transformers
-
-    path = Path(path)
-    if path.suffix == ".gguf":
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    else:
-        model = transformers.AutoModelForCausalLM.from_pretrained(str(path),
-                                                                  dtype=torch.float32)
-    return model.eval()
+    return load_transformers(Path(path))
 
 
 @torch.inference_mode()
@@ -32,8 +24,7 @@ def hf_greedy(model: Any, prompt_ids: list[int], num_new: int) -> list[int]:
     out = model(torch.tensor([prompt_ids]), use_cache=True)
     tokens = [int(out.logits[0, -1].argmax())]
     for _ in range(num_new - 1):
-        out = model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values,
-                    use_cache=True)
+        out = model(torch.tensor([[tokens[-1]]]), cache=out.cache, use_cache=True)
         tokens.append(int(out.logits[0, -1].argmax()))
     return tokens
 

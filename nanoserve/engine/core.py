@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanoserve.config import GiB, EngineConfig
+from nanoserve.config import EngineConfig, GiB
 from nanoserve.engine.kv_cache import KVCacheManager
 from nanoserve.engine.model_runner import ModelRunner, kv_bytes_per_block
 from nanoserve.engine.request import Request

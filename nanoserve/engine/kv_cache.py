@@ -93,7 +93,8 @@ class BlockPool:
 class KVCacheManager:
     """Block tables per request, allocation with prefix-cache reuse, and the cache's counters."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int,
+                 enable_prefix_caching: bool = True) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching

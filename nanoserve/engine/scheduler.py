@@ -125,7 +125,8 @@ class Scheduler:
         self.waiting.appendleft(request)
         out.preempted.append(request)
 
-    def update_after_step(self, out: SchedulerOutput, sampled_token_ids: list[int]) -> list[Request]:
+    def update_after_step(self, out: SchedulerOutput,
+                          sampled_token_ids: list[int]) -> list[Request]:
         """Advance every scheduled request; append sampled tokens (one per sampling request, in
         scheduled order); finish those that hit a stop. Returns the requests that sampled."""
         sampled = iter(sampled_token_ids)

@@ -9,10 +9,10 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from nanoserve.config import GiB, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from nanoserve.config import CacheConfig, EngineConfig, GiB, ModelConfig, SchedulerConfig
 from nanoserve.engine.core import EngineCore
 from nanoserve.output.processor import OutputProcessor
 from nanoserve.outputs import RequestOutput
@@ -72,6 +72,30 @@ class LLM:
             # the template already wrote any BOS it wants: add no special tokens again
             encoded.append((text, self.tokenizer.encode(text, add_special_tokens=False)))
         return self._run(encoded, sampling_params, use_tqdm)
+
+    def stream(self, prompt: Prompt | Sequence[Message],
+               sampling_params: SamplingParams | None = None) -> Iterator[str]:
+        """Generate for one prompt (or one chat conversation), yielding text as it settles.
+
+        Closing the iterator early (or an exception in the caller) aborts the request.
+        """
+        if isinstance(prompt, str | dict):
+            text, token_ids = self._encode(prompt)
+        else:
+            text = self.tokenizer.apply_chat_template(list(prompt), tokenize=False,
+                                                      add_generation_prompt=True)
+            token_ids = self.tokenizer.encode(text, add_special_tokens=False)
+        request_id = str(next(self._request_ids))
+        processor = OutputProcessor(self.tokenizer)
+        processor.add_request(request_id, text, token_ids)
+        self.engine.add_request(request_id, token_ids, sampling_params or SamplingParams())
+        try:
+            while self.engine.has_unfinished():
+                for _, delta in processor.process(self.engine.step()):
+                    if delta:
+                        yield delta
+        finally:
+            self.engine.abort(request_id)  # no-op once finished
 
     def _encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

@@ -161,7 +161,8 @@ def _rope_scaling(cfg: dict[str, Any]) -> RopeScaling:
     rope_type = params.get("rope_type") or params.get("type") or "default"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise UnsupportedModelError(
-            f"unsupported rope scaling {rope_type!r}; nanoserve supports {list(SUPPORTED_ROPE_TYPES)}"
+            f"unsupported rope scaling {rope_type!r}; "
+            f"nanoserve supports {list(SUPPORTED_ROPE_TYPES)}"
         )
     if rope_type == "default":
         return RopeScaling()

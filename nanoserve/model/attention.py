@@ -69,7 +69,7 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     """One query per request against its gathered blocks. q: [B, H, D] -> [B, H * D]."""
     assert meta.decode_block_ids is not None and meta.decode_key_mask is not None
     batch, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
+    num_kv_heads = k_cache.shape[2]
     num_keys = meta.decode_key_mask.shape[-1]
     # [B, max_blocks * block_size, Hkv, D]: index_select on whole blocks is a plain block copy
     keys = k_cache.index_select(0, meta.decode_block_ids).view(batch, num_keys, num_kv_heads,

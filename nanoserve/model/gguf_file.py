@@ -52,7 +52,7 @@ class GGUFFile:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self._mm = np.memmap(self.path, dtype=np.uint8, mode="r")
-        self._buf = memoryview(self._mm)
+        self._buf = self._mm.data
         self._pos = 0
         if bytes(self._buf[:4]) != GGUF_MAGIC:
             raise ValueError(f"{self.path} is not a GGUF file (its first bytes are not 'GGUF')")

@@ -73,6 +73,10 @@ class CausalLM(nn.Module):
         self.lm_head = _param(arch.vocab_size, arch.hidden_size)
         self.rotary: RotaryEmbedding | None = None
 
+    @property
+    def decoder_layers(self) -> list[DecoderLayer]:
+        return list(self.layers)  # type: ignore[arg-type]
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 meta: AttentionMetadata) -> torch.Tensor:

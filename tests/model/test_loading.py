@@ -177,7 +177,7 @@ def test_missing_path_names_it() -> None:
 
 
 def test_directory_without_a_model(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError, match="no config.json"):
+    with pytest.raises(FileNotFoundError, match=r"no config\.json"):
         load_model(str(tmp_path), CPU, torch.float32)
 
 

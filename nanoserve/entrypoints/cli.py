@@ -1,0 +1,148 @@
+"""The `nanoserve` command: generate, chat, bench.
+
+    nanoserve generate "The capital of France is" --max-tokens 20
+    nanoserve chat
+    nanoserve bench throughput
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from nanoserve.model.loader import DEFAULT_MODEL_NAME
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Flags that build the engine (shared by every command that runs a model)."""
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=None,
+                   help=f"HF model directory or .gguf file (default: {DEFAULT_MODEL_NAME})")
+    g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",
+                   help="KV cache size in GiB (default: 1 on CPU, 90%% of free GPU memory)")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--seed", type=int, default=0)
+
+
+def build_llm(args: argparse.Namespace) -> Any:
+    from nanoserve.entrypoints.llm import LLM
+
+    return LLM(args.model, device=args.device, dtype=args.dtype,
+               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+               max_num_batched_tokens=args.max_num_batched_tokens,
+               kv_cache_memory_gb=args.kv_cache_memory, block_size=args.block_size,
+               enable_prefix_caching=not args.no_prefix_caching, seed=args.seed)
+
+
+def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=max_tokens)
+    g.add_argument("--temperature", type=float, default=0.7, help="0 = greedy")
+    g.add_argument("--sample-seed", type=int, default=None, help="seed of the request")
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def sampling_params(args: argparse.Namespace) -> Any:
+    from nanoserve.sampling_params import SamplingParams
+
+    return SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
+                          seed=args.sample_seed, ignore_eos=args.ignore_eos)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    llm = build_llm(args)
+    params = sampling_params(args)
+    prompt: Any = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
+    if not args.chat:
+        print(args.prompt, end="", flush=True)
+    for delta in llm.stream(prompt, params):
+        print(delta, end="", flush=True)
+    print()
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    """A terminal chat: the history grows turn by turn; Ctrl-C stops a reply, Ctrl-D quits."""
+    llm = build_llm(args)
+    params = sampling_params(args)
+    history: list[dict[str, str]] = []
+    if args.system:
+        history.append({"role": "system", "content": args.system})
+    print(f"nanoserve chat with {llm.engine.loaded.name} (Ctrl-D or /quit to leave)")
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            print()
+            return 0
+        if line.strip() in ("/quit", "/exit"):
+            return 0
+        if not line.strip():
+            continue
+        history.append({"role": "user", "content": line})
+        reply = []
+        try:
+            for delta in llm.stream(history, params):
+                reply.append(delta)
+                print(delta, end="", flush=True)
+        except KeyboardInterrupt:
+            print(" [stopped]", end="")
+        print()
+        history.append({"role": "assistant", "content": "".join(reply)})
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from nanoserve.bench.throughput import run_throughput_bench
+
+    return run_throughput_bench(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="nanoserve", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="complete one prompt, printing tokens as they come")
+    gen.add_argument("prompt")
+    gen.add_argument("--chat", action="store_true",
+                     help="send the prompt as a user message through the chat template")
+    add_engine_args(gen)
+    add_sampling_args(gen, max_tokens=128)
+    gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser("chat", help="interactive chat in the terminal")
+    chat.add_argument("--system", default=None, help="a system message")
+    add_engine_args(chat)
+    add_sampling_args(chat, max_tokens=512)
+    chat.set_defaults(func=cmd_chat)
+
+    bench = sub.add_parser("bench", help="benchmarks that print figures beside a peer's")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    tput = bench_sub.add_parser("throughput",
+                                help="offline batch throughput vs transformers generate")
+    from nanoserve.bench.throughput import add_throughput_args
+
+    add_throughput_args(tput)
+    add_engine_args(tput)
+    tput.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except (FileNotFoundError, ValueError) as e:
+        print(f"nanoserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+"""The `nanoserve` command line, run as a user would run it (a real subprocess)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from typing import Any
+
+
+def nanoserve(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "nanoserve.entrypoints.cli", *args],
+                          input=stdin, capture_output=True, text=True, timeout=300)
+
+
+def test_generate_prints_the_prompt_and_its_continuation(tiny_model_dir: Any) -> None:
+    done = nanoserve("generate", "Once upon a time", "--model", str(tiny_model_dir("llama")),
+                     "--max-tokens", "5", "--temperature", "0")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("Once upon a time") and len(done.stdout) > len("Once upon")
+
+
+def test_chat_answers_each_line_until_eof(tiny_model_dir: Any) -> None:
+    done = nanoserve("chat", "--model", str(tiny_model_dir("llama")), "--max-tokens", "3",
+                     stdin="hello\nand again\n")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("> ") == 3  # two turns, then the prompt that meets EOF
+
+
+def test_bad_model_path_is_a_clear_error() -> None:
+    done = nanoserve("generate", "hi", "--model", "/no/such/dir")
+    assert done.returncode == 2
+    assert "model path '/no/such/dir' does not exist" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_help_lists_the_commands() -> None:
+    done = nanoserve("--help")
+    assert done.returncode == 0
+    for command in ("generate", "chat", "bench"):
+        assert command in done.stdout
