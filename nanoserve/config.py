@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -61,10 +62,19 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class SamplerConfig:
+    """Custom logits processors ('module:Class' or classes) and the logprobs cap."""
+
+    logits_processors: tuple[Any, ...] = ()
+    max_logprobs: int = 20  # the most top-N logprobs a request may ask for
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine core needs, in one place."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
 

@@ -1,33 +1,156 @@
 """SamplingParams: what a request asks of the sampler and the stop checks, with vLLM's defaults.
 
-Every field is validated on construction, and a bad value raises ValueError naming the field,
-the value and what is allowed.
+Every field is validated on construction; a bad value raises ValueError naming the field, the
+value and what is allowed. Text-valued fields (`stop`, `bad_words`) are turned into token ids by
+the frontend (`update_from_tokenizer`): only ids cross into the engine.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
+
+SAMPLING_EPS = 1e-5  # temperatures below this are greedy (vLLM)
+MIN_TEMPERATURE = 1e-2  # smaller positive temperatures are raised to this (vLLM)
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range; larger biases are clamped
+MAX_LOGPROBS = 20  # the server's default cap on top-N logprobs
+# generation_config.json keys that give request defaults (vLLM's `--generation-config auto`)
+GENERATION_CONFIG_FIELDS = {
+    "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens",
+}
 
 
 @dataclass
 class SamplingParams:
-    """Per-request generation settings (vLLM's names and defaults)."""
+    """Per-request generation settings (vLLM's names, meanings and defaults)."""
 
+    n: int = 1
     temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1 = off
+    min_p: float = 0.0
+    seed: int | None = None  # None = a fresh random seed for the request
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    min_tokens: int = 0
     max_tokens: int | None = 16  # None = up to the model's context length
-    ignore_eos: bool = False
-    seed: int | None = None  # None = a fresh random seed per request
+    stop: list[str] | None = None
     stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    logprobs: int | None = None  # top-N per sampled token (plus the sampled one)
+    prompt_logprobs: int | None = None
+    logprobs_mode: Literal["raw", "processed"] = "raw"
+    thinking_token_budget: int | None = None
+    extra_args: dict[str, Any] | None = None
+    # filled by update_from_tokenizer (the frontend), read by the sampler
+    bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0.0:
-            raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
-            raise ValueError(f"seed must fit in 64 bits, got {self.seed}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self._validate()
+        if 0 < self.temperature < MIN_TEMPERATURE and self.temperature >= SAMPLING_EPS:
+            self.temperature = MIN_TEMPERATURE
+        if self.temperature < SAMPLING_EPS:  # greedy: truncation means nothing
+            self.temperature = 0.0
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+        if self.top_k == -1:
+            self.top_k = 0
+        if self.logit_bias:
+            self.logit_bias = {int(t): max(-MAX_LOGIT_BIAS, min(MAX_LOGIT_BIAS, float(b)))
+                               for t, b in self.logit_bias.items()}
 
+    def _validate(self) -> None:
+        _check(self.n >= 1, "n", self.n, "an integer >= 1")
+        _check(self.temperature >= 0.0, "temperature", self.temperature, ">= 0 (0 means greedy)")
+        _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "in (0, 1]")
+        _check(self.top_k >= -1, "top_k", self.top_k, "-1, 0 (off) or a positive integer")
+        _check(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "in [0, 1]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(-2.0 <= value <= 2.0, name, value, "in [-2, 2]")
+        _check(self.repetition_penalty > 0.0, "repetition_penalty", self.repetition_penalty,
+               "> 0 (1 means off)")
+        if self.seed is not None:
+            _check(-(2**63) <= self.seed < 2**64, "seed", self.seed, "a 64-bit integer")
+        _check(self.min_tokens >= 0, "min_tokens", self.min_tokens, ">= 0")
+        if self.max_tokens is not None:
+            _check(self.max_tokens >= 1, "max_tokens", self.max_tokens, ">= 1")
+            _check(self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
+                   f"<= max_tokens ({self.max_tokens})")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check(value >= 0, name, value, ">= 0")
+        _check(self.logprobs_mode in ("raw", "processed"), "logprobs_mode", self.logprobs_mode,
+               "'raw' or 'processed'")
+        if self.thinking_token_budget is not None:
+            _check(self.thinking_token_budget >= 0, "thinking_token_budget",
+                   self.thinking_token_budget, ">= 0")
+        if self.allowed_token_ids is not None:
+            _check(len(self.allowed_token_ids) > 0, "allowed_token_ids", [],
+                   "a non-empty list (omit it to allow every token)")
+        for stop in self.stop or ():
+            _check(isinstance(stop, str) and stop != "", "stop", stop, "non-empty strings")
+
+    # -- derived ------------------------------------------------------------------------------
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    @property
+    def is_truncated(self) -> bool:
+        """True when top-k, top-p or min-p cut the distribution before the draw."""
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """Refuse token ids outside the vocabulary, naming the field."""
+        for name, ids in (("logit_bias", list(self.logit_bias or ())),
+                          ("allowed_token_ids", self.allowed_token_ids or []),
+                          ("stop_token_ids", self.stop_token_ids)):
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            _check(not bad, name, bad[:1], f"token ids in [0, {vocab_size})")
+
+    def update_from_tokenizer(self, tokenizer: Any) -> None:
+        """Tokenize `bad_words` the way vLLM does: each word as written and with a leading
+        space (when that spelling is a different token sequence of the same length)."""
+        self.bad_words_token_ids = []
+        for word in self.bad_words or ():
+            plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            if plain:
+                self.bad_words_token_ids.append(plain)
+            if spaced and spaced != plain and len(spaced) == len(plain):
+                self.bad_words_token_ids.append(spaced)
+
+    @classmethod
+    def from_generation_config(cls, generation_config: dict[str, Any],
+                               **overrides: Any) -> SamplingParams:
+        """The model's defaults (generation_config.json) under the caller's explicit values."""
+        values = {ours: generation_config[theirs]
+                  for theirs, ours in GENERATION_CONFIG_FIELDS.items()
+                  if generation_config.get(theirs) is not None}
+        if generation_config.get("do_sample") is False:
+            values["temperature"] = 0.0
+        known = {f.name for f in fields(cls)}
+        values.update({k: v for k, v in overrides.items() if k in known and v is not None})
+        return cls(**values)
+
+
+def _check(ok: bool, name: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")

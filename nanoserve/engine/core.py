@@ -7,16 +7,21 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from nanoserve.config import EngineConfig, GiB
 from nanoserve.engine.kv_cache import KVCacheManager
+from nanoserve.engine.memory import keep_freed_memory_in_heap
 from nanoserve.engine.model_runner import ModelRunner, kv_bytes_per_block
 from nanoserve.engine.request import Request
-from nanoserve.engine.scheduler import Scheduler
+from nanoserve.engine.scheduler import ScheduledRequest, Scheduler
 from nanoserve.model.loader import LoadedModel, load_model
+from nanoserve.sample.logits_processor import load_processor_classes
+from nanoserve.sample.logprobs import TokenLogprobs, prompt_logprobs
 from nanoserve.sample.sampler import Sampler
+from nanoserve.sample.state import ReasoningTokens
 from nanoserve.sampling_params import SamplingParams
 
 # Touching the cache's pages at start-up costs ~1.5 s per GiB on a small VM; 1 GiB holds
@@ -34,6 +39,8 @@ class EngineCoreOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
     stop_reason: int | str | None = None  # the stop token id that ended it, if any
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    new_logprobs: list[TokenLogprobs] | None = None  # one per new token, if asked
+    prompt_logprobs: list[TokenLogprobs] | None = None  # prompt tokens 1.., with the first token
 
 
 @dataclass
@@ -56,6 +63,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
         device, dtype = config.model.torch_device, config.model.torch_dtype
+        keep_freed_memory_in_heap()
         if loaded is None:
             loaded = load_model(config.model.model, device, dtype, config.model.max_model_len)
         self.loaded = loaded
@@ -65,7 +73,10 @@ class EngineCore:
         self.kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
         self.runner = ModelRunner(loaded.model, num_blocks, block_size, device, dtype)
-        self.sampler = Sampler(config.scheduler.max_num_seqs, device)
+        self.sampler = Sampler(
+            config.scheduler.max_num_seqs, loaded.arch.vocab_size, device, loaded.eos_token_ids,
+            reasoning_tokens(loaded.tokenizer),
+            load_processor_classes(config.sampler.logits_processors))
         self.seed_rng = random.Random(config.model.seed)
         self.stats = EngineStats(num_blocks=num_blocks, num_free_blocks=num_blocks)
 
@@ -105,6 +116,14 @@ class EngineCore:
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is out of range [0, {vocab})")
+        params.check_token_ids(vocab)
+        cap = self.config.sampler.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(params, name)
+            if asked is not None and asked > cap:
+                raise ValueError(f"{name} must be <= {cap} (the server's max_logprobs), "
+                                 f"got {asked}")
+        self.sampler.validate(request)
         request.sampling_seed = (params.seed if params.seed is not None
                                  else self.seed_rng.getrandbits(64))
         self.scheduler.add_request(request)
@@ -119,30 +138,49 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         """Advance every running request by one forward pass; outputs for those that sampled."""
-        # 1) schedule
+        # 1) schedule; slots freed since the last step are cleared before new ones are written
         sched = self.scheduler.schedule()
+        for slot in self.scheduler.released_slots:
+            self.sampler.remove_request(slot)
+        self.scheduler.released_slots.clear()
         if not sched.scheduled:
             return []
         for request in sched.admitted:
             assert request.slot is not None
-            self.sampler.add_request(request.slot, request.params, request.sampling_seed)
+            self.sampler.add_request(request.slot, request)
         # 2) run the model
         block_tables = [self.kv_cache.block_ids(s.request.request_id) for s in sched.scheduled]
-        logits = self.runner.execute(sched.scheduled, block_tables)
-        # 3) sample (the one device -> host copy of the step)
+        logits, prompt_logits = self.runner.execute(sched.scheduled, block_tables)
+        self._collect_prompt_logprobs(sched.scheduled, prompt_logits)
+        # 3) sample
         sampling = [s.request for s in sched.scheduled if s.samples]
-        slots = [r.slot for r in sampling]
-        positions = torch.tensor([r.num_output_tokens for r in sampling],
-                                 device=self.runner.device)
-        token_ids = self.sampler.sample(logits, slots, positions).tolist()  # type: ignore[arg-type]
+        sampled = self.sampler.sample(logits, self.sampler.make_batch(sampling))
         # 4) update requests, finish those that stop
-        self.scheduler.update_after_step(sched, token_ids)
-        self._count(sched.num_tokens, len(token_ids))
-        return [
-            EngineCoreOutput(r.request_id, [r.output_token_ids[-1]], r.status.finish_reason,
-                             r.stop_reason, r.num_cached_tokens)
-            for r in sampling
-        ]
+        self.scheduler.update_after_step(sched, sampled.token_ids)
+        self._count(sched.num_tokens, len(sampling))
+        outputs = []
+        for request, logprobs in zip(sampling, sampled.logprobs, strict=True):
+            first = request.num_output_tokens == 1
+            outputs.append(EngineCoreOutput(
+                request.request_id, [request.output_token_ids[-1]],
+                request.status.finish_reason, request.stop_reason, request.num_cached_tokens,
+                None if logprobs is None else [logprobs],
+                request.prompt_logprobs if first and request.params.prompt_logprobs is not None
+                else None))
+        return outputs
+
+    def _collect_prompt_logprobs(self, scheduled: list[ScheduledRequest],
+                                 prompt_logits: dict[int, torch.Tensor]) -> None:
+        for i, logits in prompt_logits.items():
+            s = scheduled[i]
+            request = s.request
+            done = len(request.prompt_logprobs)  # positions already computed (recompute safe)
+            first = max(s.start, done)
+            rows = logits[first - s.start :]
+            targets = request.prompt_token_ids[first + 1 : first + 1 + rows.shape[0]]
+            if targets:
+                request.prompt_logprobs += prompt_logprobs(
+                    rows, targets, request.params.prompt_logprobs or 0)
 
     def _count(self, num_tokens: int, num_sampled: int) -> None:
         stats = self.stats
@@ -153,3 +191,10 @@ class EngineCore:
         stats.prefix_cache_hits = self.kv_cache.prefix_cache_hits
         stats.num_preemptions = self.scheduler.num_preemptions
         stats.num_free_blocks = self.kv_cache.num_free_blocks
+
+
+def reasoning_tokens(tokenizer: Any) -> ReasoningTokens | None:
+    """`<think>` / `</think>` when the vocabulary has each as one token (Qwen3, DeepSeek-R1)."""
+    vocab = tokenizer.get_vocab()
+    start, end = vocab.get("<think>"), vocab.get("</think>")
+    return ReasoningTokens(start, end) if start is not None and end is not None else None

@@ -123,8 +123,8 @@ class KVCacheManager:
         At least one token is always left to compute, so the step that finishes the prompt
         produces logits to sample from.
         """
-        if not self.enable_prefix_caching:
-            return [], 0
+        if not self.enable_prefix_caching or request.params.prompt_logprobs is not None:
+            return [], 0  # prompt logprobs need every prompt position computed
         hashes = self._block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVBlock] = []

@@ -38,20 +38,32 @@ class ModelRunner:
                           for _ in range(arch.num_layers)]
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledRequest],
-                block_tables: list[list[int]]) -> torch.Tensor:
-        """Logits [num_sampling_requests, vocab] (float32), in the order of `scheduled`.
+    def execute(self, scheduled: list[ScheduledRequest], block_tables: list[list[int]]
+                ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Logits [num_sampling_requests, vocab] (float32), in the order of `scheduled`; and,
+        for requests that asked for prompt logprobs, the logits at this step's prompt positions
+        (keyed by index into `scheduled`; row j predicts prompt token start + j + 1).
 
         `block_tables[i]` is the block list of `scheduled[i]`'s request.
         """
-        input_ids, positions, meta, logits_rows = self._prepare(scheduled, block_tables)
+        input_ids, positions, meta, logits_rows, first_row = self._prepare(scheduled,
+                                                                           block_tables)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [T, hidden]
+        prompt_logits = {}
+        for i, s in enumerate(scheduled):
+            request = s.request
+            last = min(s.start + s.num_new_tokens, request.num_prompt_tokens - 1)
+            if request.params.prompt_logprobs is not None and last > s.start:
+                rows = hidden[first_row[i] : first_row[i] + last - s.start]
+                prompt_logits[i] = self.model.compute_logits(rows)
         if logits_rows.numel() == 0:  # only partial prefill chunks this step
-            return hidden.new_empty(0, self.model.arch.vocab_size, dtype=torch.float32)
-        return self.model.compute_logits(hidden.index_select(0, logits_rows))
+            empty = hidden.new_empty(0, self.model.arch.vocab_size, dtype=torch.float32)
+            return empty, prompt_logits
+        return self.model.compute_logits(hidden.index_select(0, logits_rows)), prompt_logits
 
     def _prepare(self, scheduled: list[ScheduledRequest], block_tables: list[list[int]]
-                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor,
+                            list[int]]:
         size = self.block_size
         order = sorted(range(len(scheduled)), key=lambda i: scheduled[i].num_new_tokens > 1)
         num_decodes = sum(1 for s in scheduled if s.num_new_tokens == 1)
@@ -85,7 +97,7 @@ class ModelRunner:
         )
         return (self._tensor(np.asarray(ids, dtype=np.int64)),
                 self._tensor(np.concatenate(positions)), meta,
-                self._tensor(np.asarray(logits_rows, dtype=np.int64)))
+                self._tensor(np.asarray(logits_rows, dtype=np.int64)), first_row)
 
     def _prefill_chunk(self, first_row: int, s: ScheduledRequest,
                        table: np.ndarray) -> PrefillChunk:

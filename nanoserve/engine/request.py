@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 
+from nanoserve.sample.logprobs import TokenLogprobs
 from nanoserve.sampling_params import SamplingParams
 
 
@@ -46,6 +47,8 @@ class Request:
         self.slot: int | None = None  # row in the sampler's per-slot state while running
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.first_token_time: float | None = None
+        # prompt logprobs computed so far (positions 1..), handed out with the first token
+        self.prompt_logprobs: list[TokenLogprobs] = []
 
     @property
     def num_tokens(self) -> int:

@@ -55,6 +55,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.free_slots = list(range(config.max_num_seqs - 1, -1, -1))
+        self.released_slots: list[int] = []  # freed since the engine last looked
         self.num_preemptions = 0
 
     def add_request(self, request: Request) -> None:
@@ -179,4 +180,5 @@ class Scheduler:
     def _release_slot(self, request: Request) -> None:
         assert request.slot is not None
         self.free_slots.append(request.slot)
+        self.released_slots.append(request.slot)
         request.slot = None

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from typing import Any
 
@@ -29,6 +30,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--logits-processors", default="", metavar="MODULE:CLASS[,...]",
+                   help="custom logits processors to load (entry points of the group "
+                        "nanoserve.logits_processors are always loaded)")
 
 
 def build_llm(args: argparse.Namespace) -> Any:
@@ -38,7 +42,8 @@ def build_llm(args: argparse.Namespace) -> Any:
                max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens,
                kv_cache_memory_gb=args.kv_cache_memory, block_size=args.block_size,
-               enable_prefix_caching=not args.no_prefix_caching, seed=args.seed)
+               enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
+               logits_processors=[s for s in args.logits_processors.split(",") if s])
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -47,13 +52,23 @@ def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
     g.add_argument("--temperature", type=float, default=0.7, help="0 = greedy")
     g.add_argument("--sample-seed", type=int, default=None, help="seed of the request")
     g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--extra-args", type=json.loads, default=None, metavar="JSON",
+                   help='per-request arguments for logits processors, e.g. '
+                        '\'{"no_repeat_ngram_size": 3}\'')
 
 
 def sampling_params(args: argparse.Namespace) -> Any:
     from nanoserve.sampling_params import SamplingParams
 
     return SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
-                          seed=args.sample_seed, ignore_eos=args.ignore_eos)
+                          seed=args.sample_seed, ignore_eos=args.ignore_eos, top_p=args.top_p,
+                          top_k=args.top_k, min_p=args.min_p,
+                          repetition_penalty=args.repetition_penalty,
+                          extra_args=args.extra_args)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

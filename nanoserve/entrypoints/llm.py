@@ -12,7 +12,14 @@ import itertools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from nanoserve.config import CacheConfig, EngineConfig, GiB, ModelConfig, SchedulerConfig
+from nanoserve.config import (
+    CacheConfig,
+    EngineConfig,
+    GiB,
+    ModelConfig,
+    SamplerConfig,
+    SchedulerConfig,
+)
 from nanoserve.engine.core import EngineCore
 from nanoserve.output.processor import OutputProcessor
 from nanoserve.outputs import RequestOutput
@@ -30,7 +37,8 @@ class LLM:
                  max_model_len: int | None = None, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, kv_cache_memory_gb: float | None = None,
                  num_kv_blocks: int | None = None, block_size: int = 16,
-                 enable_prefix_caching: bool = True, seed: int | None = 0) -> None:
+                 enable_prefix_caching: bool = True, seed: int | None = 0,
+                 logits_processors: Sequence[str | type] = (), max_logprobs: int = 20) -> None:
         config = EngineConfig(
             model=ModelConfig(model=model, device=device, dtype=dtype,
                               max_model_len=max_model_len, seed=seed),
@@ -41,6 +49,8 @@ class LLM:
                 enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens),
+            sampler=SamplerConfig(logits_processors=tuple(logits_processors),
+                                  max_logprobs=max_logprobs),
         )
         self.engine = EngineCore(config)
         self.tokenizer = self.engine.loaded.tokenizer
@@ -48,6 +58,16 @@ class LLM:
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's defaults under the model's generation_config.json (temperature, top_p, ...)."""
+        return SamplingParams.from_generation_config(self.engine.loaded.generation_config)
+
+    def _add_request(self, request_id: str, token_ids: list[int],
+                     params: SamplingParams) -> None:
+        if params.bad_words and not params.bad_words_token_ids:
+            params.update_from_tokenizer(self.tokenizer)
+        self.engine.add_request(request_id, token_ids, params)
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -88,7 +108,8 @@ class LLM:
         request_id = str(next(self._request_ids))
         processor = OutputProcessor(self.tokenizer)
         processor.add_request(request_id, text, token_ids)
-        self.engine.add_request(request_id, token_ids, sampling_params or SamplingParams())
+        self._add_request(request_id, token_ids,
+                          sampling_params or self.get_default_sampling_params())
         try:
             while self.engine.has_unfinished():
                 for _, delta in processor.process(self.engine.step()):
@@ -109,14 +130,15 @@ class LLM:
     def _run(self, encoded: list[tuple[str | None, list[int]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None,
              use_tqdm: bool) -> list[RequestOutput]:
-        params = _params_per_prompt(sampling_params, len(encoded))
+        params = _params_per_prompt(sampling_params or self.get_default_sampling_params(),
+                                    len(encoded))
         processor = OutputProcessor(self.tokenizer)
         ids = []
         try:
             for (text, token_ids), p in zip(encoded, params, strict=True):
                 request_id = str(next(self._request_ids))
                 processor.add_request(request_id, text, token_ids)
-                self.engine.add_request(request_id, token_ids, p)
+                self._add_request(request_id, token_ids, p)
                 ids.append(request_id)
             finished = self._drain(processor, _progress(len(ids), use_tqdm))
         except BaseException:
@@ -136,10 +158,8 @@ class LLM:
         return finished
 
 
-def _params_per_prompt(params: SamplingParams | Sequence[SamplingParams] | None,
+def _params_per_prompt(params: SamplingParams | Sequence[SamplingParams],
                        count: int) -> list[SamplingParams]:
-    if params is None:
-        return [SamplingParams()] * count
     if isinstance(params, SamplingParams):
         return [params] * count
     if len(params) != count:

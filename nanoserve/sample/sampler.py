@@ -1,44 +1,177 @@
-"""The sampler: per-slot state written once per request, one call per step for the whole batch.
+"""The sampler: one call per step turns the batch's logits into tokens (and logprobs).
 
-This is the foundation the full pipeline (issue: batched sampler) grows on: greedy rows take the
-argmax; temperature rows draw by Gumbel-max with counter-based noise (see noise.py), so a seeded
-request's tokens do not depend on the rest of the batch.
+Pipeline, in vLLM's order (bias adds and penalties scale, so the order is part of the
+contract): raw logprobs -> float32 -> allowed_token_ids, bad_words -> min_tokens, logit_bias
+-> repetition/frequency/presence penalties -> custom processors -> thinking budget ->
+temperature (greedy rows take the argmax here) -> min-p -> top-k/top-p -> the draw ->
+processed logprobs. Each stage touches only the rows that use it; a stage no row uses costs a
+numpy lookup. No Python loop over the batch except where a stage needs a request's token
+history (bad_words, thinking budget), and then only over the rows that use it.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
-from nanoserve.sample.noise import uniform_noise
-from nanoserve.sampling_params import SamplingParams
+from nanoserve.engine.request import Request
+from nanoserve.sample.logits_processor import LogitsProcessor, ProcessorBatch
+from nanoserve.sample.logprobs import TokenLogprobs, gather_logprobs
+from nanoserve.sample.noise import row_keys
+from nanoserve.sample.stages import (
+    NEG_INF,
+    SamplingBatch,
+    apply_allowed,
+    apply_bad_words,
+    apply_logit_bias,
+    apply_min_tokens,
+    apply_penalties,
+    apply_thinking_budget,
+)
+from nanoserve.sample.state import ReasoningTokens, SamplingState
+from nanoserve.sample.truncation import draw_candidates, draw_full, truncate
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]  # one per row
+    logprobs: list[TokenLogprobs | None]  # one per row; None where not asked
 
 
 class Sampler:
-    """Per-slot temperature and seed tensors; `sample` gathers the rows of the step."""
+    """Per-slot state plus the pipeline; `sample` is the one call per step."""
 
-    def __init__(self, num_slots: int, device: torch.device) -> None:
+    def __init__(self, num_slots: int, vocab_size: int, device: torch.device,
+                 eos_token_ids: tuple[int, ...] = (), reasoning: ReasoningTokens | None = None,
+                 processor_classes: list[type[LogitsProcessor]] | None = None) -> None:
         self.device = device
-        self.temperature = torch.zeros(num_slots, dtype=torch.float32, device=device)
-        self.seed = torch.zeros(num_slots, dtype=torch.int64, device=device)
-        self.is_greedy_cpu = [True] * num_slots  # host copy: skip the draw when all are greedy
+        self.eos_token_ids = eos_token_ids
+        self.state = SamplingState(num_slots, vocab_size, device, reasoning)
+        self.processors = [cls(num_slots, vocab_size, device) for cls in processor_classes or ()]
+        self.processor_uses = [np.zeros(num_slots, dtype=bool) for _ in self.processors]
 
-    def add_request(self, slot: int, params: SamplingParams, seed: int) -> None:
-        """Write a request's parameters into its slot (on admission, once)."""
-        self.temperature[slot] = params.temperature
-        self.seed[slot] = seed - (1 << 64) if seed >= (1 << 63) else seed
-        self.is_greedy_cpu[slot] = params.is_greedy
+    def validate(self, request: Request) -> None:
+        """Admission checks that need the engine's view: processors' arguments, reasoning."""
+        for processor in self.processors:
+            type(processor).validate_params(request.params)
+        if request.params.thinking_token_budget is not None and self.state.reasoning is None:
+            raise ValueError("thinking_token_budget needs a model with reasoning tags "
+                             "(<think> and </think> tokens); this model has none")
 
-    def sample(self, logits: torch.Tensor, slots: list[int],
-               output_positions: torch.Tensor) -> torch.Tensor:
-        """Next token ids [R] for logits [R, vocab] of requests in `slots` at `output_positions`."""
-        greedy = logits.argmax(dim=-1)
-        if all(self.is_greedy_cpu[s] for s in slots):
-            return greedy
-        index = torch.tensor(slots, device=self.device)
-        temperature = self.temperature[index]
-        is_greedy = temperature == 0
-        scaled = logits / torch.where(is_greedy, 1.0, temperature)[:, None]
-        uniforms = uniform_noise(self.seed[index], output_positions, logits.shape[-1])
-        gumbel = -torch.log(-torch.log(uniforms))
-        drawn = (scaled + gumbel).argmax(dim=-1)
-        return torch.where(is_greedy, greedy, drawn)
+    def add_request(self, slot: int, request: Request) -> None:
+        """Write a request's parameters into its slot (on admission to the running batch)."""
+        params = request.params
+        stop_ids = list(dict.fromkeys(
+            [*([] if params.ignore_eos else self.eos_token_ids), *params.stop_token_ids]))
+        self.state.add_request(slot, request, request.sampling_seed, stop_ids)
+        for processor, uses in zip(self.processors, self.processor_uses, strict=True):
+            uses[slot] = processor.add_request(slot, request)
+
+    def remove_request(self, slot: int) -> None:
+        self.state.remove_request(slot)
+        for processor, uses in zip(self.processors, self.processor_uses, strict=True):
+            if uses[slot]:
+                processor.remove_request(slot)
+                uses[slot] = False
+
+    def make_batch(self, requests: list[Request]) -> SamplingBatch:
+        slots = np.fromiter((r.slot for r in requests), dtype=np.int64, count=len(requests))
+        positions = np.fromiter((r.num_output_tokens for r in requests), dtype=np.int64,
+                                count=len(requests))
+        return SamplingBatch(slots, torch.from_numpy(slots).to(self.device),
+                             torch.from_numpy(positions).to(self.device), requests)
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        """logits [R, vocab] for the batch's rows -> one token per row."""
+        state = self.state
+        # 1) raw logprobs, before anything touches the logits
+        raw_rows = batch.rows(state.uses["logprobs_raw"])
+        raw = (logits.index_select(0, batch.rows_gpu(raw_rows)).float().log_softmax(-1)
+               if len(raw_rows) else None)
+        # 2) float32, and the stages before temperature
+        logits = logits.float()
+        apply_allowed(logits, state, batch)
+        apply_bad_words(logits, state, batch)
+        apply_min_tokens(logits, state, batch)
+        apply_logit_bias(logits, state, batch)
+        apply_penalties(logits, state, batch)
+        self._apply_processors(logits, batch)
+        apply_thinking_budget(logits, state, batch)
+        # 3) greedy rows take the argmax of the processed logits; random rows are drawn
+        token_ids = logits.argmax(dim=-1)
+        processed_rows = batch.rows(state.uses["logprobs_processed"])
+        final = logits.index_select(0, batch.rows_gpu(processed_rows)) \
+            if len(processed_rows) else None
+        random_rows = batch.rows(state.uses["random"])
+        if len(random_rows):
+            drawn, final_random = self._draw(logits, batch, random_rows,
+                                             need_final=final is not None)
+            token_ids.index_copy_(0, batch.rows_gpu(random_rows), drawn)
+            if final is not None and final_random is not None:
+                # processed rows that were drawn take their post-temperature/truncation logits
+                position = np.full(len(batch.requests), -1)
+                position[random_rows] = np.arange(len(random_rows))
+                taken = position[processed_rows]
+                drawn_here = np.nonzero(taken >= 0)[0]
+                final[torch.from_numpy(drawn_here)] = final_random[
+                    torch.from_numpy(taken[drawn_here])]
+        token_ids_cpu = token_ids.tolist()  # the step's one device -> host copy
+        state.update_after_sample(batch.slots, batch.slots_gpu, token_ids, token_ids_cpu)
+        return SamplerOutput(token_ids_cpu,
+                             self._logprobs(batch, token_ids, raw_rows, raw, processed_rows,
+                                            final))
+
+    def _apply_processors(self, logits: torch.Tensor, batch: SamplingBatch) -> None:
+        for processor, uses in zip(self.processors, self.processor_uses, strict=True):
+            rows = batch.rows(uses)
+            if len(rows):
+                processor.apply(logits, ProcessorBatch(
+                    rows, batch.rows_gpu(rows), batch.slots[rows],
+                    [batch.requests[r] for r in rows]))
+
+    def _draw(self, logits: torch.Tensor, batch: SamplingBatch, rows: np.ndarray,
+              need_final: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Temperature, truncation and the draw for the random rows -> their tokens [r], and
+        (if asked) their final logits [r, V]."""
+        state = self.state
+        index = batch.rows_gpu(rows)
+        slots = batch.slots_gpu[index]
+        scaled = logits.index_select(0, index).div_(state.temperature.index_select(0, slots)
+                                                    [:, None])
+        keys = row_keys(state.seed.index_select(0, slots), batch.positions.index_select(0, index))
+        drawn = torch.empty(len(rows), dtype=torch.int64, device=logits.device)
+        final = scaled if need_final else None
+        truncated = state.uses["truncated"][batch.slots[rows]]
+        full = np.nonzero(~truncated)[0]
+        if len(full):
+            at = torch.from_numpy(full).to(logits.device)
+            drawn[at] = draw_full(scaled.index_select(0, at), keys.index_select(0, at))
+        cut = np.nonzero(truncated)[0]
+        if len(cut):
+            at = torch.from_numpy(cut).to(logits.device)
+            cut_slots = slots.index_select(0, at)
+            ids, vals = truncate(scaled.index_select(0, at), state.top_k.index_select(0, cut_slots),
+                                 state.top_p.index_select(0, cut_slots),
+                                 state.min_p.index_select(0, cut_slots))
+            drawn[at] = draw_candidates(ids, vals, keys.index_select(0, at))
+            if final is not None:
+                final = final.clone()
+                final[at] = torch.full_like(scaled[at], NEG_INF).scatter_(1, ids, vals)
+        return drawn, final
+
+    def _logprobs(self, batch: SamplingBatch, token_ids: torch.Tensor, raw_rows: np.ndarray,
+                  raw: torch.Tensor | None, processed_rows: np.ndarray,
+                  final: torch.Tensor | None) -> list[TokenLogprobs | None]:
+        out: list[TokenLogprobs | None] = [None] * len(batch.requests)
+        for rows, values in ((raw_rows, raw), (processed_rows, final)):
+            if values is None or not len(rows):
+                continue
+            lp = values.log_softmax(-1) if values is final else values
+            chosen = token_ids.index_select(0, batch.rows_gpu(rows))
+            num_top = [int(n) for n in self.state.logprobs[batch.slots[rows]]]
+            for row, entry in zip(rows, gather_logprobs(lp, chosen, num_top), strict=True):
+                out[row] = entry
+        return out

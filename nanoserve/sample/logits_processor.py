@@ -1,0 +1,109 @@
+"""Custom logits processors: a small interface, and where nanoserve finds them.
+
+A processor is a class. The engine makes one instance at start-up and calls it each step, after
+the built-in penalties and before the thinking budget and temperature, with the rows of the
+requests it said it acts on. Per-request arguments travel in `SamplingParams.extra_args`.
+
+    class BanToken(LogitsProcessor):
+        '''extra_args={"ban_token": id}: that token is never drawn.'''
+
+        @classmethod
+        def validate_params(cls, params):           # at admission: refuse bad arguments
+            token = (params.extra_args or {}).get("ban_token")
+            if token is not None and not isinstance(token, int):
+                raise ValueError(f"extra_args['ban_token'] must be a token id, got {token!r}")
+
+        def add_request(self, slot, request):       # True: act on this request
+            self.token[slot] = (request.params.extra_args or {}).get("ban_token")
+            return self.token[slot] is not None
+
+        def apply(self, logits, batch):             # edit only your rows, in place
+            for row, slot in zip(batch.rows, batch.slots):
+                logits[row, self.token[slot]] = float("-inf")
+
+Processors are loaded from `--logits-processors module:Class[,module:Class]` (or
+`LLM(logits_processors=[...])`) and from every installed entry point of the group
+`nanoserve.logits_processors`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from nanoserve.engine.request import Request
+from nanoserve.sampling_params import SamplingParams
+
+ENTRY_POINT_GROUP = "nanoserve.logits_processors"
+
+
+@dataclass
+class ProcessorBatch:
+    """The rows of one step that a processor acts on."""
+
+    rows: np.ndarray  # row indices into the step's logits
+    rows_gpu: torch.Tensor
+    slots: np.ndarray  # each row's slot
+    requests: list[Request]  # each row's request (its prompt and output token ids, params)
+
+
+class LogitsProcessor:
+    """Base class of custom logits processors (see the module docstring)."""
+
+    def __init__(self, num_slots: int, vocab_size: int, device: torch.device) -> None:
+        self.num_slots = num_slots
+        self.vocab_size = vocab_size
+        self.device = device
+
+    @classmethod
+    def validate_params(cls, params: SamplingParams) -> None:
+        """Raise ValueError (naming the argument and value) for arguments this processor
+        cannot take. Called when a request enters the engine, before it runs."""
+
+    def add_request(self, slot: int, request: Request) -> bool:
+        """The request now occupies `slot`; return True if this processor acts on it."""
+        return False
+
+    def remove_request(self, slot: int) -> None:
+        """The request in `slot` finished or was preempted."""
+
+    def apply(self, logits: torch.Tensor, batch: ProcessorBatch) -> None:
+        """Edit `logits[batch.rows]` in place ([num_rows_in_step, vocab] float32)."""
+        raise NotImplementedError
+
+
+def resolve_processor(spec: str) -> type[LogitsProcessor]:
+    """'package.module:ClassName' -> the class, or a ValueError saying what is wrong."""
+    module_name, sep, class_name = spec.partition(":")
+    if not sep or not module_name or not class_name:
+        raise ValueError(f"logits processor {spec!r} must be written 'module:Class'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"logits processor {spec!r}: cannot import {module_name!r} ({e})") \
+            from None
+    cls = getattr(module, class_name, None)
+    if not (isinstance(cls, type) and issubclass(cls, LogitsProcessor)):
+        raise ValueError(f"logits processor {spec!r}: {class_name!r} in {module_name!r} is not a "
+                         "subclass of nanoserve.sample.logits_processor.LogitsProcessor")
+    return cls
+
+
+def load_processor_classes(specs: Sequence[str | type[LogitsProcessor]] = ()
+                           ) -> list[type[LogitsProcessor]]:
+    """Installed entry points first, then the given specs; each class once."""
+    found: list[type[LogitsProcessor]] = []
+    for entry_point in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        cls = entry_point.load()
+        if not (isinstance(cls, type) and issubclass(cls, LogitsProcessor)):
+            raise ValueError(f"entry point {entry_point.name!r} of {ENTRY_POINT_GROUP} is not a "
+                             "LogitsProcessor subclass")
+        found.append(cls)
+    for spec in specs:
+        found.append(resolve_processor(spec) if isinstance(spec, str) else spec)
+    return list(dict.fromkeys(found))

@@ -1,0 +1,70 @@
+"""NoRepeatNGram: the worked example of a custom logits processor, shipped and registered.
+
+Per request, `extra_args={"no_repeat_ngram_size": n}` (an integer >= 1) bans every token that
+would complete an n-gram already present in the sequence (prompt and output), like
+transformers' `no_repeat_ngram_size`. It stops the loops small models fall into ("the the the",
+a repeated sentence) without the blunt, global effect of a repetition penalty.
+
+Each request's n-grams are indexed incrementally: a step adds only the n-grams its new token
+completes, then looks up the last n - 1 tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from nanoserve.engine.request import Request
+from nanoserve.sample.logits_processor import LogitsProcessor, ProcessorBatch
+from nanoserve.sample.stages import ban
+from nanoserve.sampling_params import SamplingParams
+
+ARG = "no_repeat_ngram_size"
+
+
+class NoRepeatNGram(LogitsProcessor):
+    """Bans tokens that would repeat an n-gram of the prompt or output."""
+
+    def __init__(self, num_slots: int, vocab_size: int, device: torch.device) -> None:
+        super().__init__(num_slots, vocab_size, device)
+        self.size = [0] * num_slots
+        self.num_indexed = [0] * num_slots  # tokens whose ending n-gram is indexed
+        self.followers: list[dict[tuple[int, ...], set[int]]] = [{} for _ in range(num_slots)]
+
+    @classmethod
+    def validate_params(cls, params: SamplingParams) -> None:
+        size: Any = (params.extra_args or {}).get(ARG)
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int)
+                                 or size < 1):
+            raise ValueError(f"extra_args['{ARG}'] must be an integer >= 1, got {size!r}")
+
+    def add_request(self, slot: int, request: Request) -> bool:
+        size = (request.params.extra_args or {}).get(ARG)
+        self.size[slot] = size or 0
+        self.num_indexed[slot] = 0
+        self.followers[slot] = {}
+        return bool(size)
+
+    def remove_request(self, slot: int) -> None:
+        self.followers[slot] = {}
+
+    def apply(self, logits: torch.Tensor, batch: ProcessorBatch) -> None:
+        ban_rows: list[int] = []
+        ban_ids: list[int] = []
+        for row, slot, request in zip(batch.rows, batch.slots, batch.requests, strict=True):
+            banned = self._banned(int(slot), request.all_token_ids)
+            ban_rows += [int(row)] * len(banned)
+            ban_ids += banned
+        ban(logits, ban_rows, ban_ids)
+
+    def _banned(self, slot: int, tokens: list[int]) -> list[int]:
+        n = self.size[slot]
+        followers = self.followers[slot]
+        for end in range(max(self.num_indexed[slot], n), len(tokens) + 1):
+            gram = tokens[end - n : end]
+            followers.setdefault(tuple(gram[:-1]), set()).add(gram[-1])
+        self.num_indexed[slot] = len(tokens) + 1
+        if len(tokens) < n - 1:
+            return []
+        return sorted(followers.get(tuple(tokens[len(tokens) - n + 1 :]), ()))

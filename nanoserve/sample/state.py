@@ -1,0 +1,216 @@
+"""Per-slot sampling state: each running request's parameters as rows of preallocated tensors.
+
+A request's parameters are written once, when it is admitted to a slot; each step only gathers
+the rows of the batch. Alongside the tensors, a host-side boolean array per stage says which
+slots use it, so a step finds the rows of each stage with one numpy lookup and skips a stage
+that no row uses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from nanoserve.engine.request import Request
+from nanoserve.sampling_params import SamplingParams
+
+# stages whose rows are chosen per step
+STAGES = ("allowed", "bad_words", "min_tokens", "logit_bias", "penalties", "thinking",
+          "random", "truncated", "logprobs_raw", "logprobs_processed")
+
+
+@dataclass(frozen=True)
+class ReasoningTokens:
+    """The token ids that open and close a model's reasoning section (`<think>`, `</think>`)."""
+
+    start: int
+    end: int
+
+
+class SamplingState:
+    """Slot-indexed sampling parameters, token counts and stage flags."""
+
+    def __init__(self, num_slots: int, vocab_size: int, device: torch.device,
+                 reasoning: ReasoningTokens | None = None) -> None:
+        self.num_slots = num_slots
+        self.vocab_size = vocab_size
+        self.device = device
+        self.reasoning = reasoning
+        self.temperature = torch.ones(num_slots, dtype=torch.float32, device=device)
+        self.top_k = torch.zeros(num_slots, dtype=torch.int64, device=device)
+        self.top_p = torch.ones(num_slots, dtype=torch.float32, device=device)
+        self.min_p = torch.zeros(num_slots, dtype=torch.float32, device=device)
+        self.presence = torch.zeros(num_slots, dtype=torch.float32, device=device)
+        self.frequency = torch.zeros(num_slots, dtype=torch.float32, device=device)
+        self.repetition = torch.ones(num_slots, dtype=torch.float32, device=device)
+        self.seed = torch.zeros(num_slots, dtype=torch.int64, device=device)
+        self.uses = {stage: np.zeros(num_slots, dtype=bool) for stage in STAGES}
+        self.requests: list[Request | None] = [None] * num_slots
+        # allocated on first use: [num_slots, vocab] each
+        self._output_counts: torch.Tensor | None = None  # int32, output tokens seen per slot
+        self._prompt_mask: torch.Tensor | None = None  # bool, prompt tokens per slot
+        self._allowed: torch.Tensor | None = None  # bool, allowed_token_ids per slot
+        self.bias_ids = torch.zeros(num_slots, 1, dtype=torch.int64, device=device)
+        self.bias_values = torch.zeros(num_slots, 1, dtype=torch.float32, device=device)
+        # host-side per-slot lists
+        self.min_tokens_stop_ids: list[list[int]] = [[] for _ in range(num_slots)]
+        self.logprobs = np.zeros(num_slots, dtype=np.int64)  # top-N asked, per slot
+        self.thinking = [ThinkingState() for _ in range(num_slots)]
+
+    # -- lazily allocated [slots, vocab] tables -------------------------------------------------
+    @property
+    def output_counts(self) -> torch.Tensor:
+        if self._output_counts is None:
+            self._output_counts = torch.zeros(self.num_slots, self.vocab_size, dtype=torch.int32,
+                                              device=self.device)
+        return self._output_counts
+
+    @property
+    def prompt_mask(self) -> torch.Tensor:
+        if self._prompt_mask is None:
+            self._prompt_mask = torch.zeros(self.num_slots, self.vocab_size, dtype=torch.bool,
+                                            device=self.device)
+        return self._prompt_mask
+
+    @property
+    def allowed(self) -> torch.Tensor:
+        if self._allowed is None:
+            self._allowed = torch.ones(self.num_slots, self.vocab_size, dtype=torch.bool,
+                                       device=self.device)
+        return self._allowed
+
+    # -- admission and release ----------------------------------------------------------------
+    def add_request(self, slot: int, request: Request, seed: int,
+                    stop_ids_for_min_tokens: list[int]) -> None:
+        """Write the request's parameters into its slot (on admission, once; again only after
+        a preemption, when the slot was given up)."""
+        p: SamplingParams = request.params
+        self.requests[slot] = request
+        self.temperature[slot] = p.temperature if not p.is_greedy else 1.0
+        self.top_k[slot] = p.top_k
+        self.top_p[slot] = p.top_p
+        self.min_p[slot] = p.min_p
+        self.seed[slot] = seed - (1 << 64) if seed >= (1 << 63) else seed
+        uses = self.uses
+        uses["random"][slot] = not p.is_greedy
+        uses["truncated"][slot] = not p.is_greedy and p.is_truncated
+        uses["bad_words"][slot] = bool(p.bad_words_token_ids)
+        uses["min_tokens"][slot] = p.min_tokens > 0 and bool(stop_ids_for_min_tokens)
+        self.min_tokens_stop_ids[slot] = stop_ids_for_min_tokens
+        self.logprobs[slot] = p.logprobs or 0
+        uses["logprobs_raw"][slot] = p.logprobs is not None and p.logprobs_mode == "raw"
+        uses["logprobs_processed"][slot] = (p.logprobs is not None
+                                            and p.logprobs_mode == "processed")
+        self._write_allowed(slot, p)
+        self._write_bias(slot, p)
+        self._write_penalties(slot, request)
+        self._write_thinking(slot, request)
+
+    def remove_request(self, slot: int) -> None:
+        self.requests[slot] = None
+        for flags in self.uses.values():
+            flags[slot] = False
+
+    def _write_allowed(self, slot: int, p: SamplingParams) -> None:
+        self.uses["allowed"][slot] = p.allowed_token_ids is not None
+        if p.allowed_token_ids is not None:
+            row = self.allowed[slot]
+            row.fill_(False)
+            row[torch.tensor(p.allowed_token_ids, device=self.device)] = True
+
+    def _write_bias(self, slot: int, p: SamplingParams) -> None:
+        self.uses["logit_bias"][slot] = bool(p.logit_bias)
+        if not p.logit_bias:
+            return
+        width = len(p.logit_bias)
+        if width > self.bias_ids.shape[1]:  # grow the table (padding adds 0.0 to token 0)
+            grow = width - self.bias_ids.shape[1]
+            self.bias_ids = torch.nn.functional.pad(self.bias_ids, (0, grow))
+            self.bias_values = torch.nn.functional.pad(self.bias_values, (0, grow))
+        self.bias_ids[slot].zero_()
+        self.bias_values[slot].zero_()
+        self.bias_ids[slot, :width] = torch.tensor(list(p.logit_bias), device=self.device)
+        self.bias_values[slot, :width] = torch.tensor(list(p.logit_bias.values()),
+                                                      device=self.device)
+
+    def _write_penalties(self, slot: int, request: Request) -> None:
+        p = request.params
+        self.uses["penalties"][slot] = p.has_penalties
+        if not p.has_penalties:
+            return
+        self.presence[slot] = p.presence_penalty
+        self.frequency[slot] = p.frequency_penalty
+        self.repetition[slot] = p.repetition_penalty
+        # counted here once; each step then adds its sampled token (update_after_sample)
+        counts = self.output_counts[slot]
+        counts.zero_()
+        if request.output_token_ids:
+            ids = torch.tensor(request.output_token_ids, device=self.device)
+            counts.index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
+        mask = self.prompt_mask[slot]
+        mask.zero_()
+        mask[torch.tensor(request.prompt_token_ids, device=self.device)] = True
+
+    def _write_thinking(self, slot: int, request: Request) -> None:
+        budget = request.params.thinking_token_budget
+        uses = budget is not None and self.reasoning is not None
+        self.uses["thinking"][slot] = uses
+        if uses:
+            assert self.reasoning is not None and budget is not None
+            self.thinking[slot] = ThinkingState.scan(request.all_token_ids, self.reasoning,
+                                                     request.num_prompt_tokens, budget)
+
+    # -- per step -------------------------------------------------------------------------------
+    def update_after_sample(self, slots: np.ndarray, slots_gpu: torch.Tensor,
+                            token_ids: torch.Tensor, token_ids_cpu: list[int]) -> None:
+        """Count the sampled tokens (penalty rows only) and advance reasoning states."""
+        rows = np.nonzero(self.uses["penalties"][slots])[0]
+        if len(rows):
+            index = torch.from_numpy(rows).to(self.device)
+            self.output_counts.index_put_(
+                (slots_gpu[index], token_ids[index]),
+                torch.ones(len(rows), dtype=torch.int32, device=self.device), accumulate=True)
+        if self.reasoning is not None:
+            for row in np.nonzero(self.uses["thinking"][slots])[0]:
+                self.thinking[slots[row]].advance(token_ids_cpu[row], self.reasoning)
+
+
+class ThinkingState:
+    """Where a request stands in its reasoning section, for the thinking-token budget."""
+
+    __slots__ = ("budget", "count", "phase")
+
+    def __init__(self, phase: str = "before", count: int = 0, budget: int = 0) -> None:
+        self.phase = phase  # "before" | "inside" | "done"
+        self.count = count  # tokens generated inside the section so far
+        self.budget = budget
+
+    @classmethod
+    def scan(cls, token_ids: list[int], tokens: ReasoningTokens, num_prompt: int,
+             budget: int) -> ThinkingState:
+        """The state after `token_ids` (prompt then output): the prompt leaves the section
+        open when a chat template writes `<think>` into it; earlier turns' closed sections do
+        not count. Also rebuilds the state after a preemption."""
+        state = cls(budget=budget)
+        for token in token_ids[:num_prompt]:
+            if token == tokens.start:
+                state.phase = "inside"
+            elif token == tokens.end:
+                state.phase = "before"
+        for token in token_ids[num_prompt:]:
+            state.advance(token, tokens)
+        return state
+
+    @property
+    def must_end(self) -> bool:
+        return self.phase == "inside" and self.count >= self.budget
+
+    def advance(self, token: int, tokens: ReasoningTokens) -> None:
+        if token == tokens.start and self.phase == "before":
+            self.phase, self.count = "inside", 0
+        elif token == tokens.end:
+            self.phase = "done"
+        elif self.phase == "inside":
+            self.count += 1

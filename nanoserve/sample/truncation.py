@@ -1,0 +1,94 @@
+"""min-p, top-k and top-p with one (partial) sort, and the draw.
+
+Semantics, per row, on the temperature-scaled logits (vLLM's):
+  1. min-p keeps tokens whose probability is at least min_p times the largest one;
+  2. top-k keeps tokens whose logit is at least the k-th largest (ties kept);
+  3. top-p, on the distribution renormalized over what 1-2 kept, keeps the highest-probability
+     tokens while the probability mass strictly above them is below top_p.
+The draw is Gumbel-max over the kept tokens with counter-based noise (noise.py).
+
+A full sort of [rows, 49,152] costs as much as a model step on a small CPU, while top-p and
+min-p keep a few dozen tokens in practice. So the sort is partial: `topk` of `CANDIDATES`
+tokens (more if a row's top_k asks), and a row is re-done over the whole vocabulary only when
+its kept set might reach past the candidates. The result is exactly the full-sort result.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nanoserve.sample.noise import gumbel_noise
+
+CANDIDATES = 256
+NEG_INF = float("-inf")
+
+
+def truncate(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+             min_p: torch.Tensor, num_candidates: int = CANDIDATES
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Candidate token ids [r, K] and their logits [r, K], -inf where cut.
+
+    scaled: [r, V] temperature-scaled logits; top_k (0 = off) [r]; top_p, min_p [r].
+    """
+    vocab = scaled.shape[1]
+    k_needed = int(top_k.max()) if top_k.numel() else 0
+    width = min(vocab, max(num_candidates, k_needed))
+    ids, vals, covered = _truncate_within(scaled, top_k, top_p, min_p, width)
+    if width < vocab and not bool(covered.all()):  # rare: redo those rows over everything
+        redo = torch.nonzero(~covered).squeeze(1)
+        full_ids, full_vals, _ = _truncate_within(scaled[redo], top_k[redo], top_p[redo],
+                                                  min_p[redo], vocab)
+        pad = vocab - width
+        ids = torch.nn.functional.pad(ids, (0, pad))
+        vals = torch.nn.functional.pad(vals, (0, pad), value=NEG_INF)
+        ids[redo], vals[redo] = full_ids, full_vals
+    return ids, vals
+
+
+def _truncate_within(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                     min_p: torch.Tensor, width: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Truncate using only the `width` best tokens; also say, per row, whether that was enough."""
+    vals, ids = torch.topk(scaled, width, dim=-1)  # [r, K], descending
+    is_full = width == scaled.shape[1]
+    # 1) min-p, as a ratio to the best token (the normalizer cancels)
+    ratio_ok = (vals - vals[:, :1]).exp() >= min_p[:, None]
+    keep = ratio_ok & (vals > NEG_INF)
+    # 2) top-k, ties at the k-th value kept
+    has_k = top_k > 0
+    kth = vals.gather(1, (top_k.clamp(1, width) - 1)[:, None])
+    keep &= ~has_k[:, None] | (vals >= kth)
+    # 3) top-p over the survivors, renormalized
+    cut = has_k | (min_p > 0)  # survivors lie inside the candidates (once covered)
+    survivors = vals.masked_fill(~keep, NEG_INF)
+    has_p = top_p < 1.0
+    if is_full:
+        whole = torch.logsumexp(vals, dim=-1)
+    elif bool((has_p & ~cut).any()):  # top-p alone: normalize over the whole vocabulary
+        whole = torch.logsumexp(scaled, dim=-1)
+    else:
+        whole = torch.zeros_like(top_p)
+    lse = torch.where(cut, torch.logsumexp(survivors, dim=-1), whole)
+    probs = (survivors - lse[:, None]).exp()
+    mass = probs.cumsum(dim=-1)
+    keep &= ~has_p[:, None] | ((mass - probs) < top_p[:, None])
+    # 4) was `width` enough? (it always is with top-k, or when it is the whole vocabulary)
+    if is_full:
+        covered = torch.ones_like(has_k)
+    else:
+        min_p_done = (min_p > 0) & ~ratio_ok[:, -1]
+        top_p_done = has_p & (mass[:, -1] >= top_p)
+        covered = has_k | min_p_done | top_p_done | (~has_p & (min_p <= 0))
+    return ids, vals.masked_fill(~keep, NEG_INF), covered
+
+
+def draw_full(scaled: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Untruncated rows: Gumbel-max over the whole vocabulary. -> token ids [r]."""
+    token_ids = torch.arange(scaled.shape[1], device=scaled.device)
+    return (scaled + gumbel_noise(keys, token_ids)).argmax(dim=-1)
+
+
+def draw_candidates(ids: torch.Tensor, vals: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Truncated rows: Gumbel-max over the kept candidates. -> token ids [r]."""
+    winner = (vals + gumbel_noise(keys, ids)).argmax(dim=-1, keepdim=True)
+    return ids.gather(1, winner).squeeze(1)
