@@ -126,15 +126,18 @@ class SamplingParams:
             _check(not bad, name, bad[:1], f"token ids in [0, {vocab_size})")
 
     def update_from_tokenizer(self, tokenizer: Any) -> None:
-        """Tokenize `bad_words` the way vLLM does: each word as written and with a leading
-        space (when that spelling is a different token sequence of the same length)."""
+        """Tokenize `bad_words` as vLLM does: each word as written and with a leading space.
+
+        vLLM keeps the spaced spelling only when it has as many tokens as the plain one, which
+        lets " told" (one token) through when "told" is two; we ban every distinct spelling.
+        """
         self.bad_words_token_ids = []
         for word in self.bad_words or ():
             plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
             spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
             if plain:
                 self.bad_words_token_ids.append(plain)
-            if spaced and spaced != plain and len(spaced) == len(plain):
+            if spaced and spaced != plain:
                 self.bad_words_token_ids.append(spaced)
 
     @classmethod

@@ -77,3 +77,27 @@ def _spread_norm_weights(model: torch.nn.Module) -> None:
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.uniform_(0.5, 1.5)
+
+
+@pytest.fixture(scope="session")
+def tiny_reasoning_model_dir(tmp_path_factory: pytest.TempPathFactory,
+                             default_tokenizer: Any) -> Path:
+    """A tiny Qwen3 whose tokenizer has Qwen3's reasoning tags, `<think>` and `</think>`, as
+    single tokens (added after the SmolLM2 vocabulary)."""
+    import copy
+
+    import transformers
+    from tokenizers import AddedToken
+
+    path = tmp_path_factory.mktemp("tiny-qwen3-reasoning")
+    tokenizer = copy.deepcopy(default_tokenizer)
+    tokenizer.add_tokens([AddedToken("<think>", special=False, normalized=False),
+                          AddedToken("</think>", special=False, normalized=False)])
+    config = tiny_config("qwen3")
+    config.vocab_size = len(tokenizer)
+    torch.manual_seed(99)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    _spread_norm_weights(model)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

@@ -6,6 +6,7 @@ It runs in-process under tests and in `LLM`; the server wraps it in its own proc
 from __future__ import annotations
 
 import random
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +56,7 @@ class EngineStats:
     num_preemptions: int = 0
     num_free_blocks: int = 0
     num_blocks: int = 0
+    sample_seconds: float = 0.0  # time inside the sampler
 
 
 class EngineCore:
@@ -154,7 +156,9 @@ class EngineCore:
         self._collect_prompt_logprobs(sched.scheduled, prompt_logits)
         # 3) sample
         sampling = [s.request for s in sched.scheduled if s.samples]
+        start = time.perf_counter()
         sampled = self.sampler.sample(logits, self.sampler.make_batch(sampling))
+        self.stats.sample_seconds += time.perf_counter() - start
         # 4) update requests, finish those that stop
         self.scheduler.update_after_step(sched, sampled.token_ids)
         self._count(sched.num_tokens, len(sampling))

@@ -113,10 +113,16 @@ def cmd_chat(args: argparse.Namespace) -> int:
         history.append({"role": "assistant", "content": "".join(reply)})
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
+def cmd_bench_throughput(args: argparse.Namespace) -> int:
     from nanoserve.bench.throughput import run_throughput_bench
 
     return run_throughput_bench(args)
+
+
+def cmd_bench_sampler(args: argparse.Namespace) -> int:
+    from nanoserve.bench.sampler import run_sampler_bench
+
+    return run_sampler_bench(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -146,7 +152,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_throughput_args(tput)
     add_engine_args(tput)
-    tput.set_defaults(func=cmd_bench)
+    tput.set_defaults(func=cmd_bench_throughput)
+    samp = bench_sub.add_parser("sampler", help="the batched sampler vs textbook samplers")
+    from nanoserve.bench.sampler import add_sampler_args
+
+    add_sampler_args(samp)
+    add_engine_args(samp)
+    samp.set_defaults(func=cmd_bench_sampler)
     return parser
 
 

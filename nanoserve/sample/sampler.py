@@ -101,11 +101,16 @@ class Sampler:
         self._apply_processors(logits, batch)
         apply_thinking_budget(logits, state, batch)
         # 3) greedy rows take the argmax of the processed logits; random rows are drawn
-        token_ids = logits.argmax(dim=-1)
+        random_rows = batch.rows(state.uses["random"])
+        greedy_rows = np.setdiff1d(np.arange(len(batch.requests)), random_rows,
+                                   assume_unique=True)
+        token_ids = torch.empty(len(batch.requests), dtype=torch.int64, device=self.device)
+        if len(greedy_rows):
+            at = batch.rows_gpu(greedy_rows)
+            token_ids[at] = logits.index_select(0, at).argmax(dim=-1)
         processed_rows = batch.rows(state.uses["logprobs_processed"])
         final = logits.index_select(0, batch.rows_gpu(processed_rows)) \
             if len(processed_rows) else None
-        random_rows = batch.rows(state.uses["random"])
         if len(random_rows):
             drawn, final_random = self._draw(logits, batch, random_rows,
                                              need_final=final is not None)
@@ -137,29 +142,32 @@ class Sampler:
         """Temperature, truncation and the draw for the random rows -> their tokens [r], and
         (if asked) their final logits [r, V]."""
         state = self.state
-        index = batch.rows_gpu(rows)
-        slots = batch.slots_gpu[index]
-        scaled = logits.index_select(0, index).div_(state.temperature.index_select(0, slots)
-                                                    [:, None])
-        keys = row_keys(state.seed.index_select(0, slots), batch.positions.index_select(0, index))
-        drawn = torch.empty(len(rows), dtype=torch.int64, device=logits.device)
-        final = scaled if need_final else None
+        device = logits.device
+        drawn = torch.empty(len(rows), dtype=torch.int64, device=device)
+        final = torch.empty(len(rows), logits.shape[1], device=device) if need_final else None
         truncated = state.uses["truncated"][batch.slots[rows]]
-        full = np.nonzero(~truncated)[0]
-        if len(full):
-            at = torch.from_numpy(full).to(logits.device)
-            drawn[at] = draw_full(scaled.index_select(0, at), keys.index_select(0, at))
-        cut = np.nonzero(truncated)[0]
-        if len(cut):
-            at = torch.from_numpy(cut).to(logits.device)
-            cut_slots = slots.index_select(0, at)
-            ids, vals = truncate(scaled.index_select(0, at), state.top_k.index_select(0, cut_slots),
-                                 state.top_p.index_select(0, cut_slots),
-                                 state.min_p.index_select(0, cut_slots))
-            drawn[at] = draw_candidates(ids, vals, keys.index_select(0, at))
+        for group, is_truncated in ((np.nonzero(~truncated)[0], False),
+                                    (np.nonzero(truncated)[0], True)):
+            if not len(group):
+                continue
+            at = torch.from_numpy(group).to(device)  # positions among the random rows
+            index = batch.rows_gpu(rows[group])  # rows of the batch
+            slots = batch.slots_gpu[index]
+            scaled = logits.index_select(0, index).div_(
+                state.temperature.index_select(0, slots)[:, None])
+            keys = row_keys(state.seed.index_select(0, slots),
+                            batch.positions.index_select(0, index))
+            if not is_truncated:
+                drawn[at] = draw_full(scaled, keys)
+                if final is not None:
+                    final[at] = scaled
+                continue
+            ids, vals = truncate(scaled, state.top_k.index_select(0, slots),
+                                 state.top_p.index_select(0, slots),
+                                 state.min_p.index_select(0, slots))
+            drawn[at] = draw_candidates(ids, vals, keys)
             if final is not None:
-                final = final.clone()
-                final[at] = torch.full_like(scaled[at], NEG_INF).scatter_(1, ids, vals)
+                final[at] = torch.full_like(scaled, NEG_INF).scatter_(1, ids, vals)
         return drawn, final
 
     def _logprobs(self, batch: SamplingBatch, token_ids: torch.Tensor, raw_rows: np.ndarray,

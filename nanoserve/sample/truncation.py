@@ -7,10 +7,12 @@ Semantics, per row, on the temperature-scaled logits (vLLM's):
      tokens while the probability mass strictly above them is below top_p.
 The draw is Gumbel-max over the kept tokens with counter-based noise (noise.py).
 
-A full sort of [rows, 49,152] costs as much as a model step on a small CPU, while top-p and
-min-p keep a few dozen tokens in practice. So the sort is partial: `topk` of `CANDIDATES`
-tokens (more if a row's top_k asks), and a row is re-done over the whole vocabulary only when
-its kept set might reach past the candidates. The result is exactly the full-sort result.
+A full sort of [rows, 49,152] costs as much as a model step on a small CPU (~2 ms a row here),
+while top-p and min-p keep a handful of tokens in practice (on the default model's real logits
+at temperature 0.7 and top_p 0.9: median 1, 99th percentile ~60). So the sort is partial:
+`topk` of the first of `WIDTHS` (more if a row's top_k asks), and rows whose kept set might
+reach past the candidates are redone with the next width, up to the whole vocabulary. The
+result is exactly the full-sort result.
 """
 
 from __future__ import annotations
@@ -19,12 +21,12 @@ import torch
 
 from nanoserve.sample.noise import gumbel_noise
 
-CANDIDATES = 256
+WIDTHS = (64, 1024, 8192)  # then the whole vocabulary
 NEG_INF = float("-inf")
 
 
 def truncate(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-             min_p: torch.Tensor, num_candidates: int = CANDIDATES
+             min_p: torch.Tensor, widths: tuple[int, ...] = WIDTHS
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """Candidate token ids [r, K] and their logits [r, K], -inf where cut.
 
@@ -32,16 +34,19 @@ def truncate(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
     """
     vocab = scaled.shape[1]
     k_needed = int(top_k.max()) if top_k.numel() else 0
-    width = min(vocab, max(num_candidates, k_needed))
-    ids, vals, covered = _truncate_within(scaled, top_k, top_p, min_p, width)
-    if width < vocab and not bool(covered.all()):  # rare: redo those rows over everything
-        redo = torch.nonzero(~covered).squeeze(1)
-        full_ids, full_vals, _ = _truncate_within(scaled[redo], top_k[redo], top_p[redo],
-                                                  min_p[redo], vocab)
-        pad = vocab - width
+    steps = [w for w in widths if w > k_needed and w < vocab] + [vocab]
+    ids, vals, covered = _truncate_within(scaled, top_k, top_p, min_p, steps[0])
+    for width in steps[1:]:
+        if bool(covered.all()):
+            break
+        redo = torch.nonzero(~covered).squeeze(1)  # rare: widen for those rows only
+        more_ids, more_vals, more_covered = _truncate_within(
+            scaled[redo], top_k[redo], top_p[redo], min_p[redo], width)
+        pad = width - ids.shape[1]
         ids = torch.nn.functional.pad(ids, (0, pad))
         vals = torch.nn.functional.pad(vals, (0, pad), value=NEG_INF)
-        ids[redo], vals[redo] = full_ids, full_vals
+        ids[redo], vals[redo] = more_ids, more_vals
+        covered[redo] = more_covered
     return ids, vals
 
 
@@ -76,9 +81,11 @@ def _truncate_within(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Ten
     if is_full:
         covered = torch.ones_like(has_k)
     else:
-        min_p_done = (min_p > 0) & ~ratio_ok[:, -1]
+        # min-p alone decides (its survivors end inside the candidates), else top-p alone
+        # (the candidates hold its mass); an untruncated row is simply redone in full
+        min_p_done = ~ratio_ok[:, -1]
         top_p_done = has_p & (mass[:, -1] >= top_p)
-        covered = has_k | min_p_done | top_p_done | (~has_p & (min_p <= 0))
+        covered = has_k | torch.where(min_p > 0, min_p_done, top_p_done)
     return ids, vals.masked_fill(~keep, NEG_INF), covered
 
 

@@ -1,0 +1,214 @@
+"""`nanoserve bench sampler`: the batched sampler beside two textbook samplers, same logits.
+
+Logits are real: the default model's next-token logits at every position of a text, so top-p
+and min-p keep as many tokens as they do in practice. Each row gets parameters from a realistic
+mix (greedy, nucleus, top-k, min-p, penalties, bias, logprobs). Peers:
+  * per-row loop: each request processed alone, full sort, torch.multinomial with its own
+    seeded generator (what a simple server does);
+  * multinomial batch: the whole batch at once, one full sort for top-k/top-p, one
+    torch.multinomial call (fast, but seeds cannot be per row).
+Then the sampler's share of a real decode step at batch 32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+import time
+from collections.abc import Callable
+from functools import partial
+
+import numpy as np
+import torch
+
+from nanoserve.engine.request import Request
+from nanoserve.sample.sampler import Sampler
+from nanoserve.sample.stages import SamplingBatch
+from nanoserve.sampling_params import SamplingParams
+
+MIX = [  # (share of rows, params)
+    (0.25, dict(temperature=0.0)),
+    (0.25, dict(temperature=0.7, top_p=0.9)),
+    (0.15, dict(temperature=0.8, top_k=50, top_p=0.95)),
+    (0.10, dict(temperature=1.0, min_p=0.05)),
+    (0.10, dict(temperature=1.0)),
+    (0.10, dict(temperature=0.7, top_p=0.9, repetition_penalty=1.1, frequency_penalty=0.3)),
+    (0.05, dict(temperature=0.9, top_p=0.9, logit_bias={13: 5.0, 30: -100.0}, logprobs=5)),
+]
+
+
+def add_sampler_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--batch-sizes", default="1,32,256")
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--skip-step-share", action="store_true")
+
+
+def mixed_params(batch: int, seed: int = 0) -> list[SamplingParams]:
+    shares = np.cumsum([share for share, _ in MIX])
+    out = []
+    for i in range(batch):
+        kind = int(np.searchsorted(shares, (i + 0.5) / batch))
+        out.append(SamplingParams(max_tokens=64, seed=seed + i, **MIX[kind][1]))  # type: ignore[arg-type]
+    return out
+
+
+def real_logits(llm: object, rows: int) -> torch.Tensor:
+    """The default model's logits at `rows` positions of a text (cycled if needed)."""
+    from nanoserve.entrypoints.llm import LLM
+
+    assert isinstance(llm, LLM)
+    text = ("The history of the printing press begins in the fifteenth century, when "
+            "Johannes Gutenberg combined movable metal type, oil-based ink and a wooden press. "
+            "Within decades, printing spread across Europe, and books became cheaper, more "
+            "numerous and more uniform. Scholars could compare identical copies; merchants "
+            "printed forms; reformers printed pamphlets. ") * 4
+    ids = llm.get_tokenizer().encode(text)[:300]
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    llm.engine.add_request("bench-logits", ids, params)
+    runner, scheduler = llm.engine.runner, llm.engine.scheduler
+    sched = scheduler.schedule()
+    block_tables = [llm.engine.kv_cache.block_ids(s.request.request_id) for s in sched.scheduled]
+    _, prompt_logits = runner.execute(sched.scheduled, block_tables)
+    llm.engine.abort("bench-logits")
+    logits = torch.cat(list(prompt_logits.values()))
+    return logits[torch.arange(rows) % logits.shape[0]].contiguous()
+
+
+def make_sampler(params: list[SamplingParams], vocab: int) -> tuple[Sampler, list[Request]]:
+    sampler = Sampler(len(params), vocab, torch.device("cpu"), eos_token_ids=(2,))
+    requests = []
+    for slot, p in enumerate(params):
+        request = Request(f"b{slot}", [5, 6, 7, 8, 9] * 20, p, eos_token_ids=(2,))
+        for token in range(10, 40):
+            request.append_output_token(token)
+        request.sampling_seed = p.seed or 0
+        request.slot = slot
+        sampler.add_request(slot, request)
+        requests.append(request)
+    return sampler, requests
+
+
+def per_row_loop(logits: torch.Tensor, params: list[SamplingParams],
+                 requests: list[Request]) -> list[int]:
+    """The textbook sampler: one row at a time, full sort, per-row seeded multinomial."""
+    out = []
+    for row, p, request in zip(logits, params, requests, strict=True):
+        row = row.clone()
+        if p.has_penalties:
+            seen = torch.tensor(sorted(set(request.all_token_ids)))
+            vals = row[seen]
+            row[seen] = torch.where(vals > 0, vals / p.repetition_penalty,
+                                    vals * p.repetition_penalty)
+            ids, counts = torch.tensor(request.output_token_ids).unique(return_counts=True)
+            row[ids] -= p.frequency_penalty * counts + p.presence_penalty
+        for token, bias in (p.logit_bias or {}).items():
+            row[token] += bias
+        if p.is_greedy:
+            out.append(int(row.argmax()))
+            continue
+        row = row / p.temperature
+        out.append(_textbook_draw(row, p, torch.Generator().manual_seed(p.seed or 0)))
+        if p.logprobs:
+            row.log_softmax(-1).topk(p.logprobs)
+    return out
+
+
+def _textbook_draw(row: torch.Tensor, p: SamplingParams, generator: torch.Generator) -> int:
+    probs = row.softmax(-1)
+    if p.min_p > 0:
+        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+    sorted_probs, order = probs.sort(descending=True)
+    if p.top_k > 0:
+        sorted_probs[p.top_k:] = 0.0
+    if p.top_p < 1.0:
+        sorted_probs = sorted_probs / sorted_probs.sum()
+        above = sorted_probs.cumsum(0) - sorted_probs
+        sorted_probs = sorted_probs.masked_fill(above >= p.top_p, 0.0)
+    choice = torch.multinomial(sorted_probs, 1, generator=generator)
+    return int(order[choice])
+
+
+def multinomial_batch(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The common batched sampler: full sort for top-k/top-p, one torch.multinomial call."""
+    temperature = torch.tensor([p.temperature or 1.0 for p in params])[:, None]
+    top_k = torch.tensor([p.top_k or logits.shape[1] for p in params])
+    top_p = torch.tensor([p.top_p for p in params])
+    sorted_logits, order = (logits / temperature).sort(dim=-1, descending=True)
+    ranks = torch.arange(logits.shape[1])[None, :]
+    sorted_logits = sorted_logits.masked_fill(ranks >= top_k[:, None], float("-inf"))
+    probs = sorted_logits.softmax(-1)
+    above = probs.cumsum(-1) - probs
+    probs = probs.masked_fill(above >= top_p[:, None], 0.0)
+    choice = torch.multinomial(probs, 1)
+    tokens = order.gather(1, choice).squeeze(1)
+    greedy = torch.tensor([p.is_greedy for p in params])
+    return torch.where(greedy, logits.argmax(-1), tokens)
+
+
+def _sample_copy(sampler: Sampler, logits: torch.Tensor, batch: SamplingBatch) -> object:
+    return sampler.sample(logits.clone(), batch)  # the engine hands the sampler fresh logits
+
+
+def _median_ms(fn: Callable[[], object], repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def run_sampler_bench(args: argparse.Namespace) -> int:
+    from nanoserve.entrypoints.cli import build_llm
+
+    llm = build_llm(args)
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    vocab = llm.engine.loaded.arch.vocab_size
+    print(f"logits [B, {vocab}] from {llm.engine.loaded.name}, float32, "
+          f"threads={torch.get_num_threads()}; median of {args.repeats}\n")
+    print(f"{'B':>5} {'nanoserve ms':>13} {'per-row loop ms':>16} {'multinomial ms':>15}"
+          f" {'vs loop':>8} {'vs multinomial':>15}")
+    for batch in sizes:
+        logits = real_logits(llm, batch)
+        params = mixed_params(batch)
+        sampler, requests = make_sampler(params, vocab)
+        rows = sampler.make_batch(requests)
+        ours = _median_ms(partial(_sample_copy, sampler, logits, rows), args.repeats)
+        loop = _median_ms(partial(per_row_loop, logits, params, requests),
+                          max(2, args.repeats // (1 + batch // 32)))
+        multi = _median_ms(partial(multinomial_batch, logits, params), args.repeats)
+        print(f"{batch:>5} {ours:13.2f} {loop:16.2f} {multi:15.2f} {loop / ours:7.1f}x "
+              f"{multi / ours:14.1f}x")
+    if not args.skip_step_share:
+        share, step_ms, sample_ms = sampler_share_of_step(llm, 32)
+        print(f"\ndecode step at batch 32 with the mix: {step_ms:.1f} ms, of which sampling "
+              f"{sample_ms:.2f} ms = {share:.1%}")
+    return 0
+
+
+def sampler_share_of_step(llm: object, batch: int, steps: int = 10) -> tuple[float, float, float]:
+    """Run `batch` requests with the mix through the engine; time steps and their sampling."""
+    from nanoserve.entrypoints.llm import LLM
+
+    assert isinstance(llm, LLM)
+    engine = llm.engine
+    ids = [f"share{i}" for i in range(batch)]
+    for request_id, p in zip(ids, mixed_params(batch), strict=True):
+        p.max_tokens, p.ignore_eos = steps + 8, True
+        engine.add_request(request_id, [100 + i for i in range(64)], p)
+    while any(r.num_output_tokens == 0 for r in engine.scheduler.requests.values()):
+        engine.step()
+    step_times, sample_times = [], []
+    for _ in itertools.repeat(None, steps):
+        before = engine.stats.sample_seconds
+        start = time.perf_counter()
+        engine.step()
+        step_times.append(time.perf_counter() - start)
+        sample_times.append(engine.stats.sample_seconds - before)
+    for request_id in ids:
+        engine.abort(request_id)
+    step_ms = statistics.median(step_times) * 1e3
+    sample_ms = statistics.median(sample_times) * 1e3
+    return sample_ms / step_ms, step_ms, sample_ms
