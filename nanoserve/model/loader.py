@@ -98,6 +98,7 @@ def load_model(model: str | None, device: torch.device, dtype: torch.dtype,
         tensors = read_gguf_tensors(gguf, arch)
         rope_factors = gguf_rope_factors(gguf)
         tokenizer = load_tokenizer_from_gguf(gguf)
+        generation_config = gguf_sampling_defaults(gguf.metadata)
 
     net = CausalLM(arch)
     load_into(net, tensors, dtype, device)
@@ -118,3 +119,16 @@ def _eos_token_ids(arch: ArchConfig, tokenizer: Any,
     if tokenizer.eos_token_id is not None:
         ids.append(tokenizer.eos_token_id)
     return tuple(dict.fromkeys(ids))
+
+
+# GGUF's recommended-sampling keys -> generation_config.json names
+_GGUF_SAMPLING_KEYS = {
+    "general.sampling.temp": "temperature", "general.sampling.top_k": "top_k",
+    "general.sampling.top_p": "top_p", "general.sampling.min_p": "min_p",
+    "general.sampling.penalty_repeat": "repetition_penalty",
+}
+
+
+def gguf_sampling_defaults(meta: dict[str, Any]) -> dict[str, Any]:
+    """A GGUF file's recommended sampling settings, as generation_config.json would say them."""
+    return {name: meta[key] for key, name in _GGUF_SAMPLING_KEYS.items() if key in meta}

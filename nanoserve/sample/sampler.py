@@ -164,7 +164,8 @@ class Sampler:
                 continue
             ids, vals = truncate(scaled, state.top_k.index_select(0, slots),
                                  state.top_p.index_select(0, slots),
-                                 state.min_p.index_select(0, slots))
+                                 state.min_p.index_select(0, slots),
+                                 max_top_k=int(state.top_k_cpu[batch.slots[rows[group]]].max()))
             drawn[at] = draw_candidates(ids, vals, keys)
             if final is not None:
                 final[at] = torch.full_like(scaled, NEG_INF).scatter_(1, ids, vals)

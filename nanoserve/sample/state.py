@@ -40,6 +40,7 @@ class SamplingState:
         self.reasoning = reasoning
         self.temperature = torch.ones(num_slots, dtype=torch.float32, device=device)
         self.top_k = torch.zeros(num_slots, dtype=torch.int64, device=device)
+        self.top_k_cpu = np.zeros(num_slots, dtype=np.int64)  # sizes the partial sort, no sync
         self.top_p = torch.ones(num_slots, dtype=torch.float32, device=device)
         self.min_p = torch.zeros(num_slots, dtype=torch.float32, device=device)
         self.presence = torch.zeros(num_slots, dtype=torch.float32, device=device)
@@ -90,6 +91,7 @@ class SamplingState:
         self.requests[slot] = request
         self.temperature[slot] = p.temperature if not p.is_greedy else 1.0
         self.top_k[slot] = p.top_k
+        self.top_k_cpu[slot] = p.top_k
         self.top_p[slot] = p.top_p
         self.min_p[slot] = p.min_p
         self.seed[slot] = seed - (1 << 64) if seed >= (1 << 63) else seed

@@ -26,14 +26,17 @@ NEG_INF = float("-inf")
 
 
 def truncate(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-             min_p: torch.Tensor, widths: tuple[int, ...] = WIDTHS
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+             min_p: torch.Tensor, widths: tuple[int, ...] = WIDTHS,
+             max_top_k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Candidate token ids [r, K] and their logits [r, K], -inf where cut.
 
     scaled: [r, V] temperature-scaled logits; top_k (0 = off) [r]; top_p, min_p [r].
+    `max_top_k` (the largest top_k, known on the host) saves a device sync. Deciding whether
+    to widen is the one sync left: a single boolean, only in steps with truncated rows.
     """
     vocab = scaled.shape[1]
-    k_needed = int(top_k.max()) if top_k.numel() else 0
+    k_needed = max_top_k if max_top_k is not None else (
+        int(top_k.max()) if top_k.numel() else 0)
     steps = [w for w in widths if w > k_needed and w < vocab] + [vocab]
     ids, vals, covered = _truncate_within(scaled, top_k, top_p, min_p, steps[0])
     for width in steps[1:]:
