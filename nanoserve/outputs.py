@@ -6,8 +6,21 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class Logprob:
+    """A token's log-probability, its rank (1 = most likely) and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# per position: token id -> Logprob (the chosen token and the top-N alternatives)
+PositionLogprobs = dict[int, Logprob]
+
+
+@dataclass
 class CompletionOutput:
-    """One generated sequence of a request."""
+    """One generated sequence of a request (one of its `n` samples)."""
 
     index: int
     text: str
@@ -15,6 +28,7 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort"; None while running
     stop_reason: int | str | None = None  # the stop token id or string that ended it
     cumulative_logprob: float | None = None
+    logprobs: list[PositionLogprobs] | None = None
 
     @property
     def finished(self) -> bool:
@@ -55,3 +69,4 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
     metrics: RequestMetrics | None = field(default=None, repr=False)
+    prompt_logprobs: list[PositionLogprobs | None] | None = None  # None for the first token

@@ -7,6 +7,7 @@ the frontend (`update_from_tokenizer`): only ids cross into the engine.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
@@ -19,6 +20,14 @@ GENERATION_CONFIG_FIELDS = {
     "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
     "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens",
 }
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What each update of a request carries (vLLM's output_kind)."""
+
+    CUMULATIVE = 0  # everything so far
+    DELTA = 1  # only what is new since the last update
+    FINAL_ONLY = 2  # one update, when the request finishes
 
 
 @dataclass
@@ -50,6 +59,7 @@ class SamplingParams:
     logprobs_mode: Literal["raw", "processed"] = "raw"
     thinking_token_budget: int | None = None
     extra_args: dict[str, Any] | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # filled by update_from_tokenizer (the frontend), read by the sampler
     bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
 

@@ -111,9 +111,15 @@ class EngineCore:
 
     # -- the interface ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams) -> Request:
-        """Queue a request; raises ValueError if it can never run (too long, empty)."""
+                    params: SamplingParams, prefill_leader: str | None = None) -> Request:
+        """Queue a request; raises ValueError if it can never run (too long, empty).
+
+        `prefill_leader` names a request with the same prompt (an earlier sample of an n > 1
+        request): this one is admitted once the leader's prompt blocks are in the cache.
+        """
         request = Request(request_id, prompt_token_ids, params, self.loaded.eos_token_ids)
+        if prefill_leader is not None:
+            request.prefill_leader = self.scheduler.requests.get(prefill_leader)
         vocab = self.loaded.arch.vocab_size
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:

@@ -45,6 +45,8 @@ class Request:
         self.num_preemptions = 0
         self.sampling_seed = 0  # the seed the sampler uses: params.seed, or drawn at admission
         self.slot: int | None = None  # row in the sampler's per-slot state while running
+        # n > 1: the first sample, whose prompt blocks this one waits for and then shares
+        self.prefill_leader: Request | None = None
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.first_token_time: float | None = None
         # prompt logprobs computed so far (positions 1..), handed out with the first token
@@ -65,6 +67,13 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def waits_for_leader(self) -> bool:
+        """True while the leader is running but has not computed its whole prompt."""
+        leader = self.prefill_leader
+        return (leader is not None and leader.status == RequestStatus.RUNNING
+                and leader.num_computed_tokens < leader.num_prompt_tokens)
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

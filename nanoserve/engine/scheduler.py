@@ -95,10 +95,15 @@ class Scheduler:
                 continue
             break  # the request itself was preempted; everything after it is gone too
         # 2) waiting requests, in order, while budget, slots and blocks last (not in a step
-        #    that had to preempt: the cache is full)
+        #    that had to preempt: the cache is full). A sample of an n > 1 request waits for
+        #    its leader's prompt blocks, so it reuses them instead of computing them again.
+        skipped: list[Request] = []
         while (self.waiting and budget > 0 and not out.preempted
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
+            if request.waits_for_leader:
+                skipped.append(self.waiting.popleft())
+                continue
             computed_blocks, num_cached = self.kv_cache.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_cached, budget)
             if not self.kv_cache.allocate_slots(request, num_new, computed_blocks):
@@ -113,6 +118,7 @@ class Scheduler:
             out.admitted.append(request)
             out.scheduled.append(ScheduledRequest(request, num_cached, num_new))
             budget -= num_new
+        self.waiting.extendleft(reversed(skipped))
         return out
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 from typing import Any
 
 from nanoserve.config import (
@@ -23,7 +24,7 @@ from nanoserve.config import (
 from nanoserve.engine.core import EngineCore
 from nanoserve.output.processor import OutputProcessor
 from nanoserve.outputs import RequestOutput
-from nanoserve.sampling_params import SamplingParams
+from nanoserve.sampling_params import RequestOutputKind, SamplingParams
 
 # A prompt is text, or a dict with "prompt" (text) or "prompt_token_ids" (pre-tokenized).
 Prompt = str | dict[str, Any]
@@ -63,11 +64,31 @@ class LLM:
         """vLLM's defaults under the model's generation_config.json (temperature, top_p, ...)."""
         return SamplingParams.from_generation_config(self.engine.loaded.generation_config)
 
-    def _add_request(self, request_id: str, token_ids: list[int],
-                     params: SamplingParams) -> None:
+    def _submit(self, processor: OutputProcessor, text: str | None, token_ids: list[int],
+                params: SamplingParams) -> str:
+        """Register a request with the output path and its sample(s) with the engine."""
         if params.bad_words and not params.bad_words_token_ids:
             params.update_from_tokenizer(self.tokenizer)
-        self.engine.add_request(request_id, token_ids, params)
+        request_id = str(next(self._request_ids))
+        added: list[str] = []
+        try:
+            for engine_id, sample_params, leader in processor.add_request(
+                    request_id, text, token_ids, params):
+                self.engine.add_request(engine_id, token_ids, sample_params, leader)
+                added.append(engine_id)
+        except BaseException:
+            processor.abort(request_id)
+            for engine_id in added:
+                self.engine.abort(engine_id)
+            raise
+        return request_id
+
+    def _step(self, processor: OutputProcessor) -> list[RequestOutput]:
+        """One engine step through the output path; stop strings free their blocks at once."""
+        result = processor.process(self.engine.step())
+        for engine_id in result.to_abort:
+            self.engine.abort(engine_id)
+        return result.outputs
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -105,18 +126,18 @@ class LLM:
             text = self.tokenizer.apply_chat_template(list(prompt), tokenize=False,
                                                       add_generation_prompt=True)
             token_ids = self.tokenizer.encode(text, add_special_tokens=False)
-        request_id = str(next(self._request_ids))
+        params = replace(sampling_params or self.get_default_sampling_params(), n=1,
+                         output_kind=RequestOutputKind.DELTA)
         processor = OutputProcessor(self.tokenizer)
-        processor.add_request(request_id, text, token_ids)
-        self._add_request(request_id, token_ids,
-                          sampling_params or self.get_default_sampling_params())
+        request_id = self._submit(processor, text, token_ids, params)
         try:
-            while self.engine.has_unfinished():
-                for _, delta in processor.process(self.engine.step()):
-                    if delta:
-                        yield delta
+            while self.engine.has_unfinished() and processor.requests:
+                for output in self._step(processor):
+                    if output.outputs[0].text:
+                        yield output.outputs[0].text
         finally:
-            self.engine.abort(request_id)  # no-op once finished
+            for engine_id in processor.engine_ids(request_id) or [request_id]:
+                self.engine.abort(engine_id)  # no-op once finished
 
     def _encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -136,26 +157,20 @@ class LLM:
         ids = []
         try:
             for (text, token_ids), p in zip(encoded, params, strict=True):
-                request_id = str(next(self._request_ids))
-                processor.add_request(request_id, text, token_ids)
-                self._add_request(request_id, token_ids, p)
-                ids.append(request_id)
-            finished = self._drain(processor, _progress(len(ids), use_tqdm))
-        except BaseException:
-            for request_id in ids:  # leave the engine clean for the next call
-                self.engine.abort(request_id)
-            raise
-        return [finished[i] for i in ids]
-
-    def _drain(self, processor: OutputProcessor,
-               on_finish: Callable[[RequestOutput], None]) -> dict[str, RequestOutput]:
-        finished: dict[str, RequestOutput] = {}
-        while self.engine.has_unfinished():
-            for output, _ in processor.process(self.engine.step()):
-                if output.finished:
+                final_only = replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
+                ids.append(self._submit(processor, text, token_ids, final_only))
+            on_finish = _progress(len(ids), use_tqdm)
+            finished: dict[str, RequestOutput] = {}
+            while self.engine.has_unfinished():
+                for output in self._step(processor):
                     finished[output.request_id] = output
                     on_finish(output)
-        return finished
+        except BaseException:
+            for request_id in ids:  # leave the engine clean for the next call
+                for engine_id in processor.engine_ids(request_id):
+                    self.engine.abort(engine_id)
+            raise
+        return [finished[i] for i in ids]
 
 
 def _params_per_prompt(params: SamplingParams | Sequence[SamplingParams],

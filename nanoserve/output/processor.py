@@ -1,80 +1,239 @@
-"""OutputProcessor: the one loop per step over the engine's outputs, in the frontend.
+"""OutputProcessor: the frontend's one loop per step over the engine's outputs.
 
-For each EngineCoreOutput it detokenizes the new tokens and updates the request's
-RequestOutput; finished requests are handed back to the caller.
+`process` walks the step's EngineCoreOutputs once and, for each, detokenizes the new tokens,
+checks stop strings (holding back text that might begin one), formats logprobs, and updates the
+user-facing RequestOutput of the request it belongs to (a request with n > 1 is n engine
+requests, one per sample). It returns the updates to hand out, shaped by each request's
+output_kind, and the engine requests that a stop string finished, which the caller aborts in
+the engine at once so their blocks are freed.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from nanoserve.engine.core import EngineCoreOutput
 from nanoserve.output.detokenizer import IncrementalDetokenizer
+from nanoserve.output.logprobs import LogprobsFormatter
+from nanoserve.output.stop import StopStringChecker
 from nanoserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from nanoserve.sampling_params import RequestOutputKind, SamplingParams
+
+
+@dataclass
+class SampleState:
+    """One sample (one engine request) of a user request."""
+
+    engine_id: str
+    request_id: str  # the user request it belongs to
+    index: int
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    stops: StopStringChecker
+    completion: CompletionOutput  # the whole sample so far (text: all that may be sent)
+    text: str = ""  # all detokenized text, held-back tail included
+    num_sent_chars: int = 0
+    num_sent_tokens: int = 0
+    num_sent_logprobs: int = 0
+    finish_sent: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return self.completion.finish_reason is not None
 
 
 @dataclass
 class RequestState:
-    """The frontend's view of one request: its text so far and its timings."""
+    """A user request: its prompt, its samples, its timings."""
 
-    output: RequestOutput
-    detokenizer: IncrementalDetokenizer
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    samples: list[SampleState] = field(default_factory=list)
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
+    num_cached_tokens: int = 0
+    prompt_logprobs: list[Any] | None = None
+    prompt_logprobs_sent: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.samples)
+
+
+@dataclass
+class StepResult:
+    outputs: list[RequestOutput]  # updates to hand out, one per user request that changed
+    to_abort: list[str]  # engine requests that a stop string finished
 
 
 class OutputProcessor:
-    """Holds a RequestState per live request; `process` is the single loop over a step."""
+    """Per-request frontend state and the one loop over each step's outputs."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
-        self.states: dict[str, RequestState] = {}
+        self.logprobs = LogprobsFormatter(tokenizer)
+        self.requests: dict[str, RequestState] = {}
+        self.samples: dict[str, SampleState] = {}  # by engine request id
 
-    def add_request(self, request_id: str, prompt: str | None,
-                    prompt_token_ids: list[int]) -> None:
-        completion = CompletionOutput(index=0, text="", token_ids=[])
-        output = RequestOutput(request_id, prompt, prompt_token_ids, [completion],
-                               metrics=RequestMetrics(arrival_time=time.monotonic()))
-        self.states[request_id] = RequestState(
-            output, IncrementalDetokenizer(self.tokenizer, prompt_token_ids))
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    params: SamplingParams) -> list[tuple[str, SamplingParams, str | None]]:
+        """Register a request; returns its engine requests: (id, params, prefill leader id).
 
-    def process(self, engine_outputs: list[EngineCoreOutput]) -> list[tuple[RequestOutput, str]]:
-        """One pass over this step's outputs: (updated RequestOutput, new text) for each.
-
-        Finished requests are dropped from the processor after this call.
+        With n > 1, sample i gets seed + i (when seeded) and waits for sample 0's prompt blocks,
+        which it then shares through the prefix cache.
         """
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        state = RequestState(request_id, prompt, prompt_token_ids, params)
+        engine_requests = []
+        for i in range(params.n):
+            engine_id = request_id if params.n == 1 else f"{i}_{request_id}"
+            sample_params = params if params.n == 1 else replace(
+                params, n=1, seed=None if params.seed is None else (params.seed + i) % 2**64)
+            sample = SampleState(
+                engine_id, request_id, i, sample_params,
+                IncrementalDetokenizer(self.tokenizer, prompt_token_ids,
+                                       params.skip_special_tokens,
+                                       params.spaces_between_special_tokens),
+                StopStringChecker(params.stop or [], params.include_stop_str_in_output),
+                CompletionOutput(i, "", [], logprobs=[] if params.logprobs is not None
+                                 else None,
+                                 cumulative_logprob=0.0 if params.logprobs is not None
+                                 else None))
+            state.samples.append(sample)
+            self.samples[engine_id] = sample
+            leader = None if i == 0 else state.samples[0].engine_id
+            engine_requests.append((engine_id, sample_params, leader))
+        self.requests[request_id] = state
+        return engine_requests
+
+    def engine_ids(self, request_id: str) -> list[str]:
+        state = self.requests.get(request_id)
+        return [] if state is None else [s.engine_id for s in state.samples]
+
+    def process(self, engine_outputs: list[EngineCoreOutput]) -> StepResult:
+        """The one loop: each engine output once; then one update per changed request."""
         now = time.monotonic()
-        updates = []
+        changed: dict[str, RequestState] = {}
+        to_abort: list[str] = []
         for eo in engine_outputs:
-            state = self.states[eo.request_id]
-            output = state.output
-            completion = output.outputs[0]
-            metrics = output.metrics
-            assert metrics is not None
-            # 1) tokens and text
-            completion.token_ids.extend(eo.new_token_ids)
-            delta = state.detokenizer.update(eo.new_token_ids)
-            completion.text = state.detokenizer.output_text
-            # 2) timings
-            if metrics.first_token_time is None:
-                metrics.first_token_time = now
-                output.num_cached_tokens = eo.num_cached_tokens
-            metrics.last_token_time = now
-            metrics.num_generation_tokens += len(eo.new_token_ids)
-            # 3) finish
-            if eo.finish_reason is not None:
-                completion.finish_reason = eo.finish_reason
-                completion.stop_reason = eo.stop_reason
-                output.finished = True
-                metrics.finished_time = now
-                del self.states[eo.request_id]
-            updates.append((output, delta))
-        return updates
+            sample = self.samples.get(eo.request_id)
+            if sample is None:
+                continue  # aborted by the caller in the meantime
+            state = self.requests[sample.request_id]
+            self._record_timing(state, eo, now)
+            if self._update_sample(sample, eo):
+                to_abort.append(eo.request_id)
+            changed[state.request_id] = state
+        outputs = []
+        for state in changed.values():
+            update = self._make_output(state)
+            if update is not None:
+                outputs.append(update)
+            if state.finished:
+                state.metrics.finished_time = now
+                self._forget(state)
+        return StepResult(outputs, to_abort)
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        state = self.states.pop(request_id, None)
+        """Finish a user request as aborted; its final output (the caller stops the engine)."""
+        state = self.requests.get(request_id)
         if state is None:
             return None
-        state.output.outputs[0].finish_reason = "abort"
-        state.output.finished = True
-        return state.output
+        for sample in state.samples:
+            if not sample.finished:
+                sample.completion.finish_reason = "abort"
+                sample.completion.text = sample.text[: len(sample.text)
+                                                     - sample.stops.held_back(sample.text)]
+        state.metrics.finished_time = time.monotonic()
+        self._forget(state)
+        return self._snapshot(state, cumulative=True)
+
+    # -- one sample ---------------------------------------------------------------------------
+    def _update_sample(self, sample: SampleState, eo: EngineCoreOutput) -> bool:
+        """Add the output's tokens and text; True if a stop string finished the sample."""
+        params = sample.params
+        completion = sample.completion
+        completion.token_ids.extend(eo.new_token_ids)
+        if eo.new_logprobs is not None and completion.logprobs is not None:
+            for entry in eo.new_logprobs:
+                completion.logprobs.append(self.logprobs.position(entry))
+                completion.cumulative_logprob = (completion.cumulative_logprob or 0.0) \
+                    + entry.logprob
+        # a stop token ends the text before it (unless include_stop_str_in_output)
+        tokens = eo.new_token_ids
+        if eo.finish_reason == "stop" and not params.include_stop_str_in_output:
+            tokens = tokens[:-1]
+        delta = sample.detokenizer.update(tokens)
+        sample.text += delta
+        stopped = False
+        if eo.finish_reason is None and len(completion.token_ids) >= params.min_tokens:
+            match = sample.stops.find(sample.text, len(delta))
+            if match is not None:
+                sample.text = sample.text[: match.text_end]
+                completion.finish_reason, completion.stop_reason = "stop", match.stop
+                stopped = True
+        if eo.finish_reason is not None:
+            completion.finish_reason, completion.stop_reason = eo.finish_reason, eo.stop_reason
+        held = 0 if completion.finish_reason is not None else sample.stops.held_back(sample.text)
+        completion.text = sample.text[: len(sample.text) - held]
+        return stopped
+
+    def _record_timing(self, state: RequestState, eo: EngineCoreOutput, now: float) -> None:
+        metrics = state.metrics
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+            state.num_cached_tokens = eo.num_cached_tokens
+        metrics.last_token_time = now
+        metrics.num_generation_tokens += len(eo.new_token_ids)
+        if eo.prompt_logprobs is not None and state.prompt_logprobs is None:
+            state.prompt_logprobs = [None] + [self.logprobs.position(e)
+                                              for e in eo.prompt_logprobs]
+
+    # -- the update a request's caller sees ----------------------------------------------------
+    def _make_output(self, state: RequestState) -> RequestOutput | None:
+        kind = state.params.output_kind
+        if kind == RequestOutputKind.FINAL_ONLY:
+            return self._snapshot(state, cumulative=True) if state.finished else None
+        if kind == RequestOutputKind.CUMULATIVE:
+            return self._snapshot(state, cumulative=True)
+        return self._snapshot(state, cumulative=False)
+
+    def _snapshot(self, state: RequestState, cumulative: bool) -> RequestOutput | None:
+        outputs = []
+        for sample in state.samples:
+            c = sample.completion
+            if cumulative:
+                outputs.append(replace(c, token_ids=list(c.token_ids),
+                                       logprobs=None if c.logprobs is None else list(c.logprobs)))
+            else:
+                new_text = c.text[sample.num_sent_chars :]
+                new_tokens = c.token_ids[sample.num_sent_tokens :]
+                if not new_text and not new_tokens and (sample.finish_sent or not c.finished):
+                    continue
+                outputs.append(replace(
+                    c, text=new_text, token_ids=new_tokens,
+                    logprobs=None if c.logprobs is None
+                    else c.logprobs[sample.num_sent_logprobs :]))
+            sample.num_sent_chars = len(c.text)
+            sample.num_sent_tokens = len(c.token_ids)
+            sample.num_sent_logprobs = len(c.logprobs or ())
+            sample.finish_sent = c.finished
+        if not outputs:
+            return None
+        prompt_logprobs = None
+        if state.prompt_logprobs is not None and (cumulative or not state.prompt_logprobs_sent):
+            prompt_logprobs = state.prompt_logprobs
+            state.prompt_logprobs_sent = True
+        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outputs,
+                             finished=state.finished, num_cached_tokens=state.num_cached_tokens,
+                             metrics=state.metrics, prompt_logprobs=prompt_logprobs)
+
+    def _forget(self, state: RequestState) -> None:
+        self.requests.pop(state.request_id, None)
+        for sample in state.samples:
+            self.samples.pop(sample.engine_id, None)
+
