@@ -119,6 +119,12 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
     return run_throughput_bench(args)
 
 
+def cmd_bench_detokenize(args: argparse.Namespace) -> int:
+    from nanoserve.bench.detokenize import run_detokenize_bench
+
+    return run_detokenize_bench(args)
+
+
 def cmd_bench_sampler(args: argparse.Namespace) -> int:
     from nanoserve.bench.sampler import run_sampler_bench
 
@@ -159,6 +165,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampler_args(samp)
     add_engine_args(samp)
     samp.set_defaults(func=cmd_bench_sampler)
+    detok = bench_sub.add_parser("detokenize",
+                                 help="incremental detokenization vs re-decoding, µs/token")
+    from nanoserve.bench.detokenize import add_detokenize_args
+
+    add_detokenize_args(detok)
+    detok.set_defaults(func=cmd_bench_detokenize)
     return parser
 
 

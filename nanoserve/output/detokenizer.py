@@ -45,11 +45,14 @@ class IncrementalDetokenizer:
             if backend is not None and not ends_mid_character
             else _OffsetStream(tokenizer, context, skip_special_tokens))
         self._after_special = False  # the last emitted piece was a spaced special token
+        self._settled: list[int] = context[-PROMPT_CONTEXT:]  # last tokens whose text is out
+        self._pending: list[int] = []  # tokens whose bytes have not made a character yet
 
     def update(self, new_token_ids: list[int]) -> str:
         """Append tokens; return the newly settled text (possibly empty)."""
         delta = ""
         for token_id in new_token_ids:
+            self._pending.append(token_id)
             if token_id in self.special_ids:
                 # a special token shown as its own piece, spaced from its neighbours
                 text = self.tokenizer.convert_ids_to_tokens(token_id)
@@ -61,9 +64,26 @@ class IncrementalDetokenizer:
                 if piece and self._after_special:
                     piece = " " + piece
                     self._after_special = False
+            if piece:
+                self._settled = (self._settled + self._pending)[-PROMPT_CONTEXT:]
+                self._pending = []
             delta += piece
         self.output_text += delta
         return delta
+
+    def flush(self) -> str:
+        """At the end: the text of tokens still waiting to complete a character (as "\ufffd",
+        just as a plain decode shows them)."""
+        if not self._pending:
+            return ""
+        decode = self.tokenizer.decode
+        skip = self.skip_special_tokens
+        before = decode(self._settled, skip_special_tokens=skip)
+        text = decode(self._settled + self._pending, skip_special_tokens=skip)
+        self._pending = []
+        piece = text[len(before) :] if text.startswith(before) else ""
+        self.output_text += piece
+        return piece
 
 
 class _Stream:

@@ -168,19 +168,20 @@ class OutputProcessor:
         if eo.finish_reason == "stop" and not params.include_stop_str_in_output:
             tokens = tokens[:-1]
         delta = sample.detokenizer.update(tokens)
-        sample.text += delta
-        stopped = False
-        if eo.finish_reason is None and len(completion.token_ids) >= params.min_tokens:
-            match = sample.stops.find(sample.text, len(delta))
-            if match is not None:
-                sample.text = sample.text[: match.text_end]
-                completion.finish_reason, completion.stop_reason = "stop", match.stop
-                stopped = True
         if eo.finish_reason is not None:
+            delta += sample.detokenizer.flush()
+        sample.text += delta
+        match = None
+        if len(completion.token_ids) >= params.min_tokens:
+            match = sample.stops.find(sample.text, len(delta))
+        if match is not None:  # (checked even when the engine finished it this step)
+            sample.text = sample.text[: match.text_end]
+            completion.finish_reason, completion.stop_reason = "stop", match.stop
+        elif eo.finish_reason is not None:
             completion.finish_reason, completion.stop_reason = eo.finish_reason, eo.stop_reason
         held = 0 if completion.finish_reason is not None else sample.stops.held_back(sample.text)
         completion.text = sample.text[: len(sample.text) - held]
-        return stopped
+        return match is not None and eo.finish_reason is None
 
     def _record_timing(self, state: RequestState, eo: EngineCoreOutput, now: float) -> None:
         metrics = state.metrics

@@ -27,17 +27,18 @@ class StopStringChecker:
         self.longest = max((len(s) for s in self.stops), default=0)
 
     def find(self, text: str, num_new_chars: int) -> StopMatch | None:
-        """The earliest stop string that ends within the last `num_new_chars` characters."""
+        """The first stop string to complete (earliest end, then earliest start) among those
+        that end within the last `num_new_chars` characters."""
         if not self.stops or num_new_chars <= 0:
             return None
         old_end = len(text) - num_new_chars
         start = max(0, old_end - self.longest + 1)
         best: StopMatch | None = None
-        best_at = len(text)
+        best_key = (len(text) + 1, 0)
         for stop in self.stops:
             at = text.find(stop, max(start, old_end - len(stop) + 1))  # must end in new text
-            if at != -1 and at < best_at:
-                best_at = at
+            if at != -1 and (at + len(stop), at) < best_key:
+                best_key = (at + len(stop), at)
                 best = StopMatch(stop, at + len(stop) if self.include else at)
         return best
 
