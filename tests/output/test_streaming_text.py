@@ -165,7 +165,9 @@ def test_min_tokens_defers_stop_strings(default_tokenizer: Any) -> None:
     processor = OutputProcessor(default_tokenizer)
     processor.add_request("m", None, [], SamplingParams(stop=["b"], min_tokens=4,
                                                         max_tokens=50))
-    for count, token in enumerate(ids, start=1):
+    count = 0
+    for token in ids:
+        count += 1
         result = processor.process([EngineCoreOutput("m", [token])])
         if result.to_abort:
             break
