@@ -1,7 +1,11 @@
-"""Frozen configuration, one dataclass per concern, built once at the edge (CLI or `LLM(...)`)."""
+"""Frozen configuration, one dataclass per concern, built once at the edge (CLI or `LLM(...)`).
+
+Environment variables are read here and nowhere else.
+"""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +23,8 @@ class ModelConfig:
     dtype: str = "auto"  # "auto" = float32 on CPU, bfloat16 on CUDA
     max_model_len: int | None = None  # None = the model's own context length (capped, see below)
     seed: int | None = 0  # seeds the per-request seeds of unseeded requests; None = random
+    # benchmarks of the frontend only: the model is skipped, each step "computes" at once
+    zero_cost_runner: bool = False
 
     @property
     def torch_device(self) -> torch.device:
@@ -78,3 +84,24 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
 
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The OpenAI-compatible server around the engine."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str | None = None  # None = the model's own name
+    reasoning_parser: str | None = None  # "qwen3" | "deepseek_r1"
+    api_server_count: int = 1
+    shutdown_timeout: float = 30.0  # seconds in-flight requests may take to finish on SIGTERM
+    max_in_flight: int = 512  # past this many requests in flight, new ones get 429
+    generation_config: str = "auto"  # "auto": the model's defaults; "vllm": vLLM's defaults
+    log_level: str = "info"
+
+
+def api_key_from_env() -> str | None:
+    """NANOSERVE_API_KEY, the alternative to --api-key."""
+    return os.environ.get("NANOSERVE_API_KEY") or None

@@ -19,6 +19,13 @@ from nanoserve.model.loader import default_model_path
 from nanoserve.tokenizer import load_tokenizer_from_gguf
 
 TINY_FAMILIES = ("llama", "qwen2", "qwen3")
+# Qwen3's switch: with enable_thinking (the default) the generation prompt opens a reasoning
+# section; without it, an empty one is written and closed.
+QWEN3_STYLE_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
+    "{% else %}<think>\n{% endif %}{% endif %}")
 
 
 def tiny_config(family: str) -> Any:
@@ -93,6 +100,7 @@ def tiny_reasoning_model_dir(tmp_path_factory: pytest.TempPathFactory,
     tokenizer = copy.deepcopy(default_tokenizer)
     tokenizer.add_tokens([AddedToken("<think>", special=False, normalized=False),
                           AddedToken("</think>", special=False, normalized=False)])
+    tokenizer.chat_template = QWEN3_STYLE_TEMPLATE
     config = tiny_config("qwen3")
     config.vocab_size = len(tokenizer)
     torch.manual_seed(99)

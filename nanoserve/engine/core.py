@@ -18,9 +18,11 @@ from nanoserve.engine.memory import keep_freed_memory_in_heap
 from nanoserve.engine.model_runner import ModelRunner, kv_bytes_per_block
 from nanoserve.engine.request import Request
 from nanoserve.engine.scheduler import ScheduledRequest, Scheduler
+from nanoserve.engine.zero_cost_runner import ZeroCostRunner
 from nanoserve.model.loader import LoadedModel, load_model
+from nanoserve.protocol import EngineCoreOutput, SchedulerStats
 from nanoserve.sample.logits_processor import load_processor_classes
-from nanoserve.sample.logprobs import TokenLogprobs, prompt_logprobs
+from nanoserve.sample.logprobs import prompt_logprobs
 from nanoserve.sample.sampler import Sampler
 from nanoserve.sample.state import ReasoningTokens
 from nanoserve.sampling_params import SamplingParams
@@ -29,19 +31,6 @@ from nanoserve.sampling_params import SamplingParams
 # ~23,000 tokens of the default model, more than a CPU serves at once.
 DEFAULT_CPU_KV_CACHE_BYTES = 1 * GiB
 GPU_MEMORY_FRACTION = 0.9
-
-
-@dataclass
-class EngineCoreOutput:
-    """What one step produced for one request."""
-
-    request_id: str
-    new_token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
-    stop_reason: int | str | None = None  # the stop token id that ended it, if any
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
-    new_logprobs: list[TokenLogprobs] | None = None  # one per new token, if asked
-    prompt_logprobs: list[TokenLogprobs] | None = None  # prompt tokens 1.., with the first token
 
 
 @dataclass
@@ -74,7 +63,10 @@ class EngineCore:
         self.max_model_len = self._max_model_len(num_blocks * block_size)
         self.kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
-        self.runner = ModelRunner(loaded.model, num_blocks, block_size, device, dtype)
+        self.runner: ModelRunner | ZeroCostRunner = ModelRunner(
+            loaded.model, num_blocks, block_size, device, dtype)
+        if config.model.zero_cost_runner:
+            self.runner = ZeroCostRunner(self.runner, config.scheduler.max_num_seqs)
         self.sampler = Sampler(
             config.scheduler.max_num_seqs, loaded.arch.vocab_size, device, loaded.eos_token_ids,
             reasoning_tokens(loaded.tokenizer),
@@ -143,6 +135,14 @@ class EngineCore:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def scheduler_stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=self.kv_cache.usage,
+            prefix_cache_queries=self.kv_cache.prefix_cache_queries,
+            prefix_cache_hits=self.kv_cache.prefix_cache_hits,
+            num_preemptions=self.scheduler.num_preemptions)
 
     def step(self) -> list[EngineCoreOutput]:
         """Advance every running request by one forward pass; outputs for those that sampled."""

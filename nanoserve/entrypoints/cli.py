@@ -33,17 +33,39 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--logits-processors", default="", metavar="MODULE:CLASS[,...]",
                    help="custom logits processors to load (entry points of the group "
                         "nanoserve.logits_processors are always loaded)")
+    g.add_argument("--max-logprobs", type=int, default=20,
+                   help="the most top-N logprobs a request may ask for")
+
+
+def engine_config(args: argparse.Namespace) -> Any:
+    from nanoserve.config import (
+        CacheConfig,
+        EngineConfig,
+        GiB,
+        ModelConfig,
+        SamplerConfig,
+        SchedulerConfig,
+    )
+
+    return EngineConfig(
+        model=ModelConfig(model=args.model, device=args.device, dtype=args.dtype,
+                          max_model_len=args.max_model_len, seed=args.seed,
+                          zero_cost_runner=getattr(args, "zero_cost_engine", False)),
+        cache=CacheConfig(block_size=args.block_size,
+                          kv_cache_memory_bytes=None if args.kv_cache_memory is None
+                          else int(args.kv_cache_memory * GiB),
+                          enable_prefix_caching=not args.no_prefix_caching),
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
+                                  max_num_batched_tokens=args.max_num_batched_tokens),
+        sampler=SamplerConfig(logits_processors=tuple(
+            s for s in args.logits_processors.split(",") if s), max_logprobs=args.max_logprobs),
+    )
 
 
 def build_llm(args: argparse.Namespace) -> Any:
     from nanoserve.entrypoints.llm import LLM
 
-    return LLM(args.model, device=args.device, dtype=args.dtype,
-               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-               max_num_batched_tokens=args.max_num_batched_tokens,
-               kv_cache_memory_gb=args.kv_cache_memory, block_size=args.block_size,
-               enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
-               logits_processors=[s for s in args.logits_processors.split(",") if s])
+    return LLM.from_config(engine_config(args))
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -113,6 +135,21 @@ def cmd_chat(args: argparse.Namespace) -> int:
         history.append({"role": "assistant", "content": "".join(reply)})
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from nanoserve.config import ServerConfig, api_key_from_env
+    from nanoserve.entrypoints.serve import run_serve
+
+    if args.model_positional and args.model is None:
+        args.model = args.model_positional
+    server = ServerConfig(
+        host=args.host, port=args.port, api_key=args.api_key or api_key_from_env(),
+        served_model_name=args.served_model_name, reasoning_parser=args.reasoning_parser,
+        api_server_count=args.api_server_count, shutdown_timeout=args.shutdown_timeout,
+        max_in_flight=args.max_in_flight, generation_config=args.generation_config,
+        log_level=args.log_level)
+    return run_serve(engine_config(args), server)
+
+
 def cmd_bench_throughput(args: argparse.Namespace) -> int:
     from nanoserve.bench.throughput import run_throughput_bench
 
@@ -143,6 +180,31 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     add_sampling_args(gen, max_tokens=128)
     gen.set_defaults(func=cmd_generate)
+
+    serve = sub.add_parser("serve", help="the OpenAI-compatible HTTP server")
+    serve.add_argument("model_positional", nargs="?", metavar="MODEL", default=None,
+                       help="HF model directory or .gguf file (default: the default model)")
+    g = serve.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' (or set NANOSERVE_API_KEY)")
+    g.add_argument("--served-model-name", default=None)
+    from nanoserve.output.reasoning import REASONING_PARSERS
+
+    g.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None)
+    g.add_argument("--api-server-count", type=int, default=1)
+    g.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests may take to finish on SIGTERM")
+    g.add_argument("--max-in-flight", type=int, default=512,
+                   help="requests in flight past which new ones get HTTP 429")
+    g.add_argument("--generation-config", choices=("auto", "vllm"), default="auto",
+                   help="auto: the model's generation_config sampling defaults; vllm: vLLM's")
+    g.add_argument("--log-level", default="info")
+    g.add_argument("--zero-cost-engine", action="store_true",
+                   help="benchmark the frontend: skip the model, emit tokens at once")
+    add_engine_args(serve)
+    serve.set_defaults(func=cmd_serve)
 
     chat = sub.add_parser("chat", help="interactive chat in the terminal")
     chat.add_argument("--system", default=None, help="a system message")

@@ -53,6 +53,16 @@ class LLM:
             sampler=SamplerConfig(logits_processors=tuple(logits_processors),
                                   max_logprobs=max_logprobs),
         )
+        self._start(config)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLM:
+        """An LLM from a ready-made EngineConfig (what the CLI builds)."""
+        llm = cls.__new__(cls)
+        llm._start(config)
+        return llm
+
+    def _start(self, config: EngineConfig) -> None:
         self.engine = EngineCore(config)
         self.tokenizer = self.engine.loaded.tokenizer
         self._request_ids = itertools.count()

@@ -79,6 +79,26 @@ def resolve_model_path(model: str | None) -> Path:
     return path
 
 
+@dataclass
+class FrontendModel:
+    """What an API server needs of a model without its weights: tokenizer and defaults."""
+
+    tokenizer: Any
+    generation_config: dict[str, Any]
+    path: Path
+
+
+def load_frontend(model: str | None) -> FrontendModel:
+    path = resolve_model_path(model)
+    if path.is_dir():
+        gen_file = path / "generation_config.json"
+        defaults = json.loads(gen_file.read_text()) if gen_file.exists() else {}
+        return FrontendModel(load_tokenizer_from_dir(path), defaults, path)
+    gguf = GGUFFile(path)
+    return FrontendModel(load_tokenizer_from_gguf(gguf), gguf_sampling_defaults(gguf.metadata),
+                         path)
+
+
 def load_model(model: str | None, device: torch.device, dtype: torch.dtype,
                max_positions: int | None = None) -> LoadedModel:
     """Read weights, tokenizer and generation defaults; put the model on `device` in `dtype`."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol
 
 from nanoserve.engine.core import EngineCoreOutput
 from nanoserve.output.detokenizer import IncrementalDetokenizer
@@ -69,11 +69,22 @@ class StepResult:
     to_abort: list[str]  # engine requests that a stop string finished
 
 
+class TimingObserver(Protocol):
+    """Receives request timings as they happen (the server's Prometheus histograms)."""
+
+    def first_token(self, seconds: float) -> None: ...
+
+    def inter_token(self, seconds: float, num_tokens: int) -> None: ...
+
+    def finished(self, state: RequestState) -> None: ...
+
+
 class OutputProcessor:
     """Per-request frontend state and the one loop over each step's outputs."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, observer: TimingObserver | None = None) -> None:
         self.tokenizer = tokenizer
+        self.observer = observer
         self.logprobs = LogprobsFormatter(tokenizer)
         self.requests: dict[str, RequestState] = {}
         self.samples: dict[str, SampleState] = {}  # by engine request id
@@ -135,6 +146,8 @@ class OutputProcessor:
                 outputs.append(update)
             if state.finished:
                 state.metrics.finished_time = now
+                if self.observer is not None:
+                    self.observer.finished(state)
                 self._forget(state)
         return StepResult(outputs, to_abort)
 
@@ -149,6 +162,8 @@ class OutputProcessor:
                 sample.completion.text = sample.text[: len(sample.text)
                                                      - sample.stops.held_back(sample.text)]
         state.metrics.finished_time = time.monotonic()
+        if self.observer is not None:
+            self.observer.finished(state)
         self._forget(state)
         return self._snapshot(state, cumulative=True)
 
@@ -188,6 +203,10 @@ class OutputProcessor:
         if metrics.first_token_time is None:
             metrics.first_token_time = now
             state.num_cached_tokens = eo.num_cached_tokens
+            if self.observer is not None:
+                self.observer.first_token(now - metrics.arrival_time)
+        elif self.observer is not None and metrics.last_token_time is not None:
+            self.observer.inter_token(now - metrics.last_token_time, len(eo.new_token_ids))
         metrics.last_token_time = now
         metrics.num_generation_tokens += len(eo.new_token_ids)
         if eo.prompt_logprobs is not None and state.prompt_logprobs is None:

@@ -2,20 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-
-@dataclass
-class TokenLogprobs:
-    """One position's logprobs: the chosen token's, and the N most likely tokens'."""
-
-    token_id: int
-    logprob: float
-    rank: int  # 1 = the most likely token
-    top_ids: list[int]
-    top_logprobs: list[float]
+from nanoserve.protocol import TokenLogprobs
 
 
 def gather_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor,

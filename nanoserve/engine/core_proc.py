@@ -1,0 +1,178 @@
+"""The engine core's own process: a busy loop around EngineCore, with I/O on two threads.
+
+    API server(s) --EngineRequest/AbortRequests--> [input thread] --queue--> busy loop
+    busy loop: take every queued input, then EngineCore.step(); outputs --queue--> [output
+    thread] --EngineOutputs--> the API server that sent each request
+
+Sockets and msgpack live on the threads, so the loop only ever steps the model; the GIL is
+released while torch computes, so decoding and sending overlap with the step. The process
+exits when told to (Shutdown), when its parent dies, or after an error in a step (it tells
+every API server first: EngineDead).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import threading
+import time
+import traceback
+from collections import defaultdict
+
+import msgspec
+import zmq
+
+from nanoserve.config import EngineConfig
+from nanoserve.engine.core import EngineCore
+from nanoserve.protocol import (
+    AbortRequests,
+    EngineCoreOutput,
+    EngineDead,
+    EngineInput,
+    EngineOutputs,
+    EngineReady,
+    EngineRequest,
+    RequestError,
+    Shutdown,
+    decode_input,
+    encode,
+)
+
+_IDLE_WAIT_S = 0.5  # how long an idle loop blocks for input before checking its parent
+
+
+class EngineCoreProc:
+    """Owns an EngineCore and the sockets to the API servers."""
+
+    def __init__(self, config: EngineConfig, input_address: str,
+                 output_addresses: list[str]) -> None:
+        self.core = EngineCore(config)
+        self.inputs: queue.Queue[EngineInput] = queue.Queue()
+        self.outputs: queue.Queue[tuple[int, bytes] | None] = queue.Queue()
+        self.context = zmq.Context()
+        self.input_address = input_address
+        self.output_addresses = output_addresses
+        self.client_of: dict[str, int] = {}  # request id -> API server index
+        self.running = True
+
+    def ready_message(self) -> EngineReady:
+        core = self.core
+        return EngineReady(
+            model_name=core.loaded.name, max_model_len=core.max_model_len,
+            vocab_size=core.loaded.arch.vocab_size, num_blocks=core.stats.num_blocks,
+            block_size=core.config.cache.block_size,
+            logits_processors=[f"{p.__module__}:{p.__qualname__}"
+                               for p in map(type, core.sampler.processors)])
+
+    # -- threads ------------------------------------------------------------------------------
+    def _input_loop(self) -> None:
+        sock = self.context.socket(zmq.PULL)
+        sock.bind(self.input_address)
+        while True:
+            data = sock.recv()
+            try:
+                message = decode_input(data)
+            except msgspec.DecodeError:  # never trust the wire: drop what does not decode
+                continue
+            self.inputs.put(message)
+            if isinstance(message, Shutdown):
+                return
+
+    def _output_loop(self) -> None:
+        socks = []
+        for address in self.output_addresses:
+            sock = self.context.socket(zmq.PUSH)
+            sock.connect(address)
+            socks.append(sock)
+        while True:
+            item = self.outputs.get()
+            if item is None:
+                break
+            client, data = item
+            if client < 0:
+                for sock in socks:
+                    sock.send(data)
+            else:
+                socks[client].send(data)
+        for sock in socks:
+            sock.close(linger=1000)
+
+    # -- the busy loop ------------------------------------------------------------------------
+    def run(self) -> None:
+        parent = os.getppid()
+        threading.Thread(target=self._input_loop, daemon=True, name="engine-input").start()
+        output_thread = threading.Thread(target=self._output_loop, daemon=True,
+                                         name="engine-output")
+        output_thread.start()
+        self._broadcast(self.ready_message())
+        try:
+            while self.running:
+                # 1) inputs: block only when there is nothing to step
+                changed = self._take_inputs(block=not self.core.has_unfinished())
+                if os.getppid() != parent:
+                    break  # the launcher is gone: do not outlive it
+                # 2) one step; or, idle, let the API servers see what the inputs changed
+                if self.core.has_unfinished():
+                    self._send_outputs(self.core.step())
+                elif changed:
+                    self._send_outputs([])
+        except Exception:
+            self._broadcast(EngineDead(traceback.format_exc(limit=20)))
+            raise
+        finally:
+            self.outputs.put(None)
+            output_thread.join(timeout=5)
+
+    def _take_inputs(self, block: bool) -> bool:
+        changed = False
+        try:
+            message = self.inputs.get(timeout=_IDLE_WAIT_S) if block else self.inputs.get_nowait()
+            while True:
+                changed |= self._handle(message)
+                message = self.inputs.get_nowait()
+        except queue.Empty:
+            return changed
+
+    def _handle(self, message: EngineInput) -> bool:
+        if isinstance(message, EngineRequest):
+            try:
+                self.core.add_request(message.request_id, message.prompt_token_ids,
+                                      message.params, message.prefill_leader)
+                self.client_of[message.request_id] = message.client_index
+            except ValueError as e:
+                self.outputs.put((message.client_index,
+                                  encode(RequestError(message.request_id, str(e)))))
+            return True
+        if isinstance(message, AbortRequests):
+            for request_id in message.request_ids:
+                self.core.abort(request_id)
+                self.client_of.pop(request_id, None)
+            return True
+        self.running = False  # Shutdown
+        return False
+
+    def _send_outputs(self, outputs: list[EngineCoreOutput]) -> None:
+        by_client: dict[int, list[EngineCoreOutput]] = defaultdict(list)
+        for out in outputs:
+            client = self.client_of.get(out.request_id, 0)
+            by_client[client].append(out)
+            if out.finish_reason is not None:
+                self.client_of.pop(out.request_id, None)
+        stats = self.core.scheduler_stats()
+        now = time.time()
+        for client in range(len(self.output_addresses)):  # everyone gets fresh stats
+            self.outputs.put((client, encode(EngineOutputs(by_client.get(client, []), stats,
+                                                           now))))
+
+    def _broadcast(self, message: msgspec.Struct) -> None:
+        self.outputs.put((-1, encode(message)))
+
+
+def run_engine_core(config_bytes: bytes, input_address: str,
+                    output_addresses: list[str]) -> None:
+    """Process entry point. The config arrives as msgpack bytes (never pickled objects)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the launcher, which stops us
+    config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
+    proc = EngineCoreProc(config, input_address, output_addresses)
+    proc.run()

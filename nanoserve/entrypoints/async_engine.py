@@ -1,0 +1,151 @@
+"""AsyncEngine: the API server's asyncio face of the engine-core process.
+
+`generate()` sends a request's token ids to the engine core and yields RequestOutputs as they
+are made. One task receives the engine's messages and runs them through the OutputProcessor
+(detokenization, stop strings, logprob formatting) -- in this process, so the engine never
+waits on text -- then hands each update to its request's queue. A request whose consumer goes
+away (a client disconnect cancels it) is aborted in the engine core at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from nanoserve.engine.core_client import EngineCoreClient
+from nanoserve.output.processor import OutputProcessor, TimingObserver
+from nanoserve.outputs import RequestOutput
+from nanoserve.protocol import (
+    AbortRequests,
+    EngineDead,
+    EngineOutputs,
+    EngineReady,
+    EngineRequest,
+    RequestError,
+    SchedulerStats,
+)
+from nanoserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("nanoserve")
+_WATCHDOG_INTERVAL_S = 0.2
+
+
+class EngineDeadError(RuntimeError):
+    """The engine core is gone; no request can complete."""
+
+
+class AsyncEngine:
+    """Requests in, RequestOutputs out, over the engine-core sockets."""
+
+    def __init__(self, client: EngineCoreClient, tokenizer: Any, ready: EngineReady,
+                 engine_alive: Callable[[], bool],
+                 observer: TimingObserver | None = None) -> None:
+        self.client = client
+        self.tokenizer = tokenizer
+        self.ready = ready
+        self.engine_alive = engine_alive
+        self.processor = OutputProcessor(tokenizer, observer)
+        self.queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self.stats = SchedulerStats()
+        self.dead_reason: str | None = None
+        self.on_dead: Callable[[], None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    @property
+    def is_dead(self) -> bool:
+        return self.dead_reason is not None
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self.queues)
+
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._receive_loop(), name="engine-outputs"),
+                       asyncio.create_task(self._watchdog(), name="engine-watchdog")]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def generate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Updates for one request (shaped by params.output_kind) until it finishes."""
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        engine_requests = self.processor.add_request(request_id, prompt, prompt_token_ids,
+                                                     params)
+        self.queues[request_id] = queue
+        finished = False
+        try:
+            for engine_id, sample_params, leader in engine_requests:
+                await self.client.send(EngineRequest(engine_id, prompt_token_ids, sample_params,
+                                                     self.client.client_index, leader))
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self.queues.pop(request_id, None)
+            if not finished:  # cancelled, disconnected, or an error on our side: stop it
+                self._abort_nowait(request_id)
+
+    def _abort_nowait(self, request_id: str) -> None:
+        engine_ids = self.processor.engine_ids(request_id)
+        self.processor.abort(request_id)
+        if engine_ids and self.dead_reason is None:
+            with contextlib.suppress(Exception):
+                self.client.send_nowait(AbortRequests(engine_ids))
+
+    async def _receive_loop(self) -> None:
+        while True:
+            message = await self.client.recv()
+            if isinstance(message, EngineOutputs):
+                self.stats = message.stats
+                result = self.processor.process(message.outputs)
+                for output in result.outputs:
+                    queue = self.queues.get(output.request_id)
+                    if queue is not None:
+                        queue.put_nowait(output)
+                if result.to_abort:  # stop strings: free the blocks now
+                    await self.client.send(AbortRequests(result.to_abort))
+            elif isinstance(message, RequestError):
+                self._fail_engine_request(message)
+            elif isinstance(message, EngineDead):
+                self._die(f"the engine core failed: {message.message.splitlines()[-1]}")
+
+    def _fail_engine_request(self, message: RequestError) -> None:
+        sample = self.processor.samples.get(message.request_id)
+        if sample is None:
+            return
+        queue = self.queues.get(sample.request_id)
+        self._abort_nowait(sample.request_id)
+        if queue is not None:
+            queue.put_nowait(ValueError(message.message))
+
+    async def _watchdog(self) -> None:
+        while self.dead_reason is None:
+            await asyncio.sleep(_WATCHDOG_INTERVAL_S)
+            if not self.engine_alive():
+                self._die("the engine core process exited")
+
+    def _die(self, reason: str) -> None:
+        if self.dead_reason is not None:
+            return
+        logger.error("engine core dead: %s", reason)
+        self.dead_reason = reason
+        for queue in self.queues.values():
+            queue.put_nowait(EngineDeadError(reason))
+        if self.on_dead is not None:
+            self.on_dead()

@@ -1,0 +1,44 @@
+"""API-key authentication as pure ASGI middleware (it keeps client-disconnect events intact).
+
+Every route but /health needs `Authorization: Bearer <key>` (vLLM #18892 left /tokenize and
+others open). Keys are compared as SHA-256 digests with `secrets.compare_digest`, in constant
+time whatever the length of the guess.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import secrets
+from typing import Any
+
+from nanoserve.entrypoints.openai.errors import error_body
+
+PUBLIC_PATHS = frozenset({"/health"})
+
+
+class APIKeyMiddleware:
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app = app
+        self.digest = hashlib.sha256(api_key.encode()).digest()
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS or self._allowed(scope):
+            await self.app(scope, receive, send)
+            return
+        body = json.dumps(error_body(401, "missing or invalid API key: send "
+                                          "'Authorization: Bearer <key>'")).encode()
+        await send({"type": "http.response.start", "status": 401,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"www-authenticate", b"Bearer")]})
+        await send({"type": "http.response.body", "body": body})
+
+    def _allowed(self, scope: dict[str, Any]) -> bool:
+        for name, value in scope.get("headers", ()):
+            if name == b"authorization":
+                scheme, _, token = value.decode("latin-1").partition(" ")
+                if scheme.lower() != "bearer":
+                    return False
+                return secrets.compare_digest(hashlib.sha256(token.strip().encode()).digest(),
+                                              self.digest)
+        return False

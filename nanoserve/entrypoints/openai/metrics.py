@@ -1,0 +1,97 @@
+"""Prometheus metrics with vLLM's names under the `nanoserve:` prefix.
+
+Gauges and the prefix-cache counters come from the engine core's latest SchedulerStats (sent
+with every step and after idle-time changes); token counters and latency histograms are
+measured here, in the API server, as outputs arrive.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from nanoserve.output.processor import RequestState
+from nanoserve.protocol import SchedulerStats
+
+PREFIX = "nanoserve:"
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                    5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+
+
+class _EngineCollector(Collector):
+    """Reads the engine's latest stats at scrape time."""
+
+    def __init__(self, stats: Callable[[], SchedulerStats], model: str) -> None:
+        self.stats = stats
+        self.model = model
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        s = self.stats()
+        label = ["model_name"]
+        for name, doc, value in (
+                ("num_requests_running", "Requests in the running batch.", s.num_running),
+                ("num_requests_waiting", "Requests waiting to run.", s.num_waiting),
+                ("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).",
+                 s.kv_cache_usage)):
+            gauge = GaugeMetricFamily(PREFIX + name, doc, labels=label)
+            gauge.add_metric([self.model], value)
+            yield gauge
+        for name, doc, value in (
+                ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                 s.prefix_cache_queries),
+                ("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                 s.prefix_cache_hits),
+                ("num_preemptions", "Requests preempted (KV cache full).", s.num_preemptions)):
+            counter = CounterMetricFamily(PREFIX + name, doc, labels=label)
+            counter.add_metric([self.model], value)
+            yield counter
+
+
+class Metrics:
+    """The server's registry; also the OutputProcessor's timing observer."""
+
+    def __init__(self, model: str, stats: Callable[[], SchedulerStats]) -> None:
+        self.registry = CollectorRegistry()
+        self.model = model
+        self.registry.register(_EngineCollector(stats, model))
+        label = ["model_name"]
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens processed.",
+                                     label, registry=self.registry).labels(model)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens",
+                                         "Tokens generated.", label,
+                                         registry=self.registry).labels(model)
+        self.request_success = Counter(PREFIX + "request_success", "Requests finished.",
+                                       ["model_name", "finished_reason"],
+                                       registry=self.registry)
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds",
+                              "Time to first token.", label, buckets=_LATENCY_BUCKETS,
+                              registry=self.registry).labels(model)
+        self.itl = Histogram(PREFIX + "inter_token_latency_seconds",
+                             "Time between output tokens.", label, buckets=_LATENCY_BUCKETS,
+                             registry=self.registry).labels(model)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds",
+                             "Request latency, arrival to finish.", label,
+                             buckets=_LATENCY_BUCKETS, registry=self.registry).labels(model)
+
+    # -- TimingObserver ----------------------------------------------------------------------
+    def first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+
+    def inter_token(self, seconds: float, num_tokens: int) -> None:
+        for _ in range(max(num_tokens, 1)):
+            self.itl.observe(seconds / max(num_tokens, 1))
+
+    def finished(self, state: RequestState) -> None:
+        metrics = state.metrics
+        if metrics.finished_time is not None:
+            self.e2e.observe(metrics.finished_time - metrics.arrival_time)
+        self.generation_tokens.inc(sum(len(s.completion.token_ids) for s in state.samples))
+        for sample in state.samples:
+            self.request_success.labels(self.model,
+                                        sample.completion.finish_reason or "abort").inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,211 @@
+"""POST /v1/chat/completions: messages through the model's chat template, n samples, optional
+reasoning split (`reasoning` and `reasoning_content`), streamed or at once."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from nanoserve.entrypoints.async_engine import EngineDeadError
+from nanoserve.entrypoints.openai.errors import APIError, bad_request, sse_error
+from nanoserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
+from nanoserve.entrypoints.openai.serving_common import (
+    ServerContext,
+    clamp_logprob,
+    collect,
+    resolve_max_tokens,
+    sampling_params,
+    token_bytes,
+    top_entries,
+    until_disconnect,
+    usage,
+)
+from nanoserve.output.reasoning import (
+    ReasoningParser,
+    make_reasoning_parser,
+    prompt_ends_in_reasoning,
+)
+from nanoserve.outputs import PositionLogprobs
+from nanoserve.sampling_params import RequestOutputKind
+
+
+def _message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    out = []
+    for i, message in enumerate(messages):
+        content = message.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.type != "text" or part.text is None:
+                    raise bad_request(f"content part type {part.type!r} is not supported; this "
+                                      "model reads text only", f"messages.{i}.content")
+                texts.append(part.text)
+            content = "\n".join(texts)
+        entry: dict[str, Any] = {"role": message.role, "content": content or ""}
+        if message.name is not None:
+            entry["name"] = message.name
+        out.append(entry)
+    return out
+
+
+def render_prompt(ctx: ServerContext, req: ChatCompletionRequest) -> str:
+    """The chat template applied to the messages, with the request's template switches."""
+    if req.add_generation_prompt and req.continue_final_message:
+        raise bad_request("add_generation_prompt and continue_final_message cannot both be "
+                          "true", "continue_final_message")
+    kwargs = dict(req.chat_template_kwargs or {})
+    if "chat_template" in kwargs:  # request-supplied templates run arbitrary Jinja
+        raise bad_request("chat_template_kwargs may not replace the chat template",
+                          "chat_template_kwargs")
+    messages = _message_dicts(req.messages)
+    if req.continue_final_message and messages[-1]["role"] != "assistant":
+        raise bad_request("continue_final_message needs a final assistant message",
+                          "continue_final_message")
+    try:
+        return str(ctx.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message, **kwargs))
+    except Exception as e:  # jinja errors, raise_exception() in templates
+        raise bad_request(f"the chat template could not render these messages: {e}",
+                          "messages") from None
+
+
+def _check_unsupported(req: ChatCompletionRequest) -> None:
+    if req.tools is not None:
+        raise bad_request("tools must not be an empty array" if not req.tools else
+                          "tool calling is not supported by this server", "tools")
+    if req.response_format and req.response_format.get("type", "text") != "text":
+        raise bad_request("response_format other than text is not supported",
+                          "response_format")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("when using top_logprobs, logprobs must be set to true",
+                          "top_logprobs")
+
+
+async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
+                                 raw: Request) -> Response:
+    ctx.check_model(req.model)
+    _check_unsupported(req)
+    ctx.check_capacity()
+    prompt = render_prompt(ctx, req)
+    ids = ctx.tokenizer.encode(prompt, add_special_tokens=False)
+    asked = req.max_completion_tokens if req.max_completion_tokens is not None \
+        else req.max_tokens
+    max_tokens = resolve_max_tokens(ctx, len(ids), asked)
+    kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
+    params = sampling_params(ctx, req, max_tokens=max_tokens,
+                             logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+                             output_kind=kind)
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    created = int(time.time())
+    parsers = _parsers(ctx, req, prompt)
+    if req.stream:
+        return StreamingResponse(_stream(ctx, req, request_id, created, prompt, ids, params,
+                                         parsers), media_type="text/event-stream")
+    out = await until_disconnect(raw, collect(ctx.engine.generate(request_id, prompt, ids,
+                                                                 params)))
+    choices = []
+    for sample in out.outputs:
+        message: dict[str, Any] = {"role": "assistant", "content": sample.text}
+        if parsers:
+            reasoning, content = parsers[sample.index].parse(sample.text)
+            message.update(content=content, reasoning=reasoning, reasoning_content=reasoning)
+        choices.append({"index": sample.index, "message": message,
+                        "logprobs": _chat_logprobs(ctx, sample.token_ids, sample.logprobs,
+                                                   req.top_logprobs or 0)
+                        if req.logprobs else None,
+                        "finish_reason": sample.finish_reason,
+                        "stop_reason": sample.stop_reason})
+    num_output = sum(len(s.token_ids) for s in out.outputs)
+    return JSONResponse({"id": request_id, "object": "chat.completion", "created": created,
+                         "model": ctx.model_name, "choices": choices,
+                         "usage": usage(len(ids), num_output)})
+
+
+def _parsers(ctx: ServerContext, req: ChatCompletionRequest,
+             prompt: str) -> list[ReasoningParser]:
+    if ctx.reasoning_parser is None or not req.include_reasoning:
+        return []
+    inside = prompt_ends_in_reasoning(prompt)
+    return [make_reasoning_parser(ctx.reasoning_parser, inside) for _ in range(req.n)]
+
+
+def _chat_logprobs(ctx: ServerContext, token_ids: list[int],
+                   positions: list[PositionLogprobs] | None,
+                   num_top: int) -> dict[str, Any] | None:
+    if positions is None:
+        return None
+    text_of = ctx.engine.processor.logprobs.token_text
+    content = []
+    for token_id, position in zip(token_ids, positions, strict=False):
+        text = text_of(token_id)
+        content.append({
+            "token": text, "logprob": clamp_logprob(position[token_id].logprob),
+            "bytes": token_bytes(text),
+            "top_logprobs": [{"token": text_of(t), "logprob": clamp_logprob(lp.logprob),
+                              "bytes": token_bytes(text_of(t))}
+                             for t, lp in top_entries(position, num_top)]})
+    return {"content": content}
+
+
+async def _stream(ctx: ServerContext, req: ChatCompletionRequest, request_id: str,
+                  created: int, prompt: str, ids: list[int], params: Any,
+                  parsers: list[ReasoningParser]) -> AsyncIterator[str]:
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    continuous = include_usage and bool(req.stream_options and
+                                        req.stream_options.continuous_usage_stats)
+    num_output = 0
+
+    def event(choices: list[dict[str, Any]], with_usage: bool = False) -> str:
+        body: dict[str, Any] = {"id": request_id, "object": "chat.completion.chunk",
+                                "created": created, "model": ctx.model_name,
+                                "choices": choices}
+        if with_usage or continuous:
+            body["usage"] = usage(len(ids), num_output)
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    def delta(text: str, index: int, final: bool) -> dict[str, Any]:
+        if not parsers:
+            return {"content": text} if text else {}
+        parser = parsers[index]
+        reasoning, content = parser.feed(text)
+        if final:
+            more_reasoning, more_content = parser.finish()
+            reasoning, content = reasoning + more_reasoning, content + more_content
+        out: dict[str, Any] = {}
+        if reasoning:
+            out.update(reasoning=reasoning, reasoning_content=reasoning)
+        if content:
+            out["content"] = content
+        return out
+
+    try:
+        for i in range(req.n):  # the role comes first, once per choice
+            yield event([{"index": i, "delta": {"role": "assistant", "content": ""},
+                          "logprobs": None, "finish_reason": None}])
+        async for out in ctx.engine.generate(request_id, prompt, ids, params):
+            for sample in out.outputs:
+                num_output += len(sample.token_ids)
+                body = delta(sample.text, sample.index, sample.finished)
+                logprobs = _chat_logprobs(ctx, sample.token_ids, sample.logprobs,
+                                          req.top_logprobs or 0) if req.logprobs else None
+                if not body and not sample.finished and not (logprobs and logprobs["content"]):
+                    continue
+                yield event([{"index": sample.index, "delta": body, "logprobs": logprobs,
+                              "finish_reason": sample.finish_reason,
+                              "stop_reason": sample.stop_reason}])
+        if include_usage:
+            yield event([], with_usage=True)
+    except APIError as e:
+        yield sse_error(e)
+    except EngineDeadError as e:
+        yield sse_error(APIError(503, f"the engine stopped: {e}"))
+    except ValueError as e:
+        yield sse_error(bad_request(str(e)))
+    yield "data: [DONE]\n\n"

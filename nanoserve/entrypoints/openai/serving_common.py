@@ -1,0 +1,202 @@
+"""What /v1/completions and /v1/chat/completions share: the server's context, turning a body
+into SamplingParams (with 400s that name the field), length checks, logprobs, usage."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Awaitable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from fastapi import Request
+
+from nanoserve.entrypoints.async_engine import AsyncEngine
+from nanoserve.entrypoints.openai.errors import APIError, bad_request, from_value_error
+from nanoserve.entrypoints.openai.metrics import Metrics
+from nanoserve.entrypoints.openai.protocol import SamplingFields
+from nanoserve.outputs import Logprob, PositionLogprobs, RequestOutput
+from nanoserve.sample.logits_processor import LogitsProcessor
+from nanoserve.sampling_params import RequestOutputKind, SamplingParams
+
+T = TypeVar("T")
+MIN_LOGPROB = -9999.0  # OpenAI's stand-in for -inf
+MAX_STOP_STRINGS = 4
+
+
+@dataclass
+class ServerContext:
+    """Everything a request handler needs, built once when the server starts."""
+
+    engine: AsyncEngine
+    tokenizer: Any
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    metrics: Metrics
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
+    reasoning_parser: str | None = None
+    processor_classes: list[type[LogitsProcessor]] = field(default_factory=list)
+    has_reasoning_tokens: bool = False
+    max_logprobs: int = 20
+    max_in_flight: int = 512
+    shutting_down: bool = False
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"The model `{model}` does not exist.", "model")
+
+    def check_capacity(self) -> None:
+        """429 past the in-flight cap (the SDK backs off and retries); 503 while stopping."""
+        if self.engine.is_dead:
+            raise APIError(503, "the engine is not running")
+        if self.shutting_down:
+            raise APIError(503, "the server is shutting down")
+        if self.engine.num_in_flight >= self.max_in_flight:
+            raise APIError(429, f"the server is at capacity ({self.max_in_flight} requests in "
+                                "flight); retry later")
+
+
+def sampling_params(ctx: ServerContext, req: SamplingFields, *, max_tokens: int,
+                    logprobs: int | None, output_kind: RequestOutputKind) -> SamplingParams:
+    """The request's SamplingParams: explicit fields over the model's generation defaults."""
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options can only be given when stream is true",
+                          "stream_options")
+    if req.stream and req.prompt_logprobs is not None:
+        raise bad_request("prompt_logprobs is not available when streaming", "prompt_logprobs")
+    stops = [req.stop] if isinstance(req.stop, str) else req.stop
+    if stops and len(stops) > MAX_STOP_STRINGS:
+        raise bad_request(f"stop must be at most {MAX_STOP_STRINGS} strings, got {len(stops)}",
+                          "stop")
+    try:
+        bias = None if req.logit_bias is None else {int(k): v for k, v in req.logit_bias.items()}
+    except ValueError:
+        raise bad_request("logit_bias keys must be token ids (integers as strings)",
+                          "logit_bias") from None
+    explicit = dict(
+        n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+        min_p=req.min_p, repetition_penalty=req.repetition_penalty,
+        presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+        seed=None if req.seed == -1 else req.seed, stop=stops,
+        stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos,
+        min_tokens=req.min_tokens, max_tokens=max_tokens,
+        skip_special_tokens=req.skip_special_tokens,
+        spaces_between_special_tokens=req.spaces_between_special_tokens,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words, logit_bias=bias,
+        logprobs=logprobs, prompt_logprobs=req.prompt_logprobs,
+        logprobs_mode=req.logprobs_mode, thinking_token_budget=req.thinking_token_budget,
+        extra_args=req.extra_args, output_kind=output_kind)
+    try:
+        params = SamplingParams.from_generation_config(ctx.generation_defaults, **explicit)
+        params.check_token_ids(ctx.vocab_size)
+        for cls in ctx.processor_classes:
+            cls.validate_params(params)
+    except ValueError as e:
+        raise from_value_error(e) from None
+    for name in ("logprobs", "prompt_logprobs"):
+        asked = getattr(params, name)
+        if asked is not None and asked > ctx.max_logprobs:
+            raise bad_request(f"{name} must be <= {ctx.max_logprobs}, got {asked}",
+                              "top_logprobs" if name == "logprobs" else name)
+    if params.thinking_token_budget is not None and not ctx.has_reasoning_tokens:
+        raise bad_request("thinking_token_budget needs a model with reasoning tags "
+                          "(<think> and </think> tokens); this model has none",
+                          "thinking_token_budget")
+    if params.bad_words:
+        params.update_from_tokenizer(ctx.tokenizer)
+    return params
+
+
+def resolve_max_tokens(ctx: ServerContext, prompt_len: int, asked: int | None) -> int:
+    """vLLM's checks and messages; without max_tokens, generation may fill the context."""
+    limit = ctx.max_model_len
+    if prompt_len >= limit:
+        raise bad_request(
+            f"This model's maximum context length is {limit} tokens. However, your request "
+            f"has {prompt_len} input tokens. Please reduce the length of the input messages.",
+            "input_tokens")
+    if asked is None:
+        return limit - prompt_len
+    if asked < 1:
+        raise bad_request(f"max_tokens must be >= 1, got {asked}", "max_tokens")
+    if prompt_len + asked > limit:
+        raise bad_request(
+            f"'max_tokens' or 'max_completion_tokens' is too large: {asked}. This model's "
+            f"maximum context length is {limit} tokens and your request has {prompt_len} "
+            f"input tokens ({asked} > {limit} - {prompt_len}).", "max_tokens")
+    return asked
+
+
+def check_prompt_ids(ctx: ServerContext, ids: list[int]) -> None:
+    if not ids:
+        raise bad_request("the prompt is empty", "prompt")
+    bad = [t for t in ids if not 0 <= t < ctx.vocab_size]
+    if bad:
+        raise bad_request(f"prompt token id {bad[0]} is out of vocabulary "
+                          f"(ids must be in [0, {ctx.vocab_size}))", "prompt")
+
+
+def clamp_logprob(value: float) -> float:
+    return MIN_LOGPROB if math.isinf(value) or value < MIN_LOGPROB else value
+
+
+def token_bytes(text: str) -> list[int]:
+    return list(text.encode("utf-8", errors="replace"))
+
+
+def chosen(position: PositionLogprobs, token_id: int) -> Logprob:
+    return position[token_id]
+
+
+def top_entries(position: PositionLogprobs, count: int) -> list[tuple[int, Logprob]]:
+    """The top `count` alternatives, best first (the chosen token only where it ranks)."""
+    ranked = sorted(((t, lp) for t, lp in position.items() if lp.rank is not None),
+                    key=lambda item: item[1].rank or 0)
+    out: list[tuple[int, Logprob]] = []
+    for token_id, lp in ranked:
+        if lp.rank is not None and lp.rank <= count and all(t != token_id for t, _ in out):
+            out.append((token_id, lp))
+    return out[:count]
+
+
+def usage(prompt_tokens: int, completion_tokens: int,
+          cached_tokens: int | None = None) -> dict[str, Any]:
+    body: dict[str, Any] = {"prompt_tokens": prompt_tokens,
+                            "completion_tokens": completion_tokens,
+                            "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+        body["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return body
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Run `work`; if the client goes away first, cancel it (which aborts its engine
+    requests) and answer nothing."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        task.cancel()
+        raise asyncio.CancelledError("client disconnected")
+    finally:
+        watcher.cancel()
+
+
+async def collect(generator: Any) -> RequestOutput:
+    """The final RequestOutput of a FINAL_ONLY request."""
+    final = None
+    async for output in generator:
+        final = output
+    assert final is not None
+    return final

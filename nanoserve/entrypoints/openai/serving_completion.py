@@ -1,0 +1,223 @@
+"""POST /v1/completions: one or more prompts (text or token ids), n samples each, streamed as
+server-sent events or answered at once."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from nanoserve.entrypoints.async_engine import EngineDeadError
+from nanoserve.entrypoints.openai.errors import APIError, bad_request, sse_error
+from nanoserve.entrypoints.openai.protocol import CompletionRequest
+from nanoserve.entrypoints.openai.serving_common import (
+    ServerContext,
+    check_prompt_ids,
+    clamp_logprob,
+    collect,
+    resolve_max_tokens,
+    sampling_params,
+    top_entries,
+    until_disconnect,
+    usage,
+)
+from nanoserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from nanoserve.sampling_params import RequestOutputKind, SamplingParams
+
+
+def _prompts(ctx: ServerContext, prompt: Any) -> list[tuple[str | None, list[int]]]:
+    if isinstance(prompt, str):
+        prompts: list[Any] = [prompt]
+    elif prompt and isinstance(prompt[0], int):
+        prompts = [prompt]
+    else:
+        prompts = list(prompt)
+    if not prompts:
+        raise bad_request("prompt must not be empty", "prompt")
+    out: list[tuple[str | None, list[int]]] = []
+    for p in prompts:
+        if isinstance(p, str):
+            if not p:
+                raise bad_request("prompt must not be empty", "prompt")
+            out.append((p, ctx.tokenizer.encode(p)))
+        else:
+            ids = list(p)
+            check_prompt_ids(ctx, ids)
+            out.append((None, ids))
+    return out
+
+
+async def create_completion(ctx: ServerContext, req: CompletionRequest,
+                            raw: Request) -> Response:
+    ctx.check_model(req.model)
+    if req.suffix is not None:
+        raise bad_request("suffix is not supported", "suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise bad_request("best_of is not supported (use n)", "best_of")
+    ctx.check_capacity()
+    prompts = _prompts(ctx, req.prompt)
+    echo_only = req.echo and req.max_tokens == 0
+    kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
+    jobs = []
+    for text, ids in prompts:
+        max_tokens = resolve_max_tokens(ctx, len(ids), 1 if echo_only else req.max_tokens)
+        params = sampling_params(ctx, req, max_tokens=max_tokens, logprobs=req.logprobs,
+                                 output_kind=kind)
+        if req.echo and req.logprobs is not None and params.prompt_logprobs is None:
+            params.prompt_logprobs = req.logprobs
+        shown = text if text is not None else ctx.tokenizer.decode(ids)
+        jobs.append((shown, ids, params))
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    created = int(time.time())
+    if req.stream:
+        return StreamingResponse(
+            _stream(ctx, req, request_id, created, jobs, echo_only),
+            media_type="text/event-stream")
+    outputs = await until_disconnect(raw, asyncio.gather(*(
+        collect(ctx.engine.generate(f"{request_id}-{i}", text, ids, params))
+        for i, (text, ids, params) in enumerate(jobs))))
+    choices: list[dict[str, Any]] = []
+    for (text, _, _), out in zip(jobs, outputs, strict=True):
+        for sample in out.outputs:
+            choices.append(_choice(ctx, len(choices), req, text, out, sample, echo_only))
+    num_prompt = sum(len(ids) for _, ids, _ in jobs)
+    num_output = sum(len(s.token_ids) for out in outputs for s in out.outputs)
+    return JSONResponse({"id": request_id, "object": "text_completion", "created": created,
+                         "model": ctx.model_name, "choices": choices,
+                         "usage": usage(num_prompt, 0 if echo_only else num_output)})
+
+
+def _choice(ctx: ServerContext, index: int, req: CompletionRequest, prompt_text: str,
+            out: RequestOutput, sample: CompletionOutput, echo_only: bool) -> dict[str, Any]:
+    text = "" if echo_only else sample.text
+    logprobs = None
+    if req.logprobs is not None:
+        positions: list[PositionLogprobs | None] = []
+        token_ids: list[int] = []
+        start_text = ""
+        if req.echo:
+            positions += out.prompt_logprobs or [None] * len(out.prompt_token_ids)
+            token_ids += out.prompt_token_ids
+        if not echo_only:
+            positions += sample.logprobs or []
+            token_ids += sample.token_ids
+        logprobs = completion_logprobs(ctx, token_ids, positions, req.logprobs, start_text)
+    return {"index": index, "text": (prompt_text if req.echo else "") + text,
+            "logprobs": logprobs, "finish_reason": "length" if echo_only
+            else sample.finish_reason, "stop_reason": None if echo_only else sample.stop_reason}
+
+
+def completion_logprobs(ctx: ServerContext, token_ids: list[int],
+                        positions: list[PositionLogprobs | None], num_top: int,
+                        start_text: str = "", start_offset: int = 0) -> dict[str, Any]:
+    """The completions-API logprobs object: tokens, token_logprobs, top_logprobs, text_offset."""
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    offsets: list[int] = []
+    offset = start_offset + len(start_text)
+    for token_id, position in zip(token_ids, positions, strict=True):
+        text = ctx.engine.processor.logprobs.token_text(token_id)
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+        if position is None:
+            token_logprobs.append(None)
+            tops.append(None)
+            continue
+        token_logprobs.append(clamp_logprob(position[token_id].logprob))
+        top = {ctx.engine.processor.logprobs.token_text(t): clamp_logprob(lp.logprob)
+               for t, lp in top_entries(position, num_top)}
+        top.setdefault(text, clamp_logprob(position[token_id].logprob))
+        tops.append(top)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
+            "text_offset": offsets}
+
+
+async def _merged(ctx: ServerContext, request_id: str,
+                  jobs: list[tuple[str, list[int], SamplingParams]]
+                  ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Every prompt's updates, interleaved as they come."""
+    queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
+
+    async def pump(i: int, text: str, ids: list[int], params: SamplingParams) -> None:
+        try:
+            async for out in ctx.engine.generate(f"{request_id}-{i}", text, ids, params):
+                queue.put_nowait((i, out))
+            queue.put_nowait(None)
+        except BaseException as e:
+            queue.put_nowait(e)
+
+    tasks = [asyncio.create_task(pump(i, *job)) for i, job in enumerate(jobs)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:  # a disconnect ends this generator: cancel (and abort) the rest
+            task.cancel()
+
+
+async def _stream(ctx: ServerContext, req: CompletionRequest, request_id: str, created: int,
+                  jobs: list[tuple[str, list[int], SamplingParams]],
+                  echo_only: bool) -> AsyncIterator[str]:
+    n = req.n
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    continuous = include_usage and bool(req.stream_options and
+                                        req.stream_options.continuous_usage_stats)
+    num_prompt = sum(len(ids) for _, ids, _ in jobs)
+    sent_text = [0] * (len(jobs) * n)
+    num_output = 0
+
+    def event(choice: dict[str, Any]) -> str:
+        body = {"id": request_id, "object": "text_completion", "created": created,
+                "model": ctx.model_name, "choices": [choice]}
+        if continuous:
+            body["usage"] = usage(num_prompt, num_output)
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    try:
+        if req.echo:
+            for i, (text, _, _) in enumerate(jobs):
+                for j in range(n):
+                    yield event({"index": i * n + j, "text": text, "logprobs": None,
+                                 "finish_reason": None})
+        async for i, out in _merged(ctx, request_id, jobs):
+            for sample in out.outputs:
+                index = i * n + sample.index
+                num_output += len(sample.token_ids)
+                text = "" if echo_only else sample.text
+                logprobs = None
+                if req.logprobs is not None and sample.logprobs and not echo_only:
+                    logprobs = completion_logprobs(ctx, sample.token_ids, list(sample.logprobs),
+                                                   req.logprobs, start_offset=sent_text[index])
+                sent_text[index] += len(text)
+                if not text and not sample.finished and logprobs is None:
+                    continue
+                yield event({"index": index, "text": text, "logprobs": logprobs,
+                             "finish_reason": sample.finish_reason,
+                             "stop_reason": sample.stop_reason})
+        if include_usage:
+            body = {"id": request_id, "object": "text_completion", "created": created,
+                    "model": ctx.model_name, "choices": [],
+                    "usage": usage(num_prompt, 0 if echo_only else num_output)}
+            yield f"data: {json.dumps(body)}\n\n"
+    except APIError as e:
+        yield sse_error(e)
+    except EngineDeadError as e:
+        yield sse_error(APIError(503, f"the engine stopped: {e}"))
+    except ValueError as e:
+        yield sse_error(bad_request(str(e)))
+    yield "data: [DONE]\n\n"

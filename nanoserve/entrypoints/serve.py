@@ -1,0 +1,243 @@
+"""`nanoserve serve`: the engine core in its own process, the HTTP API in one or more others.
+
+    launcher ── spawns ──> engine core process (model, scheduler, sampler; no HTTP, no text)
+       │
+       └── runs the API server itself (--api-server-count 1), or spawns N API processes that
+           share the port (SO_REUSEPORT); each talks to the engine core over its own sockets
+
+Lifetimes are tied both ways: the engine core exits when its launcher is gone; an API server
+whose engine core dies fails its in-flight requests at once, answers /health with 503, and
+exits non-zero. SIGTERM (or Ctrl-C) drains in-flight requests (bounded by --shutdown-timeout),
+then stops the engine core.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing
+import os
+import signal
+import socket
+import sys
+from multiprocessing.process import BaseProcess
+
+import msgspec
+import uvicorn
+
+from nanoserve.config import EngineConfig, ServerConfig
+from nanoserve.engine.core import reasoning_tokens
+from nanoserve.engine.core_client import (
+    EngineAddresses,
+    EngineCoreClient,
+    engine_is_alive,
+    make_addresses,
+    start_engine_process,
+)
+from nanoserve.entrypoints.async_engine import AsyncEngine
+from nanoserve.entrypoints.openai.api_server import build_app, drain
+from nanoserve.entrypoints.openai.metrics import Metrics
+from nanoserve.entrypoints.openai.serving_common import ServerContext
+from nanoserve.model.loader import load_frontend
+from nanoserve.protocol import EngineDead, EngineReady, Shutdown
+from nanoserve.sample.logits_processor import load_processor_classes
+
+logger = logging.getLogger("nanoserve")
+_ENGINE_START_TIMEOUT_S = 900.0
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A socket several API processes can accept on at once (the kernel spreads connections)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if hasattr(socket, "SO_REUSEPORT"):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    return sock
+
+
+def run_serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
+    """The launcher. Returns the process exit status."""
+    logging.basicConfig(level=server_config.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    count = server_config.api_server_count
+    addresses = make_addresses(count)
+    engine = start_engine_process(engine_config, addresses)
+    try:
+        if count == 1:
+            return asyncio.run(serve_api(engine_config, server_config, addresses, 0,
+                                         engine_pid=engine.pid or 0, engine_process=engine))
+        return _run_api_processes(engine_config, server_config, addresses, engine)
+    finally:
+        _stop_engine(engine, addresses)
+
+
+def _run_api_processes(engine_config: EngineConfig, server_config: ServerConfig,
+                       addresses: EngineAddresses, engine: BaseProcess) -> int:
+    context = multiprocessing.get_context("spawn")
+    procs = [context.Process(target=api_process_main, name=f"nanoserve-api-{i}", args=(
+        msgspec.msgpack.encode(engine_config), msgspec.msgpack.encode(server_config),
+        addresses.input, addresses.outputs, i, engine.pid)) for i in range(
+        server_config.api_server_count)]
+    for proc in procs:
+        proc.start()
+
+    def forward(signum: int, _: object) -> None:
+        for proc in procs:
+            if proc.pid is not None and proc.is_alive():
+                os.kill(proc.pid, signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    status = 0
+    for proc in procs:
+        proc.join()
+        status = status or (proc.exitcode or 0)
+    return status
+
+
+def api_process_main(engine_bytes: bytes, server_bytes: bytes, input_address: str,
+                     output_addresses: list[str], index: int, engine_pid: int) -> None:
+    """Entry point of one API-server process (configs arrive as msgpack, never pickled)."""
+    engine_config = msgspec.msgpack.decode(engine_bytes, type=EngineConfig)
+    server_config = msgspec.msgpack.decode(server_bytes, type=ServerConfig)
+    logging.basicConfig(level=server_config.log_level.upper(),
+                        format=f"%(asctime)s %(levelname)s api-{index}: %(message)s")
+    addresses = EngineAddresses(input_address, output_addresses)
+    sys.exit(asyncio.run(serve_api(engine_config, server_config, addresses, index,
+                                   engine_pid=engine_pid, watch_parent=True)))
+
+
+async def serve_api(engine_config: EngineConfig, server_config: ServerConfig,
+                    addresses: EngineAddresses, index: int, engine_pid: int,
+                    engine_process: BaseProcess | None = None,
+                    watch_parent: bool = False) -> int:
+    """One API server: wait for the engine core, then serve HTTP until told to stop."""
+    frontend = load_frontend(engine_config.model.model)
+    client = EngineCoreClient(addresses, index)
+
+    def engine_alive() -> bool:
+        if engine_process is not None:
+            return engine_process.is_alive()
+        return engine_is_alive(engine_pid)
+
+    ready = await _wait_ready(client, engine_alive)
+    if ready is None:
+        client.close()
+        return 1
+    name = server_config.served_model_name or ready.model_name
+    ctx_holder: list[ServerContext] = []
+    metrics = Metrics(name, lambda: ctx_holder[0].engine.stats)
+    engine = AsyncEngine(client, frontend.tokenizer, ready, engine_alive, observer=metrics)
+    ctx = ServerContext(
+        engine=engine, tokenizer=frontend.tokenizer, model_name=name,
+        max_model_len=ready.max_model_len, vocab_size=ready.vocab_size, metrics=metrics,
+        generation_defaults=frontend.generation_config
+        if server_config.generation_config == "auto" else {},
+        reasoning_parser=server_config.reasoning_parser,
+        processor_classes=load_processor_classes(engine_config.sampler.logits_processors),
+        has_reasoning_tokens=reasoning_tokens(frontend.tokenizer) is not None,
+        max_logprobs=engine_config.sampler.max_logprobs,
+        max_in_flight=server_config.max_in_flight)
+    ctx_holder.append(ctx)
+    app = build_app(ctx, server_config.api_key)
+    server = DrainingServer(uvicorn.Config(
+        app, log_level=server_config.log_level, access_log=False,
+        timeout_graceful_shutdown=max(1, int(server_config.shutdown_timeout)),
+        h11_max_incomplete_event_size=64 * 1024), ctx, server_config.shutdown_timeout)
+    exit_status = 0
+
+    def on_dead() -> None:
+        nonlocal exit_status
+        exit_status = 1
+        # let the in-flight error responses go out, then stop
+        asyncio.get_running_loop().call_later(0.5, _stop, server)
+
+    engine.on_dead = on_dead
+    engine.start()
+    watchers = [asyncio.create_task(_watch_parent(server))] if watch_parent else []
+    sock = listening_socket(server_config.host, server_config.port)
+    logger.info("serving %s on http://%s:%d (API server %d)", name, server_config.host,
+                server_config.port, index)
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        for task in watchers:
+            task.cancel()
+        await engine.stop()
+        if engine_process is not None and not engine.is_dead:  # single-process mode
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(client.send(Shutdown()), timeout=1.0)
+        client.close()
+        sock.close()
+    return exit_status
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, except that SIGTERM/SIGINT first drain: /health says 503 and new requests get
+    503 while in-flight ones finish (bounded), then it stops; a second signal stops at once.
+    (uvicorn's own handler would stop accepting at once and re-raise the signal at exit.)"""
+
+    def __init__(self, config: uvicorn.Config, ctx: ServerContext, timeout: float) -> None:
+        super().__init__(config)
+        self.ctx = ctx
+        self.drain_timeout = timeout
+        self.loop = asyncio.get_running_loop()
+
+    def handle_exit(self, sig: int, frame: object) -> None:
+        if self.ctx.shutting_down:
+            self.force_exit = self.should_exit = True
+            return
+        self.ctx.shutting_down = True
+        self.loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        async def drain_then_stop() -> None:
+            await drain(self.ctx, self.drain_timeout)
+            self.should_exit = True
+
+        self.loop.create_task(drain_then_stop())
+
+
+def _stop(server: uvicorn.Server) -> None:
+    server.should_exit = True
+
+
+async def _watch_parent(server: uvicorn.Server) -> None:
+    parent = os.getppid()
+    while os.getppid() == parent:
+        await asyncio.sleep(0.5)
+    _stop(server)
+
+
+async def _wait_ready(client: EngineCoreClient, alive: object) -> EngineReady | None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + _ENGINE_START_TIMEOUT_S
+    while loop.time() < deadline:
+        try:
+            message = await asyncio.wait_for(client.recv(), timeout=0.5)
+        except TimeoutError:
+            if callable(alive) and not alive():
+                logger.error("the engine core exited while starting")
+                return None
+            continue
+        if isinstance(message, EngineReady):
+            return message
+        if isinstance(message, EngineDead):
+            logger.error("the engine core failed to start:\n%s", message.message)
+            return None
+    logger.error("the engine core did not start within %.0f s", _ENGINE_START_TIMEOUT_S)
+    return None
+
+
+def _stop_engine(engine: BaseProcess, addresses: EngineAddresses) -> None:
+    engine.join(timeout=5)  # with one API server, it was sent Shutdown
+    if engine.is_alive():
+        engine.terminate()
+        engine.join(timeout=5)
+    if engine.is_alive():
+        engine.kill()
+    addresses.cleanup()

@@ -1,0 +1,99 @@
+"""Start the real `nanoserve serve` as a subprocess, talk to it over HTTP."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+
+API_KEY = "test-key-123"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class RunningServer:
+    """`nanoserve serve ...` on a free port; `stop()` sends SIGTERM and waits."""
+
+    def __init__(self, *args: str, api_key: str | None = None, log: Path | None = None) -> None:
+        self.port = free_port()
+        self.api_key = api_key
+        cmd = [sys.executable, "-m", "nanoserve.entrypoints.cli", "serve", "--port",
+               str(self.port), "--log-level", "warning", *args]
+        if api_key:
+            cmd += ["--api-key", api_key]
+        self.log = open(log or os.devnull, "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._wait_healthy()
+
+    def _wait_healthy(self, timeout: float = 240.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode} while starting")
+            try:
+                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        self.stop()
+        raise RuntimeError("server did not become healthy")
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def client(self, **kwargs: Any) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=self.api_key or "none",
+                             max_retries=0, **kwargs)
+
+    def async_client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=self.api_key or "none",
+                                  max_retries=0)
+
+    def post(self, path: str, body: dict[str, Any], timeout: float = 120.0) -> httpx.Response:
+        return httpx.post(self.url + path, json=body, headers=self.headers, timeout=timeout)
+
+    def metric(self, name: str) -> float:
+        """The value of one Prometheus sample (summed over label sets)."""
+        text = httpx.get(self.url + "/metrics", headers=self.headers, timeout=10).text
+        total, found = 0.0, False
+        for line in text.splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                total += float(line.rsplit(" ", 1)[1])
+                found = True
+        assert found, f"metric {name} not exported"
+        return total
+
+    def stop(self, timeout: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        return int(self.proc.returncode)
+
+
+def sse_events(response: httpx.Response) -> list[str]:
+    """The `data:` payloads of a server-sent-event stream, in order."""
+    events = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            events.append(line[len("data: "):])
+    return events

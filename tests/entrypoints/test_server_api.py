@@ -1,0 +1,262 @@
+"""The OpenAI-compatible server on the default model, driven by the official `openai` SDK and
+raw HTTP: endpoints, stream shapes, logprobs, echo, stops, seeds, errors, auth, metrics,
+disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+from server_harness import API_KEY, RunningServer, sse_events
+
+MODEL = "SmolLM2-135M-Instruct"
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[RunningServer]:
+    running = RunningServer("--max-model-len", "4096", api_key=API_KEY)
+    yield running
+    assert running.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def client(server: RunningServer) -> openai.OpenAI:
+    return server.client()
+
+
+CHAT = [{"role": "user", "content": "Name three colors."}]
+
+
+def test_chat_and_completions(client: openai.OpenAI) -> None:
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=24,
+                                          temperature=0)
+    assert chat.object == "chat.completion" and chat.id.startswith("chatcmpl-")
+    choice = chat.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content
+    assert choice.finish_reason in ("stop", "length")
+    assert chat.usage.total_tokens == chat.usage.prompt_tokens + chat.usage.completion_tokens
+    done = client.completions.create(model=MODEL, prompt="The capital of France is",
+                                     max_tokens=8, temperature=0)
+    assert done.object == "text_completion" and "Paris" in done.choices[0].text
+    assert done.usage.completion_tokens == 8 and done.choices[0].finish_reason == "length"
+    listed = client.models.list()
+    assert [m.id for m in listed.data] == [MODEL]
+
+
+def test_streams_equal_non_streamed(client: openai.OpenAI) -> None:
+    kwargs = dict(model=MODEL, max_tokens=20, temperature=0)
+    whole = client.chat.completions.create(messages=CHAT, **kwargs).choices[0].message.content
+    stream = client.chat.completions.create(messages=CHAT, stream=True, **kwargs)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == whole
+    text = client.completions.create(prompt="Once upon a time", **kwargs).choices[0].text
+    stream = client.completions.create(prompt="Once upon a time", stream=True, **kwargs)
+    assert "".join(c.choices[0].text for c in stream) == text
+
+
+def test_chat_stream_shape_with_n_and_usage(server: RunningServer) -> None:
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": 12, "n": 3, "temperature": 1.0,
+            "ignore_eos": True,
+            "seed": 5, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body,
+                      headers=server.headers, timeout=120) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(response)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert len({c["id"] for c in chunks}) == 1 and len({c["created"] for c in chunks}) == 1
+    per_index: dict[int, list[dict]] = {0: [], 1: [], 2: []}
+    for chunk in chunks[:-1]:
+        (choice,) = chunk["choices"]
+        per_index[choice["index"]].append(choice)
+    order = [c["choices"][0]["index"] for c in chunks[3:-1]]
+    assert len(set(order)) == 3 and order != sorted(order), "choices should interleave"
+    for choices in per_index.values():
+        assert choices[0]["delta"] == {"role": "assistant", "content": ""}
+        assert all("role" not in c["delta"] for c in choices[1:])
+        finishes = [c for c in choices if c["finish_reason"] is not None]
+        assert len(finishes) == 1 and finishes[0] is choices[-1]
+    usage_chunk = chunks[-1]
+    assert usage_chunk["choices"] == []
+    assert usage_chunk["usage"]["completion_tokens"] == 3 * 12
+
+
+def test_logprobs_in_both_formats(client: openai.OpenAI) -> None:
+    done = client.completions.create(model=MODEL, prompt="One, two,", max_tokens=4,
+                                     temperature=0, logprobs=3)
+    lp = done.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert "".join(lp.tokens) == done.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(4)]
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert value <= 0 and 3 <= len(top) <= 4 and top[token] == value
+        assert value == max(top.values())  # greedy: the chosen token is the best
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4,
+                                          temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4
+    for entry in content:
+        assert entry.bytes == list(entry.token.encode("utf-8"))
+        assert len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].logprob == entry.logprob
+
+
+def test_echo_with_prompt_logprobs(client: openai.OpenAI) -> None:
+    done = client.completions.create(model=MODEL, prompt="Hello there", max_tokens=3,
+                                     temperature=0, echo=True, logprobs=1)
+    choice = done.choices[0]
+    assert choice.text.startswith("Hello there")
+    lp = choice.logprobs
+    assert lp.token_logprobs[0] is None and all(v is not None for v in lp.token_logprobs[1:])
+    assert "".join(lp.tokens) == choice.text
+    only = client.completions.create(model=MODEL, prompt="Hello there", max_tokens=0,
+                                     echo=True)
+    assert only.choices[0].text == "Hello there"
+
+
+def test_stop_strings(client: openai.OpenAI) -> None:
+    full = client.completions.create(model=MODEL, prompt="Count: 1, 2, 3,", max_tokens=20,
+                                     temperature=0).choices[0].text
+    stop = full.strip()[2:4]
+    assert stop.strip()
+    done = client.completions.create(model=MODEL, prompt="Count: 1, 2, 3,", max_tokens=20,
+                                     temperature=0, stop=[stop])
+    choice = done.choices[0]
+    assert choice.finish_reason == "stop" and choice.text == full[: full.index(stop)]
+    assert choice.model_extra["stop_reason"] == stop
+    streamed = client.completions.create(model=MODEL, prompt="Count: 1, 2, 3,", max_tokens=20,
+                                         temperature=0, stop=[stop], stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == choice.text
+
+
+def test_seeds_reproducible_across_requests_and_under_load(server: RunningServer) -> None:
+    async def run() -> list[str]:
+        client = server.async_client()
+        seeded = [client.completions.create(model=MODEL, prompt="A story about a cat:",
+                                            max_tokens=16, temperature=1.0, top_p=0.95,
+                                            seed=1234) for _ in range(4)]
+        noise = [client.completions.create(model=MODEL, prompt=f"Noise {i}", max_tokens=16,
+                                           temperature=1.2) for i in range(4)]
+        results = await asyncio.gather(*seeded, *noise)
+        return [r.choices[0].text for r in results[:4]]
+
+    alone = server.client().completions.create(
+        model=MODEL, prompt="A story about a cat:", max_tokens=16, temperature=1.0, top_p=0.95,
+        seed=1234).choices[0].text
+    assert asyncio.run(run()) == [alone] * 4
+
+
+@pytest.mark.parametrize("body,param,fragment", [
+    ({"top_p": 2.0}, "top_p", "top_p must be in (0, 1], got 2.0"),
+    ({"temperature": -1}, "temperature", "temperature must be >= 0"),
+    ({"n": "three"}, "n", "validation error"),
+    ({"presence_penalty": 3}, "presence_penalty", "must be in [-2, 2]"),
+    ({"logit_bias": {"abc": 1}}, "logit_bias", "logit_bias keys must be token ids"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
+    ({"stream_options": {"include_usage": True}}, "stream_options", "stream is true"),
+    ({"max_tokens": 4096}, "max_tokens", "'max_tokens' or 'max_completion_tokens' is too "
+                                         "large: 4096. This model's maximum context length is "
+                                         "4096 tokens and your request has 1 input tokens "
+                                         "(4096 > 4096 - 1)."),
+    ({"prompt": [99999999]}, "prompt", "out of vocabulary"),
+    ({"prompt": "hello " * 5000}, "input_tokens", "maximum context length is 4096 tokens"),
+    ({"extra_args": {"no_repeat_ngram_size": 0}}, "extra_args.no_repeat_ngram_size",
+     "must be an integer >= 1"),
+])
+def test_bad_fields_are_400_naming_the_field(server: RunningServer, body: dict, param: str,
+                                             fragment: str) -> None:
+    request = {"model": MODEL, "prompt": "hi", "max_tokens": 5, **body}
+    response = server.post("/v1/completions", request)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and fragment in error["message"], error
+    assert error["code"] == 400 and error["type"] == "BadRequestError"
+
+
+def test_chat_specific_errors(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        client.chat.completions.create(model=MODEL, messages=CHAT, top_logprobs=2)
+    with pytest.raises(openai.BadRequestError, match="image_url"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}])
+    with pytest.raises(openai.NotFoundError, match="The model `gpt-9` does not exist"):
+        client.chat.completions.create(model="gpt-9", messages=CHAT)
+
+
+def test_auth_on_every_route(server: RunningServer) -> None:
+    routes = [("GET", "/v1/models", None), ("POST", "/v1/completions", {"prompt": "x"}),
+              ("POST", "/v1/chat/completions", {"messages": CHAT}),
+              ("POST", "/tokenize", {"prompt": "x"}), ("POST", "/detokenize", {"tokens": [1]}),
+              ("GET", "/metrics", None), ("GET", "/version", None)]
+    for method, path, body in routes:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+            response = httpx.request(method, server.url + path, json=body, headers=headers)
+            assert response.status_code == 401, (path, headers)
+            assert response.json()["error"]["code"] == 401
+        ok = httpx.request(method, server.url + path, json=body, headers=server.headers,
+                           timeout=60)
+        assert ok.status_code == 200, (path, ok.text)
+    assert httpx.get(server.url + "/health").status_code == 200
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url + "/v1", api_key="wrong",
+                      max_retries=0).models.list()
+
+
+def test_tokenize_and_detokenize(server: RunningServer) -> None:
+    ids = server.post("/tokenize", {"prompt": "Hello world"}).json()
+    assert ids["count"] == len(ids["tokens"]) and ids["max_model_len"] == 4096
+    assert server.post("/detokenize", {"tokens": ids["tokens"]}).json()["prompt"] == \
+        "Hello world"
+    chat = server.post("/tokenize", {"messages": CHAT}).json()
+    assert chat["count"] > ids["count"]
+
+
+def test_metrics_move(server: RunningServer, client: openai.OpenAI) -> None:
+    before = server.metric("nanoserve:generation_tokens_total")
+    ttft = server.metric("nanoserve:time_to_first_token_seconds_count")
+    client.completions.create(model=MODEL, prompt="Metrics", max_tokens=5, temperature=0)
+    assert server.metric("nanoserve:generation_tokens_total") == before + 5
+    assert server.metric("nanoserve:time_to_first_token_seconds_count") == ttft + 1
+    assert server.metric("nanoserve:prefix_cache_queries_total") > 0
+    for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+        assert server.metric(f"nanoserve:{gauge}") >= 0
+
+
+def test_disconnect_mid_stream_frees_everything(server: RunningServer) -> None:
+    idle_usage = server.metric("nanoserve:kv_cache_usage_perc")
+    body = {"model": MODEL, "prompt": "Write a very long story.", "max_tokens": 3000,
+            "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body,
+                      headers=server.headers, timeout=60) as response:
+        seen = 0
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                seen += 1
+                if seen == 3:
+                    break
+    assert server.metric("nanoserve:num_requests_running") <= 1
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline:
+        if (server.metric("nanoserve:num_requests_running") == 0
+                and server.metric("nanoserve:kv_cache_usage_perc") == idle_usage):
+            break
+        time.sleep(0.05)
+    assert server.metric("nanoserve:num_requests_running") == 0
+    assert server.metric("nanoserve:kv_cache_usage_perc") == idle_usage
+    follow = server.client().completions.create(model=MODEL, prompt="After", max_tokens=3)
+    assert follow.choices[0].finish_reason == "length"
+
+
+def test_disconnect_while_waiting_aborts(server: RunningServer) -> None:
+    with pytest.raises(httpx.ReadTimeout):
+        server.post("/v1/completions", {"model": MODEL, "prompt": "Wait", "max_tokens": 3000,
+                                        "ignore_eos": True}, timeout=1.0)
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline and server.metric("nanoserve:num_requests_running"):
+        time.sleep(0.05)
+    assert server.metric("nanoserve:num_requests_running") == 0
