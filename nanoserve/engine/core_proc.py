@@ -12,6 +12,7 @@ every API server first: EngineDead).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import signal
@@ -175,4 +176,14 @@ def run_engine_core(config_bytes: bytes, input_address: str,
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the launcher, which stops us
     config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
     proc = EngineCoreProc(config, input_address, output_addresses)
-    proc.run()
+    status = 0
+    try:
+        proc.run()
+    except Exception:
+        status = 1
+    finally:
+        # Leave now: a ZMQ context still holding the input thread's socket would make the
+        # interpreter's exit wait on it forever.
+        with contextlib.suppress(Exception):
+            proc.context.destroy(linger=0)
+        os._exit(status)

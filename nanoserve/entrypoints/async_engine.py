@@ -65,6 +65,14 @@ class AsyncEngine:
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._receive_loop(), name="engine-outputs"),
                        asyncio.create_task(self._watchdog(), name="engine-watchdog")]
+        for task in self._tasks:
+            task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        """A loop that stops on its own is fatal: nothing would reach the requests again."""
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("%s failed", task.get_name(), exc_info=task.exception())
+            self._die(f"{task.get_name()} failed: {task.exception()!r}")
 
     async def stop(self) -> None:
         for task in self._tasks:

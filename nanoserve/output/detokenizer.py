@@ -54,7 +54,11 @@ class IncrementalDetokenizer:
         for token_id in new_token_ids:
             self._pending.append(token_id)
             if token_id in self.special_ids:
-                # a special token shown as its own piece, spaced from its neighbours
+                # a special token shown as its own piece, spaced from its neighbours; bytes
+                # still waiting for a character end their run first, as "\ufffd"
+                self._pending.pop()
+                delta += self._flush_pending()
+                self._pending.append(token_id)
                 text = self.tokenizer.convert_ids_to_tokens(token_id)
                 piece = (" " if self.output_text or delta else "") + text
                 self._stream = self._stream.fresh()
@@ -74,6 +78,11 @@ class IncrementalDetokenizer:
     def flush(self) -> str:
         """At the end: the text of tokens still waiting to complete a character (as "\ufffd",
         just as a plain decode shows them)."""
+        piece = self._flush_pending()
+        self.output_text += piece
+        return piece
+
+    def _flush_pending(self) -> str:
         if not self._pending:
             return ""
         decode = self.tokenizer.decode
@@ -82,7 +91,9 @@ class IncrementalDetokenizer:
         text = decode(self._settled + self._pending, skip_special_tokens=skip)
         self._pending = []
         piece = text[len(before) :] if text.startswith(before) else ""
-        self.output_text += piece
+        if piece and self._after_special:
+            piece = " " + piece
+            self._after_special = False
         return piece
 
 
