@@ -156,6 +156,12 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
     return run_throughput_bench(args)
 
 
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from nanoserve.bench.serve import run_serve_bench
+
+    return run_serve_bench(args)
+
+
 def cmd_bench_detokenize(args: argparse.Namespace) -> int:
     from nanoserve.bench.detokenize import run_detokenize_bench
 
@@ -233,6 +239,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_detokenize_args(detok)
     detok.set_defaults(func=cmd_bench_detokenize)
+    serve_bench = bench_sub.add_parser(
+        "serve", help="streaming load against a server (ours, or any OpenAI-compatible URL)")
+    from nanoserve.bench.serve import add_serve_bench_args
+
+    add_serve_bench_args(serve_bench)
+    serve_bench.set_defaults(func=cmd_bench_serve)
     return parser
 
 
