@@ -10,13 +10,11 @@ gathering KV blocks, softmax, sampling, Python) is overhead on top of that floor
 from __future__ import annotations
 
 import random
-import statistics
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from nanoserve.bench.timing import median_seconds
 from nanoserve.engine.core import EngineCore
 from nanoserve.model.linear import linear
 from nanoserve.model.llama import CausalLM
@@ -33,16 +31,6 @@ class MatmulTimes:
         return self.projections + self.attention
 
 
-def _median_time(fn: Callable[[], object], repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def measure_decode_step(engine: EngineCore, batch: int, context_len: int,
                         repeats: int = 10) -> float:
     """Median seconds of one engine step with `batch` requests decoding at ~context_len."""
@@ -55,7 +43,7 @@ def measure_decode_step(engine: EngineCore, batch: int, context_len: int,
                            params)
     while any(r.num_output_tokens == 0 for r in engine.scheduler.requests.values()):
         engine.step()  # prefill everything first
-    seconds = _median_time(engine.step, repeats)
+    seconds = median_seconds(engine.step, repeats)
     for request_id in ids:
         engine.abort(request_id)
     return seconds
@@ -93,4 +81,4 @@ def measure_matmuls(model: CausalLM, batch: int, context_len: int,
             scores = torch.matmul(q, keys.transpose(-1, -2))  # [B, Hkv, group, L]
             torch.matmul(scores, values)  # [B, Hkv, group, D]
 
-    return MatmulTimes(_median_time(projections, repeats), _median_time(attention, repeats))
+    return MatmulTimes(median_seconds(projections, repeats), median_seconds(attention, repeats))

@@ -22,6 +22,7 @@ from functools import partial
 import numpy as np
 import torch
 
+from nanoserve.bench.timing import median_seconds
 from nanoserve.engine.request import Request
 from nanoserve.sample.sampler import Sampler
 from nanoserve.sample.stages import SamplingBatch
@@ -151,13 +152,7 @@ def _sample_copy(sampler: Sampler, logits: torch.Tensor, batch: SamplingBatch) -
 
 
 def _median_ms(fn: Callable[[], object], repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    return median_seconds(fn, repeats) * 1e3
 
 
 def run_sampler_bench(args: argparse.Namespace) -> int:

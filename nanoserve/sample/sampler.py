@@ -104,8 +104,11 @@ class Sampler:
         random_rows = batch.rows(state.uses["random"])
         greedy_rows = np.setdiff1d(np.arange(len(batch.requests)), random_rows,
                                    assume_unique=True)
-        token_ids = torch.empty(len(batch.requests), dtype=torch.int64, device=self.device)
-        if len(greedy_rows):
+        if len(greedy_rows) == len(batch.requests):  # all greedy: no row copies
+            token_ids = logits.argmax(dim=-1)
+        else:
+            token_ids = torch.empty(len(batch.requests), dtype=torch.int64, device=self.device)
+        if 0 < len(greedy_rows) < len(batch.requests):
             at = batch.rows_gpu(greedy_rows)
             token_ids[at] = logits.index_select(0, at).argmax(dim=-1)
         processed_rows = batch.rows(state.uses["logprobs_processed"])

@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from nanoserve.bench import llama_server
-from nanoserve.bench.serve import (
+from nanoserve.bench.load_client import (
     COMMON_WORDS,
     LevelStats,
     RequestRecord,

@@ -6,14 +6,13 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from nanoserve.entrypoints.async_engine import EngineDeadError
-from nanoserve.entrypoints.openai.errors import APIError, bad_request, sse_error
+from nanoserve.entrypoints.openai.errors import bad_request
 from nanoserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from nanoserve.entrypoints.openai.serving_common import (
     ServerContext,
@@ -21,6 +20,7 @@ from nanoserve.entrypoints.openai.serving_common import (
     collect,
     resolve_max_tokens,
     sampling_params,
+    sse_with_errors,
     token_bytes,
     top_entries,
     until_disconnect,
@@ -106,8 +106,9 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     created = int(time.time())
     parsers = _parsers(ctx, req, prompt)
     if req.stream:
-        return StreamingResponse(_stream(ctx, req, request_id, created, prompt, ids, params,
-                                         parsers), media_type="text/event-stream")
+        return StreamingResponse(sse_with_errors(_stream(ctx, req, request_id, created, prompt,
+                                                         ids, params, parsers)),
+                                 media_type="text/event-stream")
     out = await until_disconnect(raw, collect(ctx.engine.generate(request_id, prompt, ids,
                                                                  params)))
     choices = []
@@ -156,7 +157,7 @@ def _chat_logprobs(ctx: ServerContext, token_ids: list[int],
 
 async def _stream(ctx: ServerContext, req: ChatCompletionRequest, request_id: str,
                   created: int, prompt: str, ids: list[int], params: Any,
-                  parsers: list[ReasoningParser]) -> AsyncIterator[str]:
+                  parsers: list[ReasoningParser]) -> AsyncGenerator[str, None]:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     continuous = include_usage and bool(req.stream_options and
                                         req.stream_options.continuous_usage_stats)
@@ -185,27 +186,19 @@ async def _stream(ctx: ServerContext, req: ChatCompletionRequest, request_id: st
             out["content"] = content
         return out
 
-    try:
-        for i in range(req.n):  # the role comes first, once per choice
-            yield event([{"index": i, "delta": {"role": "assistant", "content": ""},
-                          "logprobs": None, "finish_reason": None}])
-        async for out in ctx.engine.generate(request_id, prompt, ids, params):
-            for sample in out.outputs:
-                num_output += len(sample.token_ids)
-                body = delta(sample.text, sample.index, sample.finished)
-                logprobs = _chat_logprobs(ctx, sample.token_ids, sample.logprobs,
-                                          req.top_logprobs or 0) if req.logprobs else None
-                if not body and not sample.finished and not (logprobs and logprobs["content"]):
-                    continue
-                yield event([{"index": sample.index, "delta": body, "logprobs": logprobs,
-                              "finish_reason": sample.finish_reason,
-                              "stop_reason": sample.stop_reason}])
-        if include_usage:
-            yield event([], with_usage=True)
-    except APIError as e:
-        yield sse_error(e)
-    except EngineDeadError as e:
-        yield sse_error(APIError(503, f"the engine stopped: {e}"))
-    except ValueError as e:
-        yield sse_error(bad_request(str(e)))
-    yield "data: [DONE]\n\n"
+    for i in range(req.n):  # the role comes first, once per choice
+        yield event([{"index": i, "delta": {"role": "assistant", "content": ""},
+                      "logprobs": None, "finish_reason": None}])
+    async for out in ctx.engine.generate(request_id, prompt, ids, params):
+        for sample in out.outputs:
+            num_output += len(sample.token_ids)
+            body = delta(sample.text, sample.index, sample.finished)
+            logprobs = _chat_logprobs(ctx, sample.token_ids, sample.logprobs,
+                                      req.top_logprobs or 0) if req.logprobs else None
+            if not body and not sample.finished and not (logprobs and logprobs["content"]):
+                continue
+            yield event([{"index": sample.index, "delta": body, "logprobs": logprobs,
+                          "finish_reason": sample.finish_reason,
+                          "stop_reason": sample.stop_reason}])
+    if include_usage:
+        yield event([], with_usage=True)

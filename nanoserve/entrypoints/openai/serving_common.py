@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import Request
 
-from nanoserve.entrypoints.async_engine import AsyncEngine
-from nanoserve.entrypoints.openai.errors import APIError, bad_request, from_value_error
+from nanoserve.entrypoints.async_engine import AsyncEngine, EngineDeadError
+from nanoserve.entrypoints.openai.errors import APIError, bad_request, from_value_error, sse_error
 from nanoserve.entrypoints.openai.metrics import Metrics
 from nanoserve.entrypoints.openai.protocol import SamplingFields
 from nanoserve.outputs import Logprob, PositionLogprobs, RequestOutput
@@ -200,3 +200,20 @@ async def collect(generator: Any) -> RequestOutput:
         final = output
     assert final is not None
     return final
+
+
+async def sse_with_errors(events: AsyncGenerator[str, None]) -> AsyncIterator[str]:
+    """A stream's events, then `data: [DONE]`. An error after the stream has started (the 200
+    is already sent) becomes one `data: {"error": ...}` event, as OpenAI's clients expect."""
+    try:
+        async for event in events:
+            yield event
+    except APIError as e:
+        yield sse_error(e)
+    except EngineDeadError as e:
+        yield sse_error(APIError(503, f"the engine stopped: {e}"))
+    except ValueError as e:
+        yield sse_error(bad_request(str(e)))
+    finally:
+        await events.aclose()  # (a client that went away: its requests are aborted now)
+    yield "data: [DONE]\n\n"

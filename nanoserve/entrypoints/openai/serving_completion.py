@@ -7,14 +7,13 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from nanoserve.entrypoints.async_engine import EngineDeadError
-from nanoserve.entrypoints.openai.errors import APIError, bad_request, sse_error
+from nanoserve.entrypoints.openai.errors import bad_request
 from nanoserve.entrypoints.openai.protocol import CompletionRequest
 from nanoserve.entrypoints.openai.serving_common import (
     ServerContext,
@@ -23,6 +22,7 @@ from nanoserve.entrypoints.openai.serving_common import (
     collect,
     resolve_max_tokens,
     sampling_params,
+    sse_with_errors,
     top_entries,
     until_disconnect,
     usage,
@@ -77,7 +77,7 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest,
     created = int(time.time())
     if req.stream:
         return StreamingResponse(
-            _stream(ctx, req, request_id, created, jobs, echo_only),
+            sse_with_errors(_stream(ctx, req, request_id, created, jobs, echo_only)),
             media_type="text/event-stream")
     outputs = await until_disconnect(raw, asyncio.gather(*(
         collect(ctx.engine.generate(f"{request_id}-{i}", text, ids, params))
@@ -172,7 +172,7 @@ async def _merged(ctx: ServerContext, request_id: str,
 
 async def _stream(ctx: ServerContext, req: CompletionRequest, request_id: str, created: int,
                   jobs: list[tuple[str, list[int], SamplingParams]],
-                  echo_only: bool) -> AsyncIterator[str]:
+                  echo_only: bool) -> AsyncGenerator[str, None]:
     n = req.n
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     continuous = include_usage and bool(req.stream_options and
@@ -188,36 +188,28 @@ async def _stream(ctx: ServerContext, req: CompletionRequest, request_id: str, c
             body["usage"] = usage(num_prompt, num_output)
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
-    try:
-        if req.echo:
-            for i, (text, _, _) in enumerate(jobs):
-                for j in range(n):
-                    yield event({"index": i * n + j, "text": text, "logprobs": None,
-                                 "finish_reason": None})
-        async for i, out in _merged(ctx, request_id, jobs):
-            for sample in out.outputs:
-                index = i * n + sample.index
-                num_output += len(sample.token_ids)
-                text = "" if echo_only else sample.text
-                logprobs = None
-                if req.logprobs is not None and sample.logprobs and not echo_only:
-                    logprobs = completion_logprobs(ctx, sample.token_ids, list(sample.logprobs),
-                                                   req.logprobs, start_offset=sent_text[index])
-                sent_text[index] += len(text)
-                if not text and not sample.finished and logprobs is None:
-                    continue
-                yield event({"index": index, "text": text, "logprobs": logprobs,
-                             "finish_reason": sample.finish_reason,
-                             "stop_reason": sample.stop_reason})
-        if include_usage:
-            body = {"id": request_id, "object": "text_completion", "created": created,
-                    "model": ctx.model_name, "choices": [],
-                    "usage": usage(num_prompt, 0 if echo_only else num_output)}
-            yield f"data: {json.dumps(body)}\n\n"
-    except APIError as e:
-        yield sse_error(e)
-    except EngineDeadError as e:
-        yield sse_error(APIError(503, f"the engine stopped: {e}"))
-    except ValueError as e:
-        yield sse_error(bad_request(str(e)))
-    yield "data: [DONE]\n\n"
+    if req.echo:
+        for i, (text, _, _) in enumerate(jobs):
+            for j in range(n):
+                yield event({"index": i * n + j, "text": text, "logprobs": None,
+                             "finish_reason": None})
+    async for i, out in _merged(ctx, request_id, jobs):
+        for sample in out.outputs:
+            index = i * n + sample.index
+            num_output += len(sample.token_ids)
+            text = "" if echo_only else sample.text
+            logprobs = None
+            if req.logprobs is not None and sample.logprobs and not echo_only:
+                logprobs = completion_logprobs(ctx, sample.token_ids, list(sample.logprobs),
+                                               req.logprobs, start_offset=sent_text[index])
+            sent_text[index] += len(text)
+            if not text and not sample.finished and logprobs is None:
+                continue
+            yield event({"index": index, "text": text, "logprobs": logprobs,
+                         "finish_reason": sample.finish_reason,
+                         "stop_reason": sample.stop_reason})
+    if include_usage:
+        body = {"id": request_id, "object": "text_completion", "created": created,
+                "model": ctx.model_name, "choices": [],
+                "usage": usage(num_prompt, 0 if echo_only else num_output)}
+        yield f"data: {json.dumps(body)}\n\n"
