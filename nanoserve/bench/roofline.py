@@ -36,13 +36,20 @@ def measure_decode_step(engine: EngineCore, batch: int, context_len: int,
     """Median seconds of one engine step with `batch` requests decoding at ~context_len."""
     rng = random.Random(1)
     vocab = engine.loaded.arch.vocab_size
-    params = SamplingParams(temperature=0.0, max_tokens=repeats + 8, ignore_eos=True)
+    # Early requests decode while later ones still prefill (chunked): room for all those steps.
+    budget = engine.config.scheduler.max_num_batched_tokens
+    prefill_steps = batch * context_len // max(1, budget - batch) + 2
+    params = SamplingParams(temperature=0.0, max_tokens=prefill_steps + repeats + 8,
+                            ignore_eos=True)
     ids = [f"roofline-{i}" for i in range(batch)]
     for request_id in ids:
         engine.add_request(request_id, [rng.randrange(3, vocab) for _ in range(context_len)],
                            params)
     while any(r.num_output_tokens == 0 for r in engine.scheduler.requests.values()):
         engine.step()  # prefill everything first
+    if len(engine.scheduler.running) != batch:
+        raise RuntimeError(f"only {len(engine.scheduler.running)} of {batch} requests fit the "
+                           "KV cache and sequence cap at once; raise --kv-cache-memory")
     seconds = median_seconds(engine.step, repeats)
     for request_id in ids:
         engine.abort(request_id)

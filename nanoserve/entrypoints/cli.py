@@ -24,7 +24,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=64)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-num-batched-tokens", type=int, default=512,
+                   help="tokens in one forward pass; smaller chunks long prefills finer, which "
+                        "lowers time-to-first-token under load (default: 512)")
     g.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",
                    help="KV cache size in GiB (default: 1 on CPU, 90%% of free GPU memory)")
     g.add_argument("--block-size", type=int, default=16)
