@@ -12,7 +12,7 @@ import torch
 
 from nanoserve.engine.scheduler import ScheduledRequest
 from nanoserve.model.arch import ArchConfig
-from nanoserve.model.attention import AttentionMetadata, PrefillChunk
+from nanoserve.model.attention import AttentionMetadata, PrefillChunk, head_block_rows
 from nanoserve.model.llama import CausalLM
 
 
@@ -29,10 +29,12 @@ class ModelRunner:
         arch = model.arch
         self.model = model
         self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.num_kv_heads = arch.num_kv_heads
         self.device = device
         # Zero-filled, so masked-out (stale or padding) cache entries are always finite; and
         # touched now, at start-up: a first write to a page during a step costs a page fault.
-        shape = (num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
+        shape = (arch.num_kv_heads, num_blocks, block_size, arch.head_dim)  # see attention.py
         self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
                            torch.zeros(shape, dtype=dtype, device=device))
                           for _ in range(arch.num_layers)]
@@ -105,14 +107,14 @@ class ModelRunner:
         chunk = PrefillChunk(first_row, s.num_new_tokens, context_len)
         if s.start > 0:  # earlier tokens are in the cache: read the whole context from there
             num_blocks = -(-context_len // self.block_size)
-            chunk.block_ids = self._tensor(table[:num_blocks])
+            chunk.block_ids = self._tensor(self._head_rows(table[:num_blocks]))
             query_pos = np.arange(s.start, context_len)[:, None]
             chunk.mask = self._tensor(np.arange(context_len)[None, :] <= query_pos)
         return chunk
 
     def _decode_tables(self, decodes: list[ScheduledRequest], tables: list[list[int]]
                        ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Padded block ids [B * max_blocks] and the key mask [B, 1, 1, max_blocks * size]."""
+        """Padded block rows [Hkv * B * max_blocks] and key mask [B, 1, 1, max_blocks * size]."""
         if not decodes:
             return None, None
         size = self.block_size
@@ -123,7 +125,11 @@ class ModelRunner:
             num_blocks = -(-(s.start + 1) // size)
             padded[row, :num_blocks] = table[:num_blocks]
         mask = np.arange(max_blocks * size)[None, :] < context_lens[:, None]
-        return self._tensor(padded.reshape(-1)), self._tensor(mask[:, None, None, :])
+        return (self._tensor(self._head_rows(padded)),
+                self._tensor(mask[:, None, None, :]))
+
+    def _head_rows(self, block_ids: np.ndarray) -> np.ndarray:
+        return head_block_rows(block_ids, self.num_kv_heads, self.num_blocks)
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
