@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from nanoserve.protocol import TokenLogprobs
+from nanoserve.sample.topk import chunked_topk
 
 
 def gather_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor,
@@ -14,7 +15,7 @@ def gather_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor,
     ranks = (logprobs > chosen_lp).sum(dim=-1) + 1
     width = max(num_top, default=0)
     if width:
-        top_lp, top_ids = logprobs.topk(width, dim=-1)
+        top_lp, top_ids = chunked_topk(logprobs, width)
         top_lp_rows, top_id_rows = top_lp.tolist(), top_ids.tolist()
     else:
         top_lp_rows = top_id_rows = [[] for _ in num_top]

@@ -106,11 +106,16 @@ def apply_penalties(logits: torch.Tensor, state: SamplingState, batch: SamplingB
     sub = logits.index_select(0, index)  # [r, V]
     counts = state.output_counts.index_select(0, slots)  # [r, V] int32
     in_output = counts > 0
-    seen = in_output | state.prompt_mask.index_select(0, slots)
-    repetition = state.repetition.index_select(0, slots)[:, None]
-    sub = torch.where(seen, torch.where(sub > 0, sub / repetition, sub * repetition), sub)
-    sub -= state.frequency.index_select(0, slots)[:, None] * counts
-    sub -= state.presence.index_select(0, slots)[:, None] * in_output
+    # each pass is over [r, V]: skip the kinds of penalty no row of the step asks for
+    params = [batch.requests[row].params for row in rows]
+    if any(p.repetition_penalty != 1.0 for p in params):
+        seen = in_output | state.prompt_mask.index_select(0, slots)
+        repetition = state.repetition.index_select(0, slots)[:, None]
+        sub = torch.where(seen, torch.where(sub > 0, sub / repetition, sub * repetition), sub)
+    if any(p.frequency_penalty != 0.0 for p in params):
+        sub -= state.frequency.index_select(0, slots)[:, None] * counts
+    if any(p.presence_penalty != 0.0 for p in params):
+        sub -= state.presence.index_select(0, slots)[:, None] * in_output
     logits.index_copy_(0, index, sub)
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from nanoserve.sample.noise import gumbel_noise
+from nanoserve.sample.topk import chunked_topk
 
 WIDTHS = (64, 1024, 8192)  # then the whole vocabulary
 NEG_INF = float("-inf")
@@ -38,13 +39,17 @@ def truncate(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
     k_needed = max_top_k if max_top_k is not None else (
         int(top_k.max()) if top_k.numel() else 0)
     steps = [w for w in widths if w > k_needed and w < vocab] + [vocab]
-    ids, vals, covered = _truncate_within(scaled, top_k, top_p, min_p, steps[0])
+    # Rows with top-p alone normalize over the whole vocabulary: computed once, kept for widening
+    top_p_alone = (top_p < 1.0) & (top_k <= 0) & (min_p <= 0)
+    whole = (torch.logsumexp(scaled, dim=-1) if steps[0] < vocab and bool(top_p_alone.any())
+             else torch.zeros_like(top_p))
+    ids, vals, covered = _truncate_within(scaled, top_k, top_p, min_p, whole, steps[0])
     for width in steps[1:]:
         if bool(covered.all()):
             break
         redo = torch.nonzero(~covered).squeeze(1)  # rare: widen for those rows only
         more_ids, more_vals, more_covered = _truncate_within(
-            scaled[redo], top_k[redo], top_p[redo], min_p[redo], width)
+            scaled[redo], top_k[redo], top_p[redo], min_p[redo], whole[redo], width)
         pad = width - ids.shape[1]
         ids = torch.nn.functional.pad(ids, (0, pad))
         vals = torch.nn.functional.pad(vals, (0, pad), value=NEG_INF)
@@ -54,10 +59,11 @@ def truncate(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
 
 
 def _truncate_within(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                     min_p: torch.Tensor, width: int
+                     min_p: torch.Tensor, whole: torch.Tensor, width: int
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Truncate using only the `width` best tokens; also say, per row, whether that was enough."""
-    vals, ids = torch.topk(scaled, width, dim=-1)  # [r, K], descending
+    """Truncate using only the `width` best tokens; also say, per row, whether that was enough.
+    `whole`: each row's logsumexp over the whole vocabulary (read for rows with top-p alone)."""
+    vals, ids = chunked_topk(scaled, width)  # [r, K], descending
     is_full = width == scaled.shape[1]
     # 1) min-p, as a ratio to the best token (the normalizer cancels)
     ratio_ok = (vals - vals[:, :1]).exp() >= min_p[:, None]
@@ -72,10 +78,6 @@ def _truncate_within(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Ten
     has_p = top_p < 1.0
     if is_full:
         whole = torch.logsumexp(vals, dim=-1)
-    elif bool((has_p & ~cut).any()):  # top-p alone: normalize over the whole vocabulary
-        whole = torch.logsumexp(scaled, dim=-1)
-    else:
-        whole = torch.zeros_like(top_p)
     lse = torch.where(cut, torch.logsumexp(survivors, dim=-1), whole)
     probs = (survivors - lse[:, None]).exp()
     mass = probs.cumsum(dim=-1)
