@@ -177,14 +177,18 @@ def run_sampler_bench(args: argparse.Namespace) -> int:
         print(f"{batch:>5} {ours:13.2f} {loop:16.2f} {multi:15.2f} {loop / ours:7.1f}x "
               f"{multi / ours:14.1f}x")
     if not args.skip_step_share:
-        share, step_ms, sample_ms = sampler_share_of_step(llm, 32)
-        print(f"\ndecode step at batch 32 with the mix: {step_ms:.1f} ms, of which sampling "
-              f"{sample_ms:.2f} ms = {share:.1%}")
+        print()
+        for context_len in (64, 128, 256):  # the step grows with the context; sampling does not
+            share, step_ms, sample_ms = sampler_share_of_step(llm, 32, context_len)
+            print(f"decode step at batch 32 with the mix, {context_len}-token prompts: "
+                  f"{step_ms:.1f} ms, of which sampling {sample_ms:.2f} ms = {share:.1%}")
     return 0
 
 
-def sampler_share_of_step(llm: object, batch: int, steps: int = 10) -> tuple[float, float, float]:
-    """Run `batch` requests with the mix through the engine; time steps and their sampling."""
+def sampler_share_of_step(llm: object, batch: int, context_len: int,
+                          steps: int = 10) -> tuple[float, float, float]:
+    """Run `batch` requests with the mix through the engine, from `context_len`-token prompts;
+    time steps and their sampling."""
     from nanoserve.entrypoints.llm import LLM
 
     assert isinstance(llm, LLM)
@@ -192,7 +196,7 @@ def sampler_share_of_step(llm: object, batch: int, steps: int = 10) -> tuple[flo
     ids = [f"share{i}" for i in range(batch)]
     for request_id, p in zip(ids, mixed_params(batch), strict=True):
         p.max_tokens, p.ignore_eos = steps + 8, True
-        engine.add_request(request_id, [100 + i for i in range(64)], p)
+        engine.add_request(request_id, [100 + i for i in range(context_len)], p)
     while any(r.num_output_tokens == 0 for r in engine.scheduler.requests.values()):
         engine.step()
     step_times, sample_times = [], []

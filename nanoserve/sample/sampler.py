@@ -32,6 +32,7 @@ from nanoserve.sample.stages import (
 )
 from nanoserve.sample.state import ReasoningTokens, SamplingState
 from nanoserve.sample.truncation import draw_candidates, draw_full, truncate
+from nanoserve.sampling_params import SamplingParams
 
 
 @dataclass
@@ -59,6 +60,27 @@ class Sampler:
         if request.params.thinking_token_budget is not None and self.state.reasoning is None:
             raise ValueError("thinking_token_budget needs a model with reasoning tags "
                              "(<think> and </think> tokens); this model has none")
+        self._check_something_allowed(request.params)
+
+    def _check_something_allowed(self, params: SamplingParams) -> None:
+        """allowed_token_ids must keep a token that bad_words (one-token words) and, before
+        min_tokens, the end-of-sequence and stop ids do not ban: else no draw is possible."""
+        if params.allowed_token_ids is None:
+            return
+        allowed = set(params.allowed_token_ids)
+        allowed -= {word[0] for word in params.bad_words_token_ids if len(word) == 1}
+        if not allowed:
+            raise ValueError(f"allowed_token_ids={params.allowed_token_ids} are all banned by "
+                             "bad_words; allow at least one other token")
+        if params.min_tokens > 0:
+            stop_ids = set(params.stop_token_ids)
+            if not params.ignore_eos:
+                stop_ids |= set(self.eos_token_ids)
+            if not allowed - stop_ids:
+                raise ValueError(
+                    f"allowed_token_ids={params.allowed_token_ids} leave only end-of-sequence or "
+                    f"stop_token_ids, which min_tokens={params.min_tokens} bans; allow at least "
+                    "one other token or set min_tokens=0")
 
     def add_request(self, slot: int, request: Request) -> None:
         """Write a request's parameters into its slot (on admission to the running batch)."""

@@ -41,7 +41,7 @@ def truncate(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
     steps = [w for w in widths if w > k_needed and w < vocab] + [vocab]
     # Rows with top-p alone normalize over the whole vocabulary: computed once, kept for widening
     top_p_alone = (top_p < 1.0) & (top_k <= 0) & (min_p <= 0)
-    whole = (torch.logsumexp(scaled, dim=-1) if steps[0] < vocab and bool(top_p_alone.any())
+    whole = (_logsumexp(scaled) if steps[0] < vocab and bool(top_p_alone.any())
              else torch.zeros_like(top_p))
     ids, vals, covered = _truncate_within(scaled, top_k, top_p, min_p, whole, steps[0])
     for width in steps[1:]:
@@ -92,6 +92,14 @@ def _truncate_within(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Ten
         top_p_done = has_p & (mass[:, -1] >= top_p)
         covered = has_k | torch.where(min_p > 0, min_p_done, top_p_done)
     return ids, vals.masked_fill(~keep, NEG_INF), covered
+
+
+def _logsumexp(x: torch.Tensor) -> torch.Tensor:
+    """torch.logsumexp over the last dimension, its result bit for bit, in fewer passes over
+    [r, V] (it is ~40% of `truncate` on the CPU otherwise)."""
+    top = x.amax(dim=-1, keepdim=True)
+    top = torch.where(top.isinf(), torch.zeros_like(top), top)  # all -inf rows stay -inf
+    return (x - top).exp_().sum(dim=-1).log_().add_(top.squeeze(1))
 
 
 def draw_full(scaled: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:

@@ -3,10 +3,12 @@ parameters: masks bitwise equal, values within 1e-6."""
 
 from __future__ import annotations
 
+import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from sampler_harness import (
+    EOS,
     admit,
     make_request,
     ref_allowed,
@@ -55,6 +57,11 @@ def params(draw: st.DrawFn) -> SamplingParams:
     )
     p.bad_words_token_ids = draw(st.lists(st.lists(tokens, min_size=1, max_size=3), max_size=3))
     p.bad_words = ["x"] * len(p.bad_words_token_ids)  # only the ids are read
+    if p.allowed_token_ids is not None:  # something stays drawable whatever was generated
+        banned = {word[-1] for word in p.bad_words_token_ids}
+        if p.min_tokens > 0:
+            banned |= set(p.stop_token_ids) | (set() if p.ignore_eos else {EOS})
+        assume(set(p.allowed_token_ids) - banned)
     return p
 
 
@@ -143,3 +150,18 @@ def test_temperature_divides_logits() -> None:
     assert greedy.params.is_greedy and greedy.params.top_k == 0
     tiny = SamplingParams(temperature=1e-3)
     assert tiny.temperature == 1e-2  # vLLM raises tiny temperatures to 0.01
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    (dict(allowed_token_ids=[5, 6], bad_words=["x", "y"]), "all banned by bad_words"),
+    (dict(allowed_token_ids=[EOS, 7], stop_token_ids=[7], min_tokens=2), "min_tokens=2 bans"),
+])
+def test_allowed_tokens_that_leave_nothing_to_draw_are_refused(fields: dict,
+                                                               message: str) -> None:
+    p = SamplingParams(**{k: v for k, v in fields.items() if k != "bad_words"})
+    if "bad_words" in fields:
+        p.bad_words, p.bad_words_token_ids = fields["bad_words"], [[5], [6]]
+    with pytest.raises(ValueError, match=message):
+        admit([make_request(p, [1])], VOCAB)
+    p.min_tokens, p.bad_words_token_ids = 0, [[5]]
+    admit([make_request(p, [1])], VOCAB)  # one drawable token is enough
