@@ -54,17 +54,28 @@ def mixed_params(batch: int, seed: int = 0) -> list[SamplingParams]:
     return out
 
 
+TEXT = ("The history of the printing press begins in the fifteenth century, when "
+        "Johannes Gutenberg combined movable metal type, oil-based ink and a wooden press. "
+        "Within decades, printing spread across Europe, and books became cheaper, more "
+        "numerous and more uniform. Scholars could compare identical copies; merchants "
+        "printed forms; reformers printed pamphlets. ")
+
+
+def text_ids(llm: object, num_tokens: int) -> list[int]:
+    """The first `num_tokens` token ids of a plain English text (repeated as needed)."""
+    from nanoserve.entrypoints.llm import LLM
+
+    assert isinstance(llm, LLM)
+    ids = llm.get_tokenizer().encode(TEXT)
+    return (ids * (num_tokens // len(ids) + 1))[:num_tokens]
+
+
 def real_logits(llm: object, rows: int) -> torch.Tensor:
     """The default model's logits at `rows` positions of a text (cycled if needed)."""
     from nanoserve.entrypoints.llm import LLM
 
     assert isinstance(llm, LLM)
-    text = ("The history of the printing press begins in the fifteenth century, when "
-            "Johannes Gutenberg combined movable metal type, oil-based ink and a wooden press. "
-            "Within decades, printing spread across Europe, and books became cheaper, more "
-            "numerous and more uniform. Scholars could compare identical copies; merchants "
-            "printed forms; reformers printed pamphlets. ") * 4
-    ids = llm.get_tokenizer().encode(text)[:300]
+    ids = text_ids(llm, 300)
     params = SamplingParams(max_tokens=1, prompt_logprobs=0)
     llm.engine.add_request("bench-logits", ids, params)
     runner, scheduler = llm.engine.runner, llm.engine.scheduler
@@ -194,9 +205,10 @@ def sampler_share_of_step(llm: object, batch: int, context_len: int,
     assert isinstance(llm, LLM)
     engine = llm.engine
     ids = [f"share{i}" for i in range(batch)]
+    prompt = text_ids(llm, context_len)  # real text: the distributions sampling meets in use
     for request_id, p in zip(ids, mixed_params(batch), strict=True):
         p.max_tokens, p.ignore_eos = steps + 8, True
-        engine.add_request(request_id, [100 + i for i in range(context_len)], p)
+        engine.add_request(request_id, prompt, p)
     while any(r.num_output_tokens == 0 for r in engine.scheduler.requests.values()):
         engine.step()
     step_times, sample_times = [], []
