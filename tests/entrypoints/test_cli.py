@@ -38,3 +38,20 @@ def test_help_lists_the_commands() -> None:
     assert done.returncode == 0
     for command in ("generate", "chat", "bench"):
         assert command in done.stdout
+
+
+def test_benchmarks_run_and_print_their_figures(tiny_model_dir: Any) -> None:
+    model = str(tiny_model_dir("llama"))
+    done = nanoserve("bench", "throughput", "--model", model, "--num-prompts", "4",
+                     "--input-len", "16", "--output-len", "4", "--skip-transformers")
+    assert done.returncode == 0, done.stderr
+    assert "nanoserve tok/s" in done.stdout and "step / matmuls" in done.stdout
+    done = nanoserve("bench", "sampler", "--model", model, "--batch-sizes", "1,4",
+                     "--repeats", "1")
+    assert done.returncode == 0, done.stderr
+    assert "vs multinomial" in done.stdout
+    for context_len in (64, 128, 256):
+        assert f"{context_len}-token prompts" in done.stdout
+    done = nanoserve("bench", "detokenize", "--model", model, "--lengths", "10,100")
+    assert done.returncode == 0, done.stderr
+    assert "µs per token" in done.stdout and "naive / ours" in done.stdout
