@@ -122,8 +122,6 @@ def free_port() -> int:
 @contextlib.contextmanager
 def nanoserve_server(model: str | None) -> Iterator[str]:
     """`nanoserve serve` on a free port until the block ends (SIGTERM); yields its base URL."""
-    from nanoserve.bench.llama_server import stop_process, wait_for_health
-
     port = free_port()
     cmd = [sys.executable, "-m", "nanoserve.entrypoints.cli", "serve", "--port", str(port)]
     cmd += ["--model", model] if model else []
@@ -134,32 +132,31 @@ def nanoserve_server(model: str | None) -> Iterator[str]:
     with os.fdopen(fd, "wb") as log:
         process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                    stdin=subprocess.DEVNULL)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        waited = wait_for_health(url, HEALTH_TIMEOUT_S, process)
-        print(f"nanoserve serve is ready after {waited:.1f} s", file=sys.stderr)
+    with _ready(process, port, "nanoserve serve") as url:
         yield url
-    finally:
-        stop_process(process)
 
 
 @contextlib.contextmanager
 def llama_server(gguf: Path, parallel: int, threads: int) -> Iterator[str]:
     """llama-server (built if missing) on a free port until the block ends; yields its URL."""
-    from nanoserve.bench.llama_server import (
-        ensure_llama_server,
-        start_llama_server,
-        stop_process,
-        wait_for_health,
-    )
+    from nanoserve.bench.llama_server import ensure_llama_server, start_llama_server
 
     binary = ensure_llama_server()
     port = free_port()
     process = start_llama_server(binary, gguf, port, parallel=parallel, threads=threads)
+    with _ready(process, port, "llama-server") as url:
+        yield url
+
+
+@contextlib.contextmanager
+def _ready(process: subprocess.Popen[bytes], port: int, name: str) -> Iterator[str]:
+    """Wait for a started server's health check, yield its URL, stop it when the block ends."""
+    from nanoserve.bench.llama_server import stop_process, wait_for_health
+
     try:
         url = f"http://127.0.0.1:{port}"
         waited = wait_for_health(url, HEALTH_TIMEOUT_S, process)
-        print(f"llama-server is ready after {waited:.1f} s", file=sys.stderr)
+        print(f"{name} is ready after {waited:.1f} s", file=sys.stderr)
         yield url
     finally:
         stop_process(process)
