@@ -55,3 +55,9 @@ def test_benchmarks_run_and_print_their_figures(tiny_model_dir: Any) -> None:
     done = nanoserve("bench", "detokenize", "--model", model, "--lengths", "10,100")
     assert done.returncode == 0, done.stderr
     assert "µs per token" in done.stdout and "naive / ours" in done.stdout
+    # bench serve starts `nanoserve serve` itself, streams to it, and stops it
+    done = nanoserve("bench", "serve", "--model", model, "--concurrency", "2",
+                     "--num-requests", "4", "--input-len", "8", "--output-len", "4")
+    assert done.returncode == 0, done.stderr
+    row = next(line.split() for line in done.stdout.splitlines() if line.strip().startswith("2 "))
+    assert row[1:3] == ["4", "0"]  # requests, failed
