@@ -12,6 +12,7 @@ import json
 import sys
 from typing import Any
 
+from nanoserve.config import SchedulerConfig
 from nanoserve.model.loader import DEFAULT_MODEL_NAME
 
 
@@ -23,10 +24,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=64)
-    g.add_argument("--max-num-batched-tokens", type=int, default=512,
+    g.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
+    g.add_argument("--max-num-batched-tokens", type=int,
+                   default=SchedulerConfig.max_num_batched_tokens,
                    help="tokens in one forward pass; smaller chunks long prefills finer, which "
-                        "lowers time-to-first-token under load (default: 512)")
+                        "lowers time-to-first-token under load (default: %(default)s)")
     g.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",
                    help="KV cache size in GiB (default: 1 on CPU, 90%% of free GPU memory)")
     g.add_argument("--block-size", type=int, default=16)

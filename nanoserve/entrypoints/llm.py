@@ -35,8 +35,10 @@ class LLM:
     """An engine core in this process, with a tokenizer and the shared output path."""
 
     def __init__(self, model: str | None = None, *, device: str = "auto", dtype: str = "auto",
-                 max_model_len: int | None = None, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 512, kv_cache_memory_gb: float | None = None,
+                 max_model_len: int | None = None,
+                 max_num_seqs: int = SchedulerConfig.max_num_seqs,
+                 max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens,
+                 kv_cache_memory_gb: float | None = None,
                  num_kv_blocks: int | None = None, block_size: int = 16,
                  enable_prefix_caching: bool = True, seed: int | None = 0,
                  logits_processors: Sequence[str | type] = (), max_logprobs: int = 20) -> None:

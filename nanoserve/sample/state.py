@@ -63,24 +63,24 @@ class SamplingState:
     # -- lazily allocated [slots, vocab] tables -------------------------------------------------
     @property
     def output_counts(self) -> torch.Tensor:
-        if self._output_counts is None:
-            self._output_counts = torch.zeros(self.num_slots, self.vocab_size, dtype=torch.int32,
-                                              device=self.device)
-        return self._output_counts
+        return self._table("_output_counts", torch.int32, 0)
 
     @property
     def prompt_mask(self) -> torch.Tensor:
-        if self._prompt_mask is None:
-            self._prompt_mask = torch.zeros(self.num_slots, self.vocab_size, dtype=torch.bool,
-                                            device=self.device)
-        return self._prompt_mask
+        return self._table("_prompt_mask", torch.bool, False)
 
     @property
     def allowed(self) -> torch.Tensor:
-        if self._allowed is None:
-            self._allowed = torch.ones(self.num_slots, self.vocab_size, dtype=torch.bool,
-                                       device=self.device)
-        return self._allowed
+        return self._table("_allowed", torch.bool, True)
+
+    def _table(self, attr: str, dtype: torch.dtype, fill: int | bool) -> torch.Tensor:
+        """A [slots, vocab] table, allocated the first time a request needs it."""
+        table = getattr(self, attr)
+        if table is None:
+            table = torch.full((self.num_slots, self.vocab_size), fill, dtype=dtype,
+                               device=self.device)
+            setattr(self, attr, table)
+        return table
 
     # -- admission and release ----------------------------------------------------------------
     def add_request(self, slot: int, request: Request, seed: int,
