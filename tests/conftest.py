@@ -16,7 +16,7 @@ import torch
 
 from nanoserve.model.gguf_file import GGUFFile
 from nanoserve.model.loader import default_model_path
-from nanoserve.tokenizer import load_tokenizer_from_gguf
+from nanoserve.model.tokenizer import load_tokenizer_from_gguf
 
 TINY_FAMILIES = ("llama", "qwen2", "qwen3")
 # Qwen3's switch: with enable_thinking (the default) the generation prompt opens a reasoning

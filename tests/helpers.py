@@ -30,9 +30,10 @@ def hf_greedy(model: Any, prompt_ids: list[int], num_new: int) -> list[int]:
 
 
 def make_engine(model: str | Path | None, *, num_blocks: int | None = None,
-                max_num_batched_tokens: int = 2048, max_num_seqs: int = 64,
+                max_num_batched_tokens: int = 2048,
+                max_num_seqs: int = SchedulerConfig.max_num_seqs,
                 max_model_len: int | None = None, enable_prefix_caching: bool = True,
-                block_size: int = 16) -> EngineCore:
+                block_size: int = CacheConfig.block_size) -> EngineCore:
     return EngineCore(EngineConfig(
         model=ModelConfig(model=None if model is None else str(model), device="cpu",
                           dtype="float32", max_model_len=max_model_len),

@@ -17,11 +17,6 @@ TEXT = ("Streaming text is where servers get the details wrong: a character spli
         "several tokens. def f(x):\n    return x * 2  # and some code\n") * 200
 
 
-def add_detokenize_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--lengths", default="10,1000,4000")
-    p.add_argument("--model", default=None)
-
-
 def _per_token_us(run: Any, token_ids: list[int], repeats: int) -> float:
     best = float("inf")
     for _ in range(repeats):
@@ -34,7 +29,7 @@ def _per_token_us(run: Any, token_ids: list[int], repeats: int) -> float:
 def run_detokenize_bench(args: argparse.Namespace) -> int:
     from nanoserve.model.gguf_file import GGUFFile
     from nanoserve.model.loader import resolve_model_path
-    from nanoserve.tokenizer import load_tokenizer_from_dir, load_tokenizer_from_gguf
+    from nanoserve.model.tokenizer import load_tokenizer_from_dir, load_tokenizer_from_gguf
 
     path = resolve_model_path(args.model)
     tokenizer = load_tokenizer_from_dir(path) if path.is_dir() else \

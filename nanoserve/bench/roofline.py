@@ -31,17 +31,19 @@ class MatmulTimes:
         return self.projections + self.attention
 
 
-def measure_decode_step(engine: EngineCore, batch: int, context_len: int,
-                        repeats: int = 10) -> float:
-    """Median seconds of one engine step with `batch` requests decoding at ~context_len."""
+def start_decoding(engine: EngineCore, batch: int, context_len: int, num_steps: int,
+                   tag: str) -> list[str]:
+    """Add `batch` random-token requests and step until every one is decoding; their ids.
+
+    Each gets enough `max_tokens` to decode through `num_steps` more steps."""
     rng = random.Random(1)
     vocab = engine.loaded.arch.vocab_size
     # Early requests decode while later ones still prefill (chunked): room for all those steps.
     budget = engine.config.scheduler.max_num_batched_tokens
     prefill_steps = batch * context_len // max(1, budget - batch) + 2
-    params = SamplingParams(temperature=0.0, max_tokens=prefill_steps + repeats + 8,
+    params = SamplingParams(temperature=0.0, max_tokens=prefill_steps + num_steps + 8,
                             ignore_eos=True)
-    ids = [f"roofline-{i}" for i in range(batch)]
+    ids = [f"{tag}-{i}" for i in range(batch)]
     for request_id in ids:
         engine.add_request(request_id, [rng.randrange(3, vocab) for _ in range(context_len)],
                            params)
@@ -50,6 +52,13 @@ def measure_decode_step(engine: EngineCore, batch: int, context_len: int,
     if len(engine.scheduler.running) != batch:
         raise RuntimeError(f"only {len(engine.scheduler.running)} of {batch} requests fit the "
                            "KV cache and sequence cap at once; raise --kv-cache-memory")
+    return ids
+
+
+def measure_decode_step(engine: EngineCore, batch: int, context_len: int,
+                        repeats: int = 10) -> float:
+    """Median seconds of one engine step with `batch` requests decoding at ~context_len."""
+    ids = start_decoding(engine, batch, context_len, repeats, "roofline")
     seconds = median_seconds(engine.step, repeats)
     for request_id in ids:
         engine.abort(request_id)

@@ -22,9 +22,11 @@ from functools import partial
 import numpy as np
 import torch
 
+from nanoserve.bench import LLMFactory, OfflineLLM
 from nanoserve.bench.timing import median_seconds
-from nanoserve.engine.request import Request
+from nanoserve.engine_args import EngineArgs
 from nanoserve.sample.sampler import Sampler
+from nanoserve.sample.sequence import SequenceData
 from nanoserve.sample.stages import SamplingBatch
 from nanoserve.sampling_params import SamplingParams
 
@@ -37,12 +39,6 @@ MIX = [  # (share of rows, params)
     (0.10, dict(temperature=0.7, top_p=0.9, repetition_penalty=1.1, frequency_penalty=0.3)),
     (0.05, dict(temperature=0.9, top_p=0.9, logit_bias={13: 5.0, 30: -100.0}, logprobs=5)),
 ]
-
-
-def add_sampler_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--batch-sizes", default="1,32,256")
-    p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--skip-step-share", action="store_true")
 
 
 def mixed_params(batch: int, seed: int = 0) -> list[SamplingParams]:
@@ -61,20 +57,14 @@ TEXT = ("The history of the printing press begins in the fifteenth century, when
         "printed forms; reformers printed pamphlets. ")
 
 
-def text_ids(llm: object, num_tokens: int) -> list[int]:
+def text_ids(llm: OfflineLLM, num_tokens: int) -> list[int]:
     """The first `num_tokens` token ids of a plain English text (repeated as needed)."""
-    from nanoserve.entrypoints.llm import LLM
-
-    assert isinstance(llm, LLM)
-    ids = llm.get_tokenizer().encode(TEXT)
+    ids = llm.tokenizer.encode(TEXT)
     return (ids * (num_tokens // len(ids) + 1))[:num_tokens]
 
 
-def real_logits(llm: object, rows: int) -> torch.Tensor:
+def real_logits(llm: OfflineLLM, rows: int) -> torch.Tensor:
     """The default model's logits at `rows` positions of a text (cycled if needed)."""
-    from nanoserve.entrypoints.llm import LLM
-
-    assert isinstance(llm, LLM)
     ids = text_ids(llm, 300)
     params = SamplingParams(max_tokens=1, prompt_logprobs=0)
     llm.engine.add_request("bench-logits", ids, params)
@@ -87,32 +77,29 @@ def real_logits(llm: object, rows: int) -> torch.Tensor:
     return logits[torch.arange(rows) % logits.shape[0]].contiguous()
 
 
-def make_sampler(params: list[SamplingParams], vocab: int) -> tuple[Sampler, list[Request]]:
+def make_sampler(params: list[SamplingParams], vocab: int
+                 ) -> tuple[Sampler, list[SequenceData]]:
     sampler = Sampler(len(params), vocab, torch.device("cpu"), eos_token_ids=(2,))
-    requests = []
+    seqs = []
     for slot, p in enumerate(params):
-        request = Request(f"b{slot}", [5, 6, 7, 8, 9] * 20, p, eos_token_ids=(2,))
-        for token in range(10, 40):
-            request.append_output_token(token)
-        request.sampling_seed = p.seed or 0
-        request.slot = slot
-        sampler.add_request(slot, request)
-        requests.append(request)
-    return sampler, requests
+        seq = SequenceData(slot, p, [5, 6, 7, 8, 9] * 20, list(range(10, 40)), p.seed or 0)
+        sampler.add_request(seq)
+        seqs.append(seq)
+    return sampler, seqs
 
 
 def per_row_loop(logits: torch.Tensor, params: list[SamplingParams],
-                 requests: list[Request]) -> list[int]:
+                 seqs: list[SequenceData]) -> list[int]:
     """The textbook sampler: one row at a time, full sort, per-row seeded multinomial."""
     out = []
-    for row, p, request in zip(logits, params, requests, strict=True):
+    for row, p, seq in zip(logits, params, seqs, strict=True):
         row = row.clone()
         if p.has_penalties:
-            seen = torch.tensor(sorted(set(request.all_token_ids)))
+            seen = torch.tensor(sorted({*seq.prompt_token_ids, *seq.output_token_ids}))
             vals = row[seen]
             row[seen] = torch.where(vals > 0, vals / p.repetition_penalty,
                                     vals * p.repetition_penalty)
-            ids, counts = torch.tensor(request.output_token_ids).unique(return_counts=True)
+            ids, counts = torch.tensor(seq.output_token_ids).unique(return_counts=True)
             row[ids] -= p.frequency_penalty * counts + p.presence_penalty
         for token, bias in (p.logit_bias or {}).items():
             row[token] += bias
@@ -166,10 +153,8 @@ def _median_ms(fn: Callable[[], object], repeats: int) -> float:
     return median_seconds(fn, repeats) * 1e3
 
 
-def run_sampler_bench(args: argparse.Namespace) -> int:
-    from nanoserve.entrypoints.cli import build_llm
-
-    llm = build_llm(args)
+def run_sampler_bench(args: argparse.Namespace, build_llm: LLMFactory) -> int:
+    llm = build_llm(EngineArgs.from_cli_args(args))
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     vocab = llm.engine.loaded.arch.vocab_size
     print(f"logits [B, {vocab}] from {llm.engine.loaded.name}, float32, "
@@ -179,10 +164,10 @@ def run_sampler_bench(args: argparse.Namespace) -> int:
     for batch in sizes:
         logits = real_logits(llm, batch)
         params = mixed_params(batch)
-        sampler, requests = make_sampler(params, vocab)
-        rows = sampler.make_batch(requests)
+        sampler, seqs = make_sampler(params, vocab)
+        rows = sampler.make_batch(np.arange(batch))
         ours = _median_ms(partial(_sample_copy, sampler, logits, rows), args.repeats)
-        loop = _median_ms(partial(per_row_loop, logits, params, requests),
+        loop = _median_ms(partial(per_row_loop, logits, params, seqs),
                           max(2, args.repeats // (1 + batch // 32)))
         multi = _median_ms(partial(multinomial_batch, logits, params), args.repeats)
         print(f"{batch:>5} {ours:13.2f} {loop:16.2f} {multi:15.2f} {loop / ours:7.1f}x "
@@ -196,13 +181,10 @@ def run_sampler_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def sampler_share_of_step(llm: object, batch: int, context_len: int,
+def sampler_share_of_step(llm: OfflineLLM, batch: int, context_len: int,
                           steps: int = 10) -> tuple[float, float, float]:
     """Run `batch` requests with the mix through the engine, from `context_len`-token prompts;
     time steps and their sampling."""
-    from nanoserve.entrypoints.llm import LLM
-
-    assert isinstance(llm, LLM)
     engine = llm.engine
     ids = [f"share{i}" for i in range(batch)]
     prompt = text_ids(llm, context_len)  # real text: the distributions sampling meets in use

@@ -23,7 +23,6 @@ import sys
 import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from nanoserve.bench.load_client import (
     ServerRun,
@@ -39,39 +38,9 @@ from nanoserve.bench.load_client import (
     served_model_name,
     summarize,
 )
-
-if TYPE_CHECKING:
-    pass
-
+from nanoserve.config import DEFAULT_MODEL_NAME
 
 HEALTH_TIMEOUT_S = 300.0
-
-
-def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
-    """The flags of `nanoserve bench serve` (a client: no engine flags)."""
-    p.add_argument("--url", default=None,
-                   help="base URL of an OpenAI-compatible server, e.g. http://127.0.0.1:8000 "
-                        "(default: start `nanoserve serve` on a free port)")
-    p.add_argument("--model", default=None,
-                   help="model name to send (default: the server's first in /v1/models); for "
-                        "the self-started server, the model to serve")
-    p.add_argument("--concurrency", default="1,8,32",
-                   help="comma-separated levels of requests in flight")
-    p.add_argument("--num-requests", type=int, default=None,
-                   help="requests per level (default: max(2 x concurrency, 8))")
-    p.add_argument("--input-len", type=int, default=128, help="prompt tokens (about)")
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--api-key", default=None, help="sent as `Authorization: Bearer KEY`")
-    p.add_argument("--compare-llama-server", action="store_true",
-                   help="also run the same load on llama.cpp's llama-server (built on first "
-                        "use, ~20 minutes on 2 cores) serving the same GGUF file")
-    p.add_argument("--llama-server-threads", type=int, default=None,
-                   help="llama-server --threads (default: the number of CPUs)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
-
-
-# ---------------------------------------------------------------------------------------------
-# Pure parts: prompts, request bodies, SSE events, statistics.
 
 
 # ---------------------------------------------------------------------------------------------
@@ -84,7 +53,7 @@ async def bench_server(name: str, url: str, model: str | None, args: argparse.Na
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     async with make_client(max(levels)) as client:
         model = (model or await served_model_name(client, url, headers) or args.model
-                 or _default_model_name())
+                 or DEFAULT_MODEL_NAME)
         warm = await send_request(client, url, completion_body(model, "Hello", 4), headers)
         if warm.error is not None:
             print(f"{name}: warm-up request failed: {warm.error}", file=sys.stderr)
@@ -100,12 +69,6 @@ async def bench_server(name: str, url: str, model: str | None, args: argparse.Na
                   f"{stats.failures} failed, {stats.tokens_per_s:.1f} tok/s", file=sys.stderr)
             results.append(stats)
     return ServerRun(name, model, results)
-
-
-def _default_model_name() -> str:
-    from nanoserve.model.loader import DEFAULT_MODEL_NAME
-
-    return DEFAULT_MODEL_NAME
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,24 +11,16 @@ from __future__ import annotations
 import argparse
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from nanoserve.bench import LLMFactory, OfflineLLM
 from nanoserve.bench.roofline import measure_decode_step, measure_matmuls
+from nanoserve.engine_args import EngineArgs
 from nanoserve.sampling_params import SamplingParams
-
-
-def add_throughput_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--skip-single", action="store_true", help="skip the one-prompt scenario")
-    p.add_argument("--skip-transformers", action="store_true",
-                   help="measure nanoserve only (no ratios)")
-    p.add_argument("--skip-roofline", action="store_true")
 
 
 @dataclass
@@ -51,7 +43,7 @@ def random_prompts(tokenizer: Any, count: int, length: int, seed: int = 0) -> li
     return [[rng.choice(vocab) for _ in range(length)] for _ in range(count)]
 
 
-def time_nanoserve(llm: Any, prompts: list[list[int]], output_len: int) -> Result:
+def time_nanoserve(llm: OfflineLLM, prompts: list[list[int]], output_len: int) -> Result:
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     llm.generate([{"prompt_token_ids": prompts[0][:8]}], params, use_tqdm=False)  # warm-up
     start = time.perf_counter()
@@ -91,12 +83,13 @@ def time_transformers(model: Any, prompts: list[list[int]], output_len: int) -> 
                   (out.shape[1] - ids.shape[1]) * ids.shape[0])
 
 
-def run_throughput_bench(args: argparse.Namespace) -> int:
-    from nanoserve.entrypoints.cli import build_llm
-
-    args.max_num_seqs = max(args.max_num_seqs, args.num_prompts)
+def run_throughput_bench(args: argparse.Namespace, build_llm: LLMFactory) -> int:
+    engine_args = EngineArgs.from_cli_args(args)
+    # all prompts at once means that many running together
+    engine_args = replace(engine_args,
+                          max_num_seqs=max(engine_args.max_num_seqs, args.num_prompts))
     start = time.perf_counter()
-    llm = build_llm(args)
+    llm = build_llm(engine_args)
     print(f"nanoserve loaded {llm.engine.loaded.name} in {time.perf_counter() - start:.1f} s "
           f"({llm.engine.config.model.torch_device}, threads={torch.get_num_threads()})")
     prompts = random_prompts(llm.tokenizer, args.num_prompts, args.input_len)

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
+from torch.profiler import record_function
 
 from nanoserve.config import EngineConfig, GiB
 from nanoserve.engine.kv_cache import KVCacheManager
@@ -24,6 +25,7 @@ from nanoserve.protocol import EngineCoreOutput, SchedulerStats
 from nanoserve.sample.logits_processor import load_processor_classes
 from nanoserve.sample.logprobs import prompt_logprobs
 from nanoserve.sample.sampler import Sampler
+from nanoserve.sample.sequence import SequenceData
 from nanoserve.sample.state import ReasoningTokens
 from nanoserve.sampling_params import SamplingParams
 
@@ -31,21 +33,6 @@ from nanoserve.sampling_params import SamplingParams
 # ~23,000 tokens of the default model, more than a CPU serves at once.
 DEFAULT_CPU_KV_CACHE_BYTES = 1 * GiB
 GPU_MEMORY_FRACTION = 0.9
-
-
-@dataclass
-class EngineStats:
-    """Counters since start-up (prefix-cache figures are in tokens, as vLLM counts them)."""
-
-    num_steps: int = 0
-    num_computed_tokens: int = 0  # tokens run through the model (prefill and decode)
-    num_generated_tokens: int = 0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    num_preemptions: int = 0
-    num_free_blocks: int = 0
-    num_blocks: int = 0
-    sample_seconds: float = 0.0  # time inside the sampler
 
 
 class EngineCore:
@@ -72,7 +59,7 @@ class EngineCore:
             reasoning_tokens(loaded.tokenizer),
             load_processor_classes(config.sampler.logits_processors))
         self.seed_rng = random.Random(config.model.seed)
-        self.stats = EngineStats(num_blocks=num_blocks, num_free_blocks=num_blocks)
+        self.stats = SchedulerStats()  # brought up to date by every step and abort
 
     def _blocks_for_budget(self, block_size: int, dtype: torch.dtype,
                            device: torch.device) -> int:
@@ -123,7 +110,7 @@ class EngineCore:
             if asked is not None and asked > cap:
                 raise ValueError(f"{name} must be <= {cap} (the server's max_logprobs), "
                                  f"got {asked}")
-        self.sampler.validate(request)
+        self.sampler.validate(params)
         request.sampling_seed = (params.seed if params.seed is not None
                                  else self.seed_rng.getrandbits(64))
         self.scheduler.add_request(request)
@@ -131,21 +118,20 @@ class EngineCore:
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free everything it holds; False if it was not in the engine."""
-        return self.scheduler.abort(request_id) is not None
+        was_in_engine = self.scheduler.abort(request_id) is not None
+        self._update_stats()
+        return was_in_engine
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def scheduler_stats(self) -> SchedulerStats:
-        return SchedulerStats(
-            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
-            kv_cache_usage=self.kv_cache.usage,
-            prefix_cache_queries=self.kv_cache.prefix_cache_queries,
-            prefix_cache_hits=self.kv_cache.prefix_cache_hits,
-            num_preemptions=self.scheduler.num_preemptions)
-
     def step(self) -> list[EngineCoreOutput]:
         """Advance every running request by one forward pass; outputs for those that sampled."""
+        # The nanoserve.* scopes let `nanoserve bench step` split the step's time (a few µs).
+        with record_function("nanoserve.step"):
+            return self._step()
+
+    def _step(self) -> list[EngineCoreOutput]:
         # 1) schedule; slots freed since the last step are cleared before new ones are written
         sched = self.scheduler.schedule()
         for slot in self.scheduler.released_slots:
@@ -155,19 +141,24 @@ class EngineCore:
             return []
         for request in sched.admitted:
             assert request.slot is not None
-            self.sampler.add_request(request.slot, request)
+            self.sampler.add_request(SequenceData(
+                request.slot, request.params, request.prompt_token_ids,
+                request.output_token_ids, request.sampling_seed))
         # 2) run the model
         block_tables = [self.kv_cache.block_ids(s.request.request_id) for s in sched.scheduled]
-        logits, prompt_logits = self.runner.execute(sched.scheduled, block_tables)
+        with record_function("nanoserve.model"):
+            logits, prompt_logits = self.runner.execute(sched.scheduled, block_tables)
         self._collect_prompt_logprobs(sched.scheduled, prompt_logits)
         # 3) sample
         sampling = [s.request for s in sched.scheduled if s.samples]
         start = time.perf_counter()
-        sampled = self.sampler.sample(logits, self.sampler.make_batch(sampling))
+        slots = np.fromiter((r.slot for r in sampling), dtype=np.int64, count=len(sampling))
+        with record_function("nanoserve.sample"):
+            sampled = self.sampler.sample(logits, self.sampler.make_batch(slots))
         self.stats.sample_seconds += time.perf_counter() - start
         # 4) update requests, finish those that stop
         self.scheduler.update_after_step(sched, sampled.token_ids)
-        self._count(sched.num_tokens, len(sampling))
+        self._update_stats(sched.num_tokens)
         outputs = []
         for request, logprobs in zip(sampling, sampled.logprobs, strict=True):
             first = request.num_output_tokens == 1
@@ -192,15 +183,15 @@ class EngineCore:
                 request.prompt_logprobs += prompt_logprobs(
                     rows, targets, request.params.prompt_logprobs or 0)
 
-    def _count(self, num_tokens: int, num_sampled: int) -> None:
-        stats = self.stats
-        stats.num_steps += 1
-        stats.num_computed_tokens += num_tokens
-        stats.num_generated_tokens += num_sampled
-        stats.prefix_cache_queries = self.kv_cache.prefix_cache_queries
-        stats.prefix_cache_hits = self.kv_cache.prefix_cache_hits
-        stats.num_preemptions = self.scheduler.num_preemptions
-        stats.num_free_blocks = self.kv_cache.num_free_blocks
+    def _update_stats(self, num_computed_tokens: int = 0) -> None:
+        """The gauges as they are now; the counters, plus this step's computed tokens."""
+        stats, scheduler, kv_cache = self.stats, self.scheduler, self.kv_cache
+        stats.num_running, stats.num_waiting = len(scheduler.running), len(scheduler.waiting)
+        stats.kv_cache_usage = kv_cache.usage
+        stats.prefix_cache_queries = kv_cache.prefix_cache_queries
+        stats.prefix_cache_hits = kv_cache.prefix_cache_hits
+        stats.num_preemptions = scheduler.num_preemptions
+        stats.num_computed_tokens += num_computed_tokens
 
 
 def reasoning_tokens(tokenizer: Any) -> ReasoningTokens | None:

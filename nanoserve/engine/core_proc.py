@@ -61,7 +61,7 @@ class EngineCoreProc:
         core = self.core
         return EngineReady(
             model_name=core.loaded.name, max_model_len=core.max_model_len,
-            vocab_size=core.loaded.arch.vocab_size, num_blocks=core.stats.num_blocks,
+            vocab_size=core.loaded.arch.vocab_size, num_blocks=core.kv_cache.num_blocks,
             block_size=core.config.cache.block_size,
             logits_processors=[f"{p.__module__}:{p.__qualname__}"
                                for p in map(type, core.sampler.processors)])
@@ -160,7 +160,7 @@ class EngineCoreProc:
             by_client[client].append(out)
             if out.finish_reason is not None:
                 self.client_of.pop(out.request_id, None)
-        stats = self.core.scheduler_stats()
+        stats = self.core.stats
         now = time.time()
         for client in range(len(self.output_addresses)):  # everyone gets fresh stats
             self.outputs.put((client, encode(EngineOutputs(by_client.get(client, []), stats,

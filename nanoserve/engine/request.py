@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import enum
-import time
 
-from nanoserve.sample.logprobs import TokenLogprobs
+from nanoserve.protocol import TokenLogprobs
 from nanoserve.sampling_params import SamplingParams
 
 
@@ -30,8 +29,9 @@ class Request:
     """One sequence being generated. `num_computed_tokens` counts tokens whose KV is cached."""
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 eos_token_ids: tuple[int, ...] = (), arrival_time: float | None = None) -> None:
+                 eos_token_ids: tuple[int, ...] = ()) -> None:
         self.request_id = request_id
+        # the sampler's SequenceData shares these two lists: extend them in place, never rebind
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.all_token_ids = list(prompt_token_ids)  # prompt + output, appended in place
@@ -42,13 +42,10 @@ class Request:
         self.num_computed_tokens = 0
         self.block_hashes: list[bytes] = []  # prefix-cache keys of its full blocks, grown lazily
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at admission
-        self.num_preemptions = 0
         self.sampling_seed = 0  # the seed the sampler uses: params.seed, or drawn at admission
         self.slot: int | None = None  # row in the sampler's per-slot state while running
         # n > 1: the first sample, whose prompt blocks this one waits for and then shares
         self.prefill_leader: Request | None = None
-        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        self.first_token_time: float | None = None
         # prompt logprobs computed so far (positions 1..), handed out with the first token
         self.prompt_logprobs: list[TokenLogprobs] = []
 
@@ -78,8 +75,6 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
-        if self.first_token_time is None:
-            self.first_token_time = time.monotonic()
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, {self.status.name}, prompt={self.num_prompt_tokens}"

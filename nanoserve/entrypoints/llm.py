@@ -13,15 +13,9 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
-from nanoserve.config import (
-    CacheConfig,
-    EngineConfig,
-    GiB,
-    ModelConfig,
-    SamplerConfig,
-    SchedulerConfig,
-)
+from nanoserve.config import EngineConfig
 from nanoserve.engine.core import EngineCore
+from nanoserve.engine_args import EngineArgs
 from nanoserve.output.processor import OutputProcessor
 from nanoserve.outputs import RequestOutput
 from nanoserve.sampling_params import RequestOutputKind, SamplingParams
@@ -34,34 +28,17 @@ Message = dict[str, Any]
 class LLM:
     """An engine core in this process, with a tokenizer and the shared output path."""
 
-    def __init__(self, model: str | None = None, *, device: str = "auto", dtype: str = "auto",
-                 max_model_len: int | None = None,
-                 max_num_seqs: int = SchedulerConfig.max_num_seqs,
-                 max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens,
-                 kv_cache_memory_gb: float | None = None,
-                 num_kv_blocks: int | None = None, block_size: int = 16,
-                 enable_prefix_caching: bool = True, seed: int | None = 0,
-                 logits_processors: Sequence[str | type] = (), max_logprobs: int = 20) -> None:
-        config = EngineConfig(
-            model=ModelConfig(model=model, device=device, dtype=dtype,
-                              max_model_len=max_model_len, seed=seed),
-            cache=CacheConfig(
-                block_size=block_size, num_blocks=num_kv_blocks,
-                kv_cache_memory_bytes=None if kv_cache_memory_gb is None
-                else int(kv_cache_memory_gb * GiB),
-                enable_prefix_caching=enable_prefix_caching),
-            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
-                                      max_num_batched_tokens=max_num_batched_tokens),
-            sampler=SamplerConfig(logits_processors=tuple(logits_processors),
-                                  max_logprobs=max_logprobs),
-        )
-        self._start(config)
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        """`model`: a HF directory or a .gguf file (None: the default model). The keyword
+        arguments are the fields of EngineArgs (device, dtype, max_num_seqs, block_size, ...),
+        with the defaults and meanings given there; a name it lacks is a TypeError."""
+        self._start(EngineArgs(model=model, **engine_args).to_config())
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> LLM:
-        """An LLM from a ready-made EngineConfig (what the CLI builds)."""
+    def from_engine_args(cls, engine_args: EngineArgs) -> LLM:
+        """An LLM from ready-made EngineArgs (what the CLI builds from its flags)."""
         llm = cls.__new__(cls)
-        llm._start(config)
+        llm._start(engine_args.to_config())
         return llm
 
     def _start(self, config: EngineConfig) -> None:

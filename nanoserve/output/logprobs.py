@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from nanoserve.outputs import Logprob, PositionLogprobs
-from nanoserve.sample.logprobs import TokenLogprobs
+from nanoserve.protocol import TokenLogprobs
 
 
 class LogprobsFormatter:

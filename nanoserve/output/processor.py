@@ -14,11 +14,11 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-from nanoserve.engine.core import EngineCoreOutput
 from nanoserve.output.detokenizer import IncrementalDetokenizer
 from nanoserve.output.logprobs import LogprobsFormatter
 from nanoserve.output.stop import StopStringChecker
 from nanoserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from nanoserve.protocol import EngineCoreOutput
 from nanoserve.sampling_params import RequestOutputKind, SamplingParams
 
 

@@ -2,7 +2,19 @@
 
 A processor is a class. The engine makes one instance at start-up and calls it each step, after
 the built-in penalties and before the thinking budget and temperature, with the rows of the
-requests it said it acts on. Per-request arguments travel in `SamplingParams.extra_args`.
+requests it said it acts on. Like vLLM's (`vllm/v1/sample/logits_processor/interface.py`), a
+processor gets data, never the engine's request object: each sequence reaches it as a frozen
+`SequenceData(slot, params, prompt_token_ids, output_token_ids, seed)`, whose token-id lists
+the engine grows in place (read them; never change them). Per-request arguments travel in
+`SamplingParams.extra_args`. The interface:
+
+    validate_params(cls, params: SamplingParams) -> None       # classmethod, at admission
+    add_request(self, seq: SequenceData) -> bool               # True: act on this sequence
+    remove_request(self, slot: int) -> None                    # its slot was released
+    apply(self, logits: Tensor, batch: ProcessorBatch) -> None  # each step, in place
+
+`ProcessorBatch` holds the step's rows this processor acts on: `rows` (indices into `logits`),
+`rows_gpu`, `slots`, and `seqs` (each row's `SequenceData`). For example:
 
     class BanToken(LogitsProcessor):
         '''extra_args={"ban_token": id}: that token is never drawn.'''
@@ -13,9 +25,9 @@ requests it said it acts on. Per-request arguments travel in `SamplingParams.ext
             if token is not None and not isinstance(token, int):
                 raise ValueError(f"extra_args['ban_token'] must be a token id, got {token!r}")
 
-        def add_request(self, slot, request):       # True: act on this request
-            self.token[slot] = (request.params.extra_args or {}).get("ban_token")
-            return self.token[slot] is not None
+        def add_request(self, seq):                 # True: act on this sequence
+            self.token[seq.slot] = (seq.params.extra_args or {}).get("ban_token")
+            return self.token[seq.slot] is not None
 
         def apply(self, logits, batch):             # edit only your rows, in place
             for row, slot in zip(batch.rows, batch.slots):
@@ -36,7 +48,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from nanoserve.engine.request import Request
+from nanoserve.sample.sequence import SequenceData
 from nanoserve.sampling_params import SamplingParams
 
 ENTRY_POINT_GROUP = "nanoserve.logits_processors"
@@ -49,7 +61,7 @@ class ProcessorBatch:
     rows: np.ndarray  # row indices into the step's logits
     rows_gpu: torch.Tensor
     slots: np.ndarray  # each row's slot
-    requests: list[Request]  # each row's request (its prompt and output token ids, params)
+    seqs: list[SequenceData]  # each row's sequence: params, prompt and output token ids
 
 
 class LogitsProcessor:
@@ -65,12 +77,12 @@ class LogitsProcessor:
         """Raise ValueError (naming the argument and value) for arguments this processor
         cannot take. Called when a request enters the engine, before it runs."""
 
-    def add_request(self, slot: int, request: Request) -> bool:
-        """The request now occupies `slot`; return True if this processor acts on it."""
+    def add_request(self, seq: SequenceData) -> bool:
+        """The sequence now occupies `seq.slot`; return True if this processor acts on it."""
         return False
 
     def remove_request(self, slot: int) -> None:
-        """The request in `slot` finished or was preempted."""
+        """The sequence in `slot` finished or was preempted."""
 
     def apply(self, logits: torch.Tensor, batch: ProcessorBatch) -> None:
         """Edit `logits[batch.rows]` in place ([num_rows_in_step, vocab] float32)."""

@@ -11,12 +11,13 @@ completes, then looks up the last n - 1 tokens.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from nanoserve.engine.request import Request
 from nanoserve.sample.logits_processor import LogitsProcessor, ProcessorBatch
+from nanoserve.sample.sequence import SequenceData
 from nanoserve.sample.stages import ban
 from nanoserve.sampling_params import SamplingParams
 
@@ -39,8 +40,9 @@ class NoRepeatNGram(LogitsProcessor):
                                  or size < 1):
             raise ValueError(f"extra_args['{ARG}'] must be an integer >= 1, got {size!r}")
 
-    def add_request(self, slot: int, request: Request) -> bool:
-        size = (request.params.extra_args or {}).get(ARG)
+    def add_request(self, seq: SequenceData) -> bool:
+        slot = seq.slot
+        size = (seq.params.extra_args or {}).get(ARG)
         self.size[slot] = size or 0
         self.num_indexed[slot] = 0
         self.followers[slot] = {}
@@ -52,19 +54,28 @@ class NoRepeatNGram(LogitsProcessor):
     def apply(self, logits: torch.Tensor, batch: ProcessorBatch) -> None:
         ban_rows: list[int] = []
         ban_ids: list[int] = []
-        for row, slot, request in zip(batch.rows, batch.slots, batch.requests, strict=True):
-            banned = self._banned(int(slot), request.all_token_ids)
+        for row, slot, seq in zip(batch.rows, batch.slots, batch.seqs, strict=True):
+            banned = self._banned(int(slot), seq.prompt_token_ids, seq.output_token_ids)
             ban_rows += [int(row)] * len(banned)
             ban_ids += banned
         ban(logits, ban_rows, ban_ids)
 
-    def _banned(self, slot: int, tokens: list[int]) -> list[int]:
+    def _banned(self, slot: int, prompt: Sequence[int], output: Sequence[int]) -> list[int]:
         n = self.size[slot]
         followers = self.followers[slot]
-        for end in range(max(self.num_indexed[slot], n), len(tokens) + 1):
-            gram = tokens[end - n : end]
+        num_tokens = len(prompt) + len(output)
+        for end in range(max(self.num_indexed[slot], n), num_tokens + 1):
+            gram = _window(prompt, output, end - n, end)
             followers.setdefault(tuple(gram[:-1]), set()).add(gram[-1])
-        self.num_indexed[slot] = len(tokens) + 1
-        if len(tokens) < n - 1:
+        self.num_indexed[slot] = num_tokens + 1
+        if num_tokens < n - 1:
             return []
-        return sorted(followers.get(tuple(tokens[len(tokens) - n + 1 :]), ()))
+        return sorted(followers.get(tuple(_window(prompt, output, num_tokens - n + 1,
+                                                  num_tokens)), ()))
+
+
+def _window(prompt: Sequence[int], output: Sequence[int], start: int, end: int) -> list[int]:
+    """Tokens [start, end) of prompt + output, without joining the two lists."""
+    num_prompt = len(prompt)
+    return [*prompt[start:min(end, num_prompt)],
+            *output[max(start - num_prompt, 0):max(end - num_prompt, 0)]]

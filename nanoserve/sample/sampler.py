@@ -16,10 +16,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from nanoserve.engine.request import Request
 from nanoserve.sample.logits_processor import LogitsProcessor, ProcessorBatch
 from nanoserve.sample.logprobs import TokenLogprobs, gather_logprobs
 from nanoserve.sample.noise import row_keys
+from nanoserve.sample.sequence import SequenceData
 from nanoserve.sample.stages import (
     NEG_INF,
     SamplingBatch,
@@ -53,14 +53,14 @@ class Sampler:
         self.processors = [cls(num_slots, vocab_size, device) for cls in processor_classes or ()]
         self.processor_uses = [np.zeros(num_slots, dtype=bool) for _ in self.processors]
 
-    def validate(self, request: Request) -> None:
-        """Admission checks that need the engine's view: processors' arguments, reasoning."""
+    def validate(self, params: SamplingParams) -> None:
+        """Admission checks that need the sampler's view: processors' arguments, reasoning."""
         for processor in self.processors:
-            type(processor).validate_params(request.params)
-        if request.params.thinking_token_budget is not None and self.state.reasoning is None:
+            type(processor).validate_params(params)
+        if params.thinking_token_budget is not None and self.state.reasoning is None:
             raise ValueError("thinking_token_budget needs a model with reasoning tags "
                              "(<think> and </think> tokens); this model has none")
-        self._check_something_allowed(request.params)
+        self._check_something_allowed(params)
 
     def _check_something_allowed(self, params: SamplingParams) -> None:
         """allowed_token_ids must keep a token that bad_words (one-token words) and, before
@@ -82,14 +82,14 @@ class Sampler:
                     f"stop_token_ids, which min_tokens={params.min_tokens} bans; allow at least "
                     "one other token or set min_tokens=0")
 
-    def add_request(self, slot: int, request: Request) -> None:
-        """Write a request's parameters into its slot (on admission to the running batch)."""
-        params = request.params
+    def add_request(self, seq: SequenceData) -> None:
+        """Write a sequence's parameters into its slot (on admission to the running batch)."""
+        params = seq.params
         stop_ids = list(dict.fromkeys(
             [*([] if params.ignore_eos else self.eos_token_ids), *params.stop_token_ids]))
-        self.state.add_request(slot, request, request.sampling_seed, stop_ids)
+        self.state.add_request(seq, stop_ids)
         for processor, uses in zip(self.processors, self.processor_uses, strict=True):
-            uses[slot] = processor.add_request(slot, request)
+            uses[seq.slot] = processor.add_request(seq)
 
     def remove_request(self, slot: int) -> None:
         self.state.remove_request(slot)
@@ -98,12 +98,13 @@ class Sampler:
                 processor.remove_request(slot)
                 uses[slot] = False
 
-    def make_batch(self, requests: list[Request]) -> SamplingBatch:
-        slots = np.fromiter((r.slot for r in requests), dtype=np.int64, count=len(requests))
-        positions = np.fromiter((r.num_output_tokens for r in requests), dtype=np.int64,
-                                count=len(requests))
+    def make_batch(self, slots: np.ndarray) -> SamplingBatch:
+        """The step's rows from each row's slot ([R] int64); each draws its next output."""
+        seq = self.state.seq
+        positions = np.fromiter((len(seq(s).output_token_ids) for s in slots), dtype=np.int64,
+                                count=len(slots))
         return SamplingBatch(slots, torch.from_numpy(slots).to(self.device),
-                             torch.from_numpy(positions).to(self.device), requests)
+                             torch.from_numpy(positions).to(self.device))
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
@@ -124,13 +125,13 @@ class Sampler:
         apply_thinking_budget(logits, state, batch)
         # 3) greedy rows take the argmax of the processed logits; random rows are drawn
         random_rows = batch.rows(state.uses["random"])
-        greedy_rows = np.setdiff1d(np.arange(len(batch.requests)), random_rows,
-                                   assume_unique=True)
-        if len(greedy_rows) == len(batch.requests):  # all greedy: no row copies
+        num_rows = batch.num_rows
+        greedy_rows = np.setdiff1d(np.arange(num_rows), random_rows, assume_unique=True)
+        if len(greedy_rows) == num_rows:  # all greedy: no row copies
             token_ids = logits.argmax(dim=-1)
         else:
-            token_ids = torch.empty(len(batch.requests), dtype=torch.int64, device=self.device)
-        if 0 < len(greedy_rows) < len(batch.requests):
+            token_ids = torch.empty(num_rows, dtype=torch.int64, device=self.device)
+        if 0 < len(greedy_rows) < num_rows:
             at = batch.rows_gpu(greedy_rows)
             token_ids[at] = logits.index_select(0, at).argmax(dim=-1)
         processed_rows = batch.rows(state.uses["logprobs_processed"])
@@ -142,7 +143,7 @@ class Sampler:
             token_ids.index_copy_(0, batch.rows_gpu(random_rows), drawn)
             if final is not None and final_random is not None:
                 # processed rows that were drawn take their post-temperature/truncation logits
-                position = np.full(len(batch.requests), -1)
+                position = np.full(num_rows, -1)
                 position[random_rows] = np.arange(len(random_rows))
                 taken = position[processed_rows]
                 drawn_here = np.nonzero(taken >= 0)[0]
@@ -158,9 +159,9 @@ class Sampler:
         for processor, uses in zip(self.processors, self.processor_uses, strict=True):
             rows = batch.rows(uses)
             if len(rows):
+                slots = batch.slots[rows]
                 processor.apply(logits, ProcessorBatch(
-                    rows, batch.rows_gpu(rows), batch.slots[rows],
-                    [batch.requests[r] for r in rows]))
+                    rows, batch.rows_gpu(rows), slots, [self.state.seq(s) for s in slots]))
 
     def _draw(self, logits: torch.Tensor, batch: SamplingBatch, rows: np.ndarray,
               need_final: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -199,7 +200,7 @@ class Sampler:
     def _logprobs(self, batch: SamplingBatch, token_ids: torch.Tensor, raw_rows: np.ndarray,
                   raw: torch.Tensor | None, processed_rows: np.ndarray,
                   final: torch.Tensor | None) -> list[TokenLogprobs | None]:
-        out: list[TokenLogprobs | None] = [None] * len(batch.requests)
+        out: list[TokenLogprobs | None] = [None] * batch.num_rows
         for rows, values in ((raw_rows, raw), (processed_rows, final)):
             if values is None or not len(rows):
                 continue

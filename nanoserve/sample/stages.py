@@ -11,7 +11,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from nanoserve.engine.request import Request
 from nanoserve.sample.state import SamplingState
 
 NEG_INF = float("-inf")
@@ -24,7 +23,10 @@ class SamplingBatch:
     slots: np.ndarray  # [R] int64, host
     slots_gpu: torch.Tensor  # [R] int64, on the logits' device
     positions: torch.Tensor  # [R] int64, output index of the token each row draws
-    requests: list[Request]
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.slots)
 
     def rows(self, flags: np.ndarray) -> np.ndarray:
         """Row indices (host) whose slot has `flags` set."""
@@ -59,9 +61,9 @@ def apply_bad_words(logits: torch.Tensor, state: SamplingState, batch: SamplingB
     ban_rows: list[int] = []
     ban_ids: list[int] = []
     for row in batch.rows(state.uses["bad_words"]):
-        request = batch.requests[row]
-        output = request.output_token_ids
-        for word in request.params.bad_words_token_ids:
+        seq = state.seq(batch.slots[row])
+        output = seq.output_token_ids
+        for word in seq.params.bad_words_token_ids:
             prefix = word[:-1]
             if len(prefix) <= len(output) and output[len(output) - len(prefix):] == prefix:
                 ban_rows.append(int(row))
@@ -74,8 +76,8 @@ def apply_min_tokens(logits: torch.Tensor, state: SamplingState, batch: Sampling
     ban_rows: list[int] = []
     ban_ids: list[int] = []
     for row in batch.rows(state.uses["min_tokens"]):
-        request = batch.requests[row]
-        if request.num_output_tokens < request.params.min_tokens:
+        seq = state.seq(batch.slots[row])
+        if len(seq.output_token_ids) < seq.params.min_tokens:
             stop_ids = state.min_tokens_stop_ids[batch.slots[row]]
             ban_rows += [int(row)] * len(stop_ids)
             ban_ids += stop_ids
@@ -107,7 +109,7 @@ def apply_penalties(logits: torch.Tensor, state: SamplingState, batch: SamplingB
     counts = state.output_counts.index_select(0, slots)  # [r, V] int32
     in_output = counts > 0
     # each pass is over [r, V]: skip the kinds of penalty no row of the step asks for
-    params = [batch.requests[row].params for row in rows]
+    params = [state.seq(slot).params for slot in batch.slots[rows]]
     if any(p.repetition_penalty != 1.0 for p in params):
         seen = in_output | state.prompt_mask.index_select(0, slots)
         repetition = state.repetition.index_select(0, slots)[:, None]

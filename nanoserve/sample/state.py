@@ -8,12 +8,14 @@ that no row uses.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
 
-from nanoserve.engine.request import Request
+from nanoserve.sample.sequence import SequenceData
 from nanoserve.sampling_params import SamplingParams
 
 # stages whose rows are chosen per step
@@ -48,11 +50,7 @@ class SamplingState:
         self.repetition = torch.ones(num_slots, dtype=torch.float32, device=device)
         self.seed = torch.zeros(num_slots, dtype=torch.int64, device=device)
         self.uses = {stage: np.zeros(num_slots, dtype=bool) for stage in STAGES}
-        self.requests: list[Request | None] = [None] * num_slots
-        # allocated on first use: [num_slots, vocab] each
-        self._output_counts: torch.Tensor | None = None  # int32, output tokens seen per slot
-        self._prompt_mask: torch.Tensor | None = None  # bool, prompt tokens per slot
-        self._allowed: torch.Tensor | None = None  # bool, allowed_token_ids per slot
+        self.seqs: list[SequenceData | None] = [None] * num_slots
         self.bias_ids = torch.zeros(num_slots, 1, dtype=torch.int64, device=device)
         self.bias_values = torch.zeros(num_slots, 1, dtype=torch.float32, device=device)
         # host-side per-slot lists
@@ -60,35 +58,32 @@ class SamplingState:
         self.logprobs = np.zeros(num_slots, dtype=np.int64)  # top-N asked, per slot
         self.thinking = [ThinkingState() for _ in range(num_slots)]
 
-    # -- lazily allocated [slots, vocab] tables -------------------------------------------------
-    @property
+    # -- [slots, vocab] tables, allocated the first time a request needs one ------------------
+    @cached_property
     def output_counts(self) -> torch.Tensor:
-        return self._table("_output_counts", torch.int32, 0)
+        """int32: output tokens seen per slot (penalties)."""
+        return self._table(torch.int32, 0)
 
-    @property
+    @cached_property
     def prompt_mask(self) -> torch.Tensor:
-        return self._table("_prompt_mask", torch.bool, False)
+        """bool: prompt tokens per slot (repetition penalty)."""
+        return self._table(torch.bool, False)
 
-    @property
+    @cached_property
     def allowed(self) -> torch.Tensor:
-        return self._table("_allowed", torch.bool, True)
+        """bool: allowed_token_ids per slot."""
+        return self._table(torch.bool, True)
 
-    def _table(self, attr: str, dtype: torch.dtype, fill: int | bool) -> torch.Tensor:
-        """A [slots, vocab] table, allocated the first time a request needs it."""
-        table = getattr(self, attr)
-        if table is None:
-            table = torch.full((self.num_slots, self.vocab_size), fill, dtype=dtype,
-                               device=self.device)
-            setattr(self, attr, table)
-        return table
+    def _table(self, dtype: torch.dtype, fill: int | bool) -> torch.Tensor:
+        return torch.full((self.num_slots, self.vocab_size), fill, dtype=dtype,
+                          device=self.device)
 
     # -- admission and release ----------------------------------------------------------------
-    def add_request(self, slot: int, request: Request, seed: int,
-                    stop_ids_for_min_tokens: list[int]) -> None:
-        """Write the request's parameters into its slot (on admission, once; again only after
+    def add_request(self, seq: SequenceData, stop_ids_for_min_tokens: list[int]) -> None:
+        """Write the sequence's parameters into its slot (on admission, once; again only after
         a preemption, when the slot was given up)."""
-        p: SamplingParams = request.params
-        self.requests[slot] = request
+        slot, p, seed = seq.slot, seq.params, seq.seed
+        self.seqs[slot] = seq
         self.temperature[slot] = p.temperature if not p.is_greedy else 1.0
         self.top_k[slot] = p.top_k
         self.top_k_cpu[slot] = p.top_k
@@ -107,11 +102,17 @@ class SamplingState:
                                             and p.logprobs_mode == "processed")
         self._write_allowed(slot, p)
         self._write_bias(slot, p)
-        self._write_penalties(slot, request)
-        self._write_thinking(slot, request)
+        self._write_penalties(seq)
+        self._write_thinking(seq)
+
+    def seq(self, slot: int) -> SequenceData:
+        """The sequence that occupies `slot`."""
+        seq = self.seqs[slot]
+        assert seq is not None, f"sampler slot {slot} is empty"
+        return seq
 
     def remove_request(self, slot: int) -> None:
-        self.requests[slot] = None
+        self.seqs[slot] = None
         for flags in self.uses.values():
             flags[slot] = False
 
@@ -137,8 +138,8 @@ class SamplingState:
         self.bias_values[slot, :width] = torch.tensor(list(p.logit_bias.values()),
                                                       device=self.device)
 
-    def _write_penalties(self, slot: int, request: Request) -> None:
-        p = request.params
+    def _write_penalties(self, seq: SequenceData) -> None:
+        slot, p = seq.slot, seq.params
         self.uses["penalties"][slot] = p.has_penalties
         if not p.has_penalties:
             return
@@ -148,21 +149,21 @@ class SamplingState:
         # counted here once; each step then adds its sampled token (update_after_sample)
         counts = self.output_counts[slot]
         counts.zero_()
-        if request.output_token_ids:
-            ids = torch.tensor(request.output_token_ids, device=self.device)
+        if seq.output_token_ids:
+            ids = torch.tensor(seq.output_token_ids, device=self.device)
             counts.index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
         mask = self.prompt_mask[slot]
         mask.zero_()
-        mask[torch.tensor(request.prompt_token_ids, device=self.device)] = True
+        mask[torch.tensor(seq.prompt_token_ids, device=self.device)] = True
 
-    def _write_thinking(self, slot: int, request: Request) -> None:
-        budget = request.params.thinking_token_budget
+    def _write_thinking(self, seq: SequenceData) -> None:
+        budget = seq.params.thinking_token_budget
         uses = budget is not None and self.reasoning is not None
-        self.uses["thinking"][slot] = uses
+        self.uses["thinking"][seq.slot] = uses
         if uses:
             assert self.reasoning is not None and budget is not None
-            self.thinking[slot] = ThinkingState.scan(request.all_token_ids, self.reasoning,
-                                                     request.num_prompt_tokens, budget)
+            self.thinking[seq.slot] = ThinkingState.scan(
+                seq.prompt_token_ids, seq.output_token_ids, self.reasoning, budget)
 
     # -- per step -------------------------------------------------------------------------------
     def update_after_sample(self, slots: np.ndarray, slots_gpu: torch.Tensor,
@@ -190,18 +191,18 @@ class ThinkingState:
         self.budget = budget
 
     @classmethod
-    def scan(cls, token_ids: list[int], tokens: ReasoningTokens, num_prompt: int,
-             budget: int) -> ThinkingState:
-        """The state after `token_ids` (prompt then output): the prompt leaves the section
+    def scan(cls, prompt_token_ids: Sequence[int], output_token_ids: Sequence[int],
+             tokens: ReasoningTokens, budget: int) -> ThinkingState:
+        """The state after the prompt and the output so far: the prompt leaves the section
         open when a chat template writes `<think>` into it; earlier turns' closed sections do
         not count. Also rebuilds the state after a preemption."""
         state = cls(budget=budget)
-        for token in token_ids[:num_prompt]:
+        for token in prompt_token_ids:
             if token == tokens.start:
                 state.phase = "inside"
             elif token == tokens.end:
                 state.phase = "before"
-        for token in token_ids[num_prompt:]:
+        for token in output_token_ids:
             state.advance(token, tokens)
         return state
 

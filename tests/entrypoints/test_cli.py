@@ -6,6 +6,8 @@ import subprocess
 import sys
 from typing import Any
 
+import pytest
+
 
 def nanoserve(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "nanoserve.entrypoints.cli", *args],
@@ -38,6 +40,24 @@ def test_help_lists_the_commands() -> None:
     assert done.returncode == 0
     for command in ("generate", "chat", "bench"):
         assert command in done.stdout
+
+
+@pytest.mark.parametrize("command", [["--help"], ["serve", "--help"],
+                                     ["bench", "throughput", "--help"]])
+def test_help_does_not_load_torch(command: list[str]) -> None:
+    # torch takes seconds to import; building every command's flags needs none of it
+    probe = ("import runpy, sys\n"
+             f"sys.argv = ['nanoserve', *{command!r}]\n"
+             "try:\n"
+             "    runpy.run_module('nanoserve.entrypoints.cli', run_name='__main__')\n"
+             "except SystemExit as e:\n"
+             "    assert e.code == 0, e.code\n"
+             "print('torch loaded:', 'torch' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: nanoserve")
+    assert done.stdout.splitlines()[-1] == "torch loaded: False"
 
 
 def test_benchmarks_run_and_print_their_figures(tiny_model_dir: Any) -> None:

@@ -11,7 +11,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nanoserve.engine.core import EngineCoreOutput
 from nanoserve.output.detokenizer import (
     REPLACEMENT,
     IncrementalDetokenizer,
@@ -19,6 +18,7 @@ from nanoserve.output.detokenizer import (
     decode_text,
 )
 from nanoserve.output.processor import OutputProcessor
+from nanoserve.protocol import EngineCoreOutput
 from nanoserve.sampling_params import RequestOutputKind, SamplingParams
 
 SPECIALS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]

@@ -6,45 +6,43 @@ batched stages can be checked against them.
 
 from __future__ import annotations
 
-import itertools
+import dataclasses
 from collections import Counter
 
 import numpy as np
 import torch
 
-from nanoserve.engine.request import Request
 from nanoserve.sample.noise import gumbel_noise, row_keys
 from nanoserve.sample.sampler import Sampler
+from nanoserve.sample.sequence import SequenceData
 from nanoserve.sample.stages import SamplingBatch
 from nanoserve.sample.state import ReasoningTokens
 from nanoserve.sampling_params import SamplingParams
 
 EOS = 0
-_ids = itertools.count()
 
 
-def make_request(params: SamplingParams, prompt: list[int], output: list[int] = (),
-                 seed: int = 1234) -> Request:
-    request = Request(f"r{next(_ids)}", prompt, params, eos_token_ids=(EOS,))
-    for token in output:
-        request.append_output_token(token)
-    request.sampling_seed = params.seed if params.seed is not None else seed
-    return request
+def make_seq(params: SamplingParams, prompt: list[int], output: list[int] = (),
+             seed: int = 1234) -> SequenceData:
+    """A sequence as the engine hands it to the sampler; `admit` gives it its slot."""
+    return SequenceData(0, params, list(prompt), list(output),
+                        params.seed if params.seed is not None else seed)
 
 
-def admit(requests: list[Request], vocab: int,
+def admit(seqs: list[SequenceData], vocab: int,
           reasoning: ReasoningTokens | None = None, processors: list | None = None) -> Sampler:
-    sampler = Sampler(len(requests), vocab, torch.device("cpu"), (EOS,), reasoning,
+    """A sampler with sequence i in slot i."""
+    sampler = Sampler(len(seqs), vocab, torch.device("cpu"), (EOS,), reasoning,
                       processors or [])
-    for slot, request in enumerate(requests):
-        request.slot = slot
-        sampler.validate(request)
-        sampler.add_request(slot, request)
+    for slot, seq in enumerate(seqs):
+        sampler.validate(seq.params)
+        sampler.add_request(dataclasses.replace(seq, slot=slot))
     return sampler
 
 
-def batch_of(sampler: Sampler, requests: list[Request]) -> SamplingBatch:
-    return sampler.make_batch(requests)
+def batch_of(sampler: Sampler, seqs: list[SequenceData]) -> SamplingBatch:
+    """One step over `seqs` as `admit` placed them (row i in slot i)."""
+    return sampler.make_batch(np.arange(len(seqs)))
 
 
 # -- references, one row at a time --------------------------------------------------------------

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 import transformers.generation.logits_process as hf
-from sampler_harness import admit, make_request
+from sampler_harness import admit, batch_of, make_seq
 from scipy.stats import chisquare
 
 from nanoserve.sample.no_repeat_ngram import NoRepeatNGram
@@ -58,11 +58,11 @@ def test_truncation_agrees_with_transformers_warpers(seed: int) -> None:
 
 def _apply(stage, params: list[SamplingParams], history: torch.Tensor,  # type: ignore[no-untyped-def]
            logits: torch.Tensor, prompt_len: int = 10) -> torch.Tensor:
-    requests = [make_request(p, history[r, :prompt_len].tolist(),
-                             history[r, prompt_len:].tolist()) for r, p in enumerate(params)]
+    requests = [make_seq(p, history[r, :prompt_len].tolist(),
+                         history[r, prompt_len:].tolist()) for r, p in enumerate(params)]
     sampler = admit(requests, VOCAB)
     out = logits.clone()
-    stage(out, sampler.state, sampler.make_batch(requests))
+    stage(out, sampler.state, batch_of(sampler, requests))
     return out
 
 
@@ -109,11 +109,11 @@ def test_no_repeat_ngram_agrees_with_transformers(size: int) -> None:
     logits, history = logits_and_history(5)
     history = history % 12  # small alphabet: plenty of repeats
     params = SamplingParams(extra_args={"no_repeat_ngram_size": size})
-    requests = [make_request(params, history[r, :10].tolist(), history[r, 10:].tolist())
+    requests = [make_seq(params, history[r, :10].tolist(), history[r, 10:].tolist())
                 for r in range(ROWS)]
     sampler = admit(requests, VOCAB, processors=[NoRepeatNGram])
     ours = logits.clone()
-    sampler._apply_processors(ours, sampler.make_batch(requests))
+    sampler._apply_processors(ours, batch_of(sampler, requests))
     theirs = hf.NoRepeatNGramLogitsProcessor(size)(history, logits.clone())
     assert torch.equal(ours, theirs)
 
@@ -130,12 +130,11 @@ def test_draw_frequencies_pass_chi_squared_in_a_mixed_batch() -> None:
               SamplingParams(temperature=0.9, top_k=8, top_p=0.9, min_p=0.02, seed=14),
               SamplingParams(temperature=1.0, seed=15),
               SamplingParams(temperature=0.0)]
-    requests = [make_request(p, [1]) for p in params]
+    requests = [make_seq(p, [1]) for p in params]
     sampler = admit(requests, vocab)
     slots = np.repeat(np.arange(len(params)), draws)
     positions = torch.arange(draws).repeat(len(params))
-    batch = SamplingBatch(slots, torch.from_numpy(slots), positions,
-                          [requests[s] for s in slots])
+    batch = SamplingBatch(slots, torch.from_numpy(slots), positions)
     tokens = np.asarray(sampler.sample(base.repeat(len(slots), 1), batch).token_ids)
     for i, p in enumerate(params):
         got = np.bincount(tokens[slots == i], minlength=vocab)

@@ -97,9 +97,9 @@ BAN_MODULE = """
             if token is not None and not isinstance(token, int):
                 raise ValueError(f"extra_args['ban_token'] must be a token id, got {token!r}")
 
-        def add_request(self, slot, request):
-            self.token[slot] = (request.params.extra_args or {}).get("ban_token")
-            return self.token[slot] is not None
+        def add_request(self, seq):
+            self.token[seq.slot] = (seq.params.extra_args or {}).get("ban_token")
+            return self.token[seq.slot] is not None
 
         def apply(self, logits, batch):
             for row, slot in zip(batch.rows, batch.slots):

@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 from sampler_harness import (
     EOS,
     admit,
-    make_request,
+    batch_of,
+    make_seq,
     ref_allowed,
     ref_bad_words,
     ref_draw,
@@ -68,7 +69,7 @@ def params(draw: st.DrawFn) -> SamplingParams:
 @st.composite
 def batches(draw: st.DrawFn) -> tuple[list, torch.Tensor]:
     rows = draw(st.integers(1, 6))
-    requests = [make_request(draw(params()), draw(st.lists(tokens, min_size=1, max_size=12)),
+    requests = [make_seq(draw(params()), draw(st.lists(tokens, min_size=1, max_size=12)),
                              draw(st.lists(tokens, max_size=8))) for _ in range(rows)]
     torch.manual_seed(draw(st.integers(0, 2**31)))
     logits = torch.randn(rows, VOCAB) * draw(st.sampled_from([0.5, 3.0]))
@@ -86,7 +87,7 @@ def assert_rows_match(ours: torch.Tensor, expected: torch.Tensor) -> None:
 def test_masks_bias_and_penalties_match_references(batch_data: tuple) -> None:
     requests, logits = batch_data
     sampler = admit(requests, VOCAB)
-    batch = sampler.make_batch(requests)
+    batch = batch_of(sampler, requests)
     cases = [
         (apply_allowed, lambda r, q: ref_allowed(r, q.params)),
         (apply_bad_words, lambda r, q: ref_bad_words(r, q.params, q.output_token_ids)),
@@ -126,8 +127,8 @@ def test_draws_and_greedy_rows_match_per_row_references(batch_data: tuple) -> No
     processed = logits.clone()  # (before sampling, which counts the drawn tokens)
     for stage in (apply_allowed, apply_bad_words, apply_min_tokens, apply_logit_bias,
                   apply_penalties):
-        stage(processed, sampler.state, sampler.make_batch(requests))
-    out = sampler.sample(logits.clone(), sampler.make_batch(requests))
+        stage(processed, sampler.state, batch_of(sampler, requests))
+    out = sampler.sample(logits.clone(), batch_of(sampler, requests))
     for row, request in enumerate(requests):
         p = request.params
         if p.is_greedy:
@@ -136,17 +137,17 @@ def test_draws_and_greedy_rows_match_per_row_references(batch_data: tuple) -> No
         scaled = processed[row] / p.temperature
         kept = ref_kept(scaled, p) if p.is_truncated else \
             {i for i in range(VOCAB) if scaled[i] > float("-inf")}
-        expected = ref_draw(scaled, kept, signed64(request.sampling_seed),
-                            request.num_output_tokens)
+        expected = ref_draw(scaled, kept, signed64(request.seed),
+                            len(request.output_token_ids))
         assert out.token_ids[row] == expected
 
 
 def test_temperature_divides_logits() -> None:
-    requests = [make_request(SamplingParams(temperature=t, seed=1), [1]) for t in (0.5, 2.0)]
+    requests = [make_seq(SamplingParams(temperature=t, seed=1), [1]) for t in (0.5, 2.0)]
     sampler = admit(requests, VOCAB)
     state = sampler.state
     assert torch.allclose(state.temperature[:2], torch.tensor([0.5, 2.0]))
-    greedy = make_request(SamplingParams(temperature=1e-6), [1])
+    greedy = make_seq(SamplingParams(temperature=1e-6), [1])
     assert greedy.params.is_greedy and greedy.params.top_k == 0
     tiny = SamplingParams(temperature=1e-3)
     assert tiny.temperature == 1e-2  # vLLM raises tiny temperatures to 0.01
@@ -162,6 +163,6 @@ def test_allowed_tokens_that_leave_nothing_to_draw_are_refused(fields: dict,
     if "bad_words" in fields:
         p.bad_words, p.bad_words_token_ids = fields["bad_words"], [[5], [6]]
     with pytest.raises(ValueError, match=message):
-        admit([make_request(p, [1])], VOCAB)
+        admit([make_seq(p, [1])], VOCAB)
     p.min_tokens, p.bad_words_token_ids = 0, [[5]]
-    admit([make_request(p, [1])], VOCAB)  # one drawable token is enough
+    admit([make_seq(p, [1])], VOCAB)  # one drawable token is enough

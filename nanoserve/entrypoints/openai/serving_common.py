@@ -34,12 +34,12 @@ class ServerContext:
     max_model_len: int
     vocab_size: int
     metrics: Metrics
+    max_logprobs: int  # the engine's cap (EngineArgs.max_logprobs)
+    max_in_flight: int  # past this many requests in flight, new ones get 429
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     reasoning_parser: str | None = None
     processor_classes: list[type[LogitsProcessor]] = field(default_factory=list)
     has_reasoning_tokens: bool = False
-    max_logprobs: int = 20
-    max_in_flight: int = 512
     shutting_down: bool = False
 
     def check_model(self, model: str | None) -> None:

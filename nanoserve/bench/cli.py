@@ -1,0 +1,112 @@
+"""The `nanoserve bench …` subcommands: each benchmark's flags, and the call that runs it.
+
+The CLI (entrypoints/cli.py) adds them with `add_bench_commands`, handing in how it builds an
+offline LLM. A benchmark's module is imported only when it runs, so `nanoserve --help` does not
+load torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+from functools import partial
+
+from nanoserve.bench import LLMFactory
+from nanoserve.engine_args import EngineArgs
+
+
+def add_bench_commands(bench: argparse.ArgumentParser, build_llm: LLMFactory) -> None:
+    """Add throughput, sampler, detokenize and serve under `bench`; each sets `func`."""
+    sub = bench.add_subparsers(dest="bench", required=True)
+
+    tput = sub.add_parser("throughput", help="offline batch throughput vs transformers generate")
+    tput.add_argument("--num-prompts", type=int, default=64)
+    tput.add_argument("--input-len", type=int, default=128)
+    tput.add_argument("--output-len", type=int, default=128)
+    tput.add_argument("--skip-single", action="store_true", help="skip the one-prompt scenario")
+    tput.add_argument("--skip-transformers", action="store_true",
+                      help="measure nanoserve only (no ratios)")
+    tput.add_argument("--skip-roofline", action="store_true")
+    EngineArgs.add_cli_args(tput)
+    tput.set_defaults(func=partial(_run_throughput, build_llm=build_llm))
+
+    samp = sub.add_parser("sampler", help="the batched sampler vs textbook samplers")
+    samp.add_argument("--batch-sizes", default="1,32,256")
+    samp.add_argument("--repeats", type=int, default=10)
+    samp.add_argument("--skip-step-share", action="store_true")
+    EngineArgs.add_cli_args(samp)
+    samp.set_defaults(func=partial(_run_sampler, build_llm=build_llm))
+
+    step = sub.add_parser("step", help="one decode step's time split: matmuls, attention, "
+                          "element-wise, sampler, engine")
+    step.add_argument("--batch-sizes", default="1,64",
+                      help="comma-separated decode batch sizes (default: 1,64)")
+    step.add_argument("--context-len", type=int, default=256,
+                      help="prompt tokens per request before the timed steps (default: 256)")
+    step.add_argument("--repeats", type=int, default=10, help="timed steps (default: 10)")
+    EngineArgs.add_cli_args(step)
+    step.set_defaults(func=partial(_run_step, build_llm=build_llm))
+
+    detok = sub.add_parser("detokenize",
+                           help="incremental detokenization vs re-decoding, µs/token")
+    detok.add_argument("--lengths", default="10,1000,4000")
+    detok.add_argument("--model", default=None)
+    detok.set_defaults(func=_run_detokenize)
+
+    serve = sub.add_parser(
+        "serve", help="streaming load against a server (ours, or any OpenAI-compatible URL)")
+    _add_serve_args(serve)
+    serve.set_defaults(func=_run_serve)
+
+
+def _add_serve_args(p: argparse.ArgumentParser) -> None:
+    """The flags of `nanoserve bench serve` (a client: no engine flags)."""
+    p.add_argument("--url", default=None,
+                   help="base URL of an OpenAI-compatible server, e.g. http://127.0.0.1:8000 "
+                        "(default: start `nanoserve serve` on a free port)")
+    p.add_argument("--model", default=None,
+                   help="model name to send (default: the server's first in /v1/models); for "
+                        "the self-started server, the model to serve")
+    p.add_argument("--concurrency", default="1,8,32",
+                   help="comma-separated levels of requests in flight")
+    p.add_argument("--num-requests", type=int, default=None,
+                   help="requests per level (default: max(2 x concurrency, 8))")
+    p.add_argument("--input-len", type=int, default=128, help="prompt tokens (about)")
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--api-key", default=None, help="sent as `Authorization: Bearer KEY`")
+    p.add_argument("--compare-llama-server", action="store_true",
+                   help="also run the same load on llama.cpp's llama-server (built on first "
+                        "use, ~20 minutes on 2 cores) serving the same GGUF file")
+    p.add_argument("--llama-server-threads", type=int, default=None,
+                   help="llama-server --threads (default: the number of CPUs)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+
+
+def _run_throughput(args: argparse.Namespace, build_llm: LLMFactory) -> int:
+    from nanoserve.bench.throughput import run_throughput_bench
+
+    return run_throughput_bench(args, build_llm)
+
+
+def _run_sampler(args: argparse.Namespace, build_llm: LLMFactory) -> int:
+    from nanoserve.bench.sampler import run_sampler_bench
+
+    return run_sampler_bench(args, build_llm)
+
+
+def _run_step(args: argparse.Namespace, build_llm: LLMFactory) -> int:
+    from nanoserve.bench.step import run_step_profile
+
+    run_step_profile(build_llm(EngineArgs.from_cli_args(args)).engine, args)
+    return 0
+
+
+def _run_detokenize(args: argparse.Namespace) -> int:
+    from nanoserve.bench.detokenize import run_detokenize_bench
+
+    return run_detokenize_bench(args)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from nanoserve.bench.serve import run_serve_bench
+
+    return run_serve_bench(args)

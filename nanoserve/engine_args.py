@@ -1,0 +1,109 @@
+"""EngineArgs: every engine setting in one flat dataclass, with its default and its help text.
+
+The CLI's engine flags (`add_cli_args`, `from_cli_args`), `LLM(...)`'s keyword arguments and the
+benchmarks' engines all come from here, and `to_config()` builds the frozen EngineConfig from
+it. Each default is read from the config dataclass that owns it, so none is written twice.
+
+It sits beside config.py, below entrypoints/ and bench/, so both can build engines from it;
+and it imports no torch, so `nanoserve --help` builds every flag without loading it.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from nanoserve.config import (
+    DEFAULT_MODEL_NAME,
+    CacheConfig,
+    EngineConfig,
+    GiB,
+    ModelConfig,
+    SamplerConfig,
+    SchedulerConfig,
+)
+
+
+def _arg(default: Any, help: str, flag: str | None = None, **argparse_kwargs: Any) -> Any:
+    """A field with its CLI flag: `--field-name` unless `flag` says otherwise."""
+    return field(default=default, metadata={"help": help, "flag": flag, **argparse_kwargs})
+
+
+def _comma_separated(text: str) -> tuple[str, ...]:
+    return tuple(s for s in text.split(",") if s)
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """The engine's settings as the user gives them: flat, with flags and keyword names."""
+
+    model: str | None = _arg(
+        ModelConfig.model, f"HF model directory or .gguf file (default: {DEFAULT_MODEL_NAME})")
+    device: str = _arg(ModelConfig.device, "auto | cpu | cuda | cuda:N")
+    dtype: str = _arg(ModelConfig.dtype, "auto | float32 | bfloat16 | float16 "
+                      "(auto: float32 on CPU, bfloat16 on CUDA)")
+    max_model_len: int | None = _arg(
+        ModelConfig.max_model_len, "the longest prompt + output (default: the model's context, "
+        "capped by what the KV cache holds)", type=int)
+    max_num_seqs: int = _arg(SchedulerConfig.max_num_seqs,
+                             "requests running at once (default: %(default)s)", type=int)
+    max_num_batched_tokens: int = _arg(
+        SchedulerConfig.max_num_batched_tokens,
+        "tokens in one forward pass; smaller chunks long prefills finer, which lowers "
+        "time-to-first-token under load (default: %(default)s)", type=int)
+    kv_cache_memory_gb: float | None = _arg(
+        None, "KV cache size in GiB (default: 1 on CPU, 90%% of free GPU memory)",
+        flag="--kv-cache-memory", type=float, metavar="GIB")
+    num_kv_blocks: int | None = _arg(
+        CacheConfig.num_blocks, "KV cache size in blocks, instead of --kv-cache-memory",
+        type=int)
+    block_size: int = _arg(CacheConfig.block_size,
+                           "token positions per KV-cache block (default: %(default)s)", type=int)
+    enable_prefix_caching: bool = _arg(
+        CacheConfig.enable_prefix_caching, "do not reuse the KV blocks of shared prompt prefixes",
+        flag="--no-prefix-caching", action="store_false")
+    seed: int | None = _arg(ModelConfig.seed, "where unseeded requests get their seeds from "
+                            "(default: %(default)s)", type=int)
+    logits_processors: Sequence[str | type] = _arg(
+        SamplerConfig.logits_processors, "custom logits processors to load (entry points of "
+        "the group nanoserve.logits_processors are always loaded)",
+        type=_comma_separated, metavar="MODULE:CLASS[,...]")
+    max_logprobs: int = _arg(SamplerConfig.max_logprobs,
+                             "the most top-N logprobs a request may ask for "
+                             "(default: %(default)s)", type=int)
+    zero_cost_runner: bool = _arg(
+        ModelConfig.zero_cost_runner, "benchmark the frontend: skip the model, emit tokens at once",
+        flag="--zero-cost-engine", action="store_true")
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        """Add one flag per field, in an "engine" group, with the field's default and help."""
+        group = parser.add_argument_group("engine")
+        for f in fields(cls):
+            options = dict(f.metadata)
+            flag = options.pop("flag") or "--" + f.name.replace("_", "-")
+            group.add_argument(flag, dest=f.name, default=f.default, **options)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        """The EngineArgs of parsed flags (a parser that `add_cli_args` filled)."""
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+
+    def to_config(self) -> EngineConfig:
+        """The frozen config the engine core is built from."""
+        return EngineConfig(
+            model=ModelConfig(model=self.model, device=self.device, dtype=self.dtype,
+                              max_model_len=self.max_model_len, seed=self.seed,
+                              zero_cost_runner=self.zero_cost_runner),
+            cache=CacheConfig(
+                block_size=self.block_size, num_blocks=self.num_kv_blocks,
+                kv_cache_memory_bytes=None if self.kv_cache_memory_gb is None
+                else int(self.kv_cache_memory_gb * GiB),
+                enable_prefix_caching=self.enable_prefix_caching),
+            scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
+                                      max_num_batched_tokens=self.max_num_batched_tokens),
+            sampler=SamplerConfig(logits_processors=tuple(self.logits_processors),
+                                  max_logprobs=self.max_logprobs),
+        )

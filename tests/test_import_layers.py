@@ -1,0 +1,126 @@
+"""The package's imports run one way, with the data (../shared/DESIGN.md, STYLE.md rule 14).
+
+Every `import` and `from … import` in nanoserve/ is read with `ast`, function-local ones too (a
+cycle hidden inside a function is still a cycle), and mapped to the subpackage it comes from and
+the one it reaches. Top-level modules (`protocol.py`, `config.py`, `sampling_params.py`, ...)
+count as their own part.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE_DIR = Path(__file__).resolve().parent.parent / "nanoserve"
+
+# (importer, imported) pairs that must never appear
+FORBIDDEN = {
+    ("sample", "engine"), ("output", "engine"), ("model", "engine"), ("model", "sample"),
+    ("engine", "entrypoints"), ("engine", "output"),
+}
+
+
+def _part(module: str) -> str | None:
+    """'nanoserve.sample.state' -> 'sample'; 'nanoserve.protocol' -> 'protocol'."""
+    names = module.split(".")
+    if names[0] != "nanoserve" or len(names) < 2:
+        return None
+    return names[1]
+
+
+def _module_name(path: Path) -> str:
+    relative = path.relative_to(PACKAGE_DIR.parent).with_suffix("")
+    names = list(relative.parts)
+    if names[-1] == "__init__":
+        names.pop()
+    return ".".join(names)
+
+
+def imported_modules(source: str, module: str, is_package: bool = False) -> set[str]:
+    """Every module that `source` (the text of `module`) imports, at any depth."""
+    package = module if is_package else module.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: resolve against this module's package
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                found.add(".".join([*base, node.module] if node.module else base))
+            elif node.module:
+                found.add(node.module)
+    return found
+
+
+def part_edges() -> dict[tuple[str, str], list[str]]:
+    """(importer part, imported part) -> the files where such an import is written."""
+    edges: dict[tuple[str, str], list[str]] = {}
+    for path in sorted(PACKAGE_DIR.rglob("*.py")):
+        source = _part(_module_name(path)) or "__init__"
+        imports = imported_modules(path.read_text(), _module_name(path),
+                                   is_package=path.name == "__init__.py")
+        for imported in imports:
+            target = _part(imported)
+            if target is not None and target != source:
+                edges.setdefault((source, target), []).append(str(path.relative_to(PACKAGE_DIR)))
+    return edges
+
+
+def find_cycle(edges: set[tuple[str, str]]) -> list[str] | None:
+    """One cycle in the directed graph as a path of nodes, or None."""
+    graph: dict[str, set[str]] = {}
+    for source, target in edges:
+        graph.setdefault(source, set()).add(target)
+    state: dict[str, int] = {}  # 1 = on the current path, 2 = done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt):], nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (cycle := visit(start)):
+            return cycle
+    return None
+
+
+def test_no_import_runs_against_the_data_flow() -> None:
+    edges = part_edges()
+    broken = {pair: files for pair, files in edges.items() if pair in FORBIDDEN}
+    assert not broken, "imports against the data flow: " + "; ".join(
+        f"{a} -> {b} in {', '.join(files)}" for (a, b), files in sorted(broken.items()))
+
+
+def test_no_import_cycle_between_subpackages() -> None:
+    # The package's own __init__ re-exports the public API; it is the top, not a part.
+    edges = {pair for pair in part_edges() if "__init__" not in pair}
+    cycle = find_cycle(edges)
+    assert cycle is None, "import cycle between parts: " + " -> ".join(cycle or [])
+
+
+@pytest.mark.parametrize(("edges", "has_cycle"), [
+    ({("a", "b"), ("b", "c")}, False),
+    ({("a", "b"), ("b", "c"), ("c", "a")}, True),
+    ({("a", "b"), ("b", "a")}, True),
+])
+def test_cycle_finder(edges: set[tuple[str, str]], has_cycle: bool) -> None:
+    assert (find_cycle(edges) is not None) is has_cycle
+
+
+def test_walker_sees_function_local_and_relative_imports() -> None:
+    source = ("import torch\n"
+              "def f():\n    from nanoserve.engine.core import EngineCore\n"
+              "from . import stages\nfrom ..protocol import EngineCoreOutput\n")
+    found = imported_modules(source, "nanoserve.sample.probe")
+    assert found == {"torch", "nanoserve.engine.core", "nanoserve.sample",
+                     "nanoserve.protocol"}
