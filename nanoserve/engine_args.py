@@ -17,6 +17,7 @@ from typing import Any
 
 from nanoserve.config import (
     DEFAULT_MODEL_NAME,
+    QUANTIZATION_MODES,
     CacheConfig,
     EngineConfig,
     GiB,
@@ -44,6 +45,11 @@ class EngineArgs:
     device: str = _arg(ModelConfig.device, "auto | cpu | cuda | cuda:N")
     dtype: str = _arg(ModelConfig.dtype, "auto | float32 | bfloat16 | float16 "
                       "(auto: float32 on CPU, bfloat16 on CUDA)")
+    quantization: str = _arg(
+        ModelConfig.quantization,
+        "how matmul weights are held: auto (a GGUF file's own blocks, else float) | gguf | "
+        "int8 (Q8_0 blocks) | fp16 | none (exact float32) (default: %(default)s)",
+        choices=QUANTIZATION_MODES)
     max_model_len: int | None = _arg(
         ModelConfig.max_model_len, "the longest prompt + output (default: the model's context, "
         "capped by what the KV cache holds)", type=int)
@@ -96,6 +102,7 @@ class EngineArgs:
         return EngineConfig(
             model=ModelConfig(model=self.model, device=self.device, dtype=self.dtype,
                               max_model_len=self.max_model_len, seed=self.seed,
+                              quantization=self.quantization,
                               zero_cost_runner=self.zero_cost_runner),
             cache=CacheConfig(
                 block_size=self.block_size, num_blocks=self.num_kv_blocks,

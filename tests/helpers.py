@@ -33,10 +33,14 @@ def make_engine(model: str | Path | None, *, num_blocks: int | None = None,
                 max_num_batched_tokens: int = 2048,
                 max_num_seqs: int = SchedulerConfig.max_num_seqs,
                 max_model_len: int | None = None, enable_prefix_caching: bool = True,
-                block_size: int = CacheConfig.block_size) -> EngineCore:
+                block_size: int = CacheConfig.block_size,
+                quantization: str = "none") -> EngineCore:
+    """An engine on the CPU in float32; exact weights ("none") unless asked otherwise, since
+    most tests compare it with transformers."""
     return EngineCore(EngineConfig(
         model=ModelConfig(model=None if model is None else str(model), device="cpu",
-                          dtype="float32", max_model_len=max_model_len),
+                          dtype="float32", max_model_len=max_model_len,
+                          quantization=quantization),
         cache=CacheConfig(block_size=block_size, num_blocks=num_blocks,
                           kv_cache_memory_bytes=64 << 20,
                           enable_prefix_caching=enable_prefix_caching),

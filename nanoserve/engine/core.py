@@ -43,7 +43,8 @@ class EngineCore:
         device, dtype = config.model.torch_device, config.model.torch_dtype
         keep_freed_memory_in_heap()
         if loaded is None:
-            loaded = load_model(config.model.model, device, dtype, config.model.max_model_len)
+            loaded = load_model(config.model.model, device, dtype, config.model.max_model_len,
+                                config.model.quantization)
         self.loaded = loaded
         block_size = config.cache.block_size
         num_blocks = config.cache.num_blocks or self._blocks_for_budget(block_size, dtype, device)

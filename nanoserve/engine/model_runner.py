@@ -14,6 +14,7 @@ from nanoserve.engine.scheduler import ScheduledRequest
 from nanoserve.model.arch import ArchConfig
 from nanoserve.model.attention import AttentionMetadata, PrefillChunk, head_block_rows
 from nanoserve.model.llama import CausalLM
+from nanoserve.model.paged_decode import can_read_cache_in_place
 
 
 def kv_bytes_per_block(arch: ArchConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -85,7 +86,7 @@ class ModelRunner:
             cache_index.append(table[pos // size] * size + pos % size)
             if s.num_new_tokens > 1:
                 prefills.append(self._prefill_chunk(first_row[i], s, table))
-        decode_ids, decode_mask = self._decode_tables(
+        decode_ids, decode_mask, decode_table, decode_lens = self._decode_tables(
             [scheduled[i] for i in order[:num_decodes]],
             [block_tables[i] for i in order[:num_decodes]])
         logits_rows = [first_row[i] + s.num_new_tokens - 1
@@ -96,6 +97,8 @@ class ModelRunner:
             decode_block_ids=decode_ids,
             decode_key_mask=decode_mask,
             prefills=prefills,
+            decode_block_table=decode_table,
+            decode_context_lens=decode_lens,
         )
         return (self._tensor(np.asarray(ids, dtype=np.int64)),
                 self._tensor(np.concatenate(positions)), meta,
@@ -113,10 +116,13 @@ class ModelRunner:
         return chunk
 
     def _decode_tables(self, decodes: list[ScheduledRequest], tables: list[list[int]]
-                       ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Padded block rows [Hkv * B * max_blocks] and key mask [B, 1, 1, max_blocks * size]."""
+                       ) -> tuple[torch.Tensor | None, ...]:
+        """(block rows, key mask, block table, context lengths) for the decodes. Where the
+        kernel reads the cache in place (paged_decode.py) only the last two are built: the
+        table [B, max_blocks] and lengths [B], int32. Else the first two: padded block rows
+        [Hkv * B * max_blocks] and the key mask [B, 1, 1, max_blocks * size] for the gather."""
         if not decodes:
-            return None, None
+            return None, None, None, None
         size = self.block_size
         context_lens = np.asarray([s.start + 1 for s in decodes], dtype=np.int64)
         max_blocks = int(-(-context_lens.max() // size))
@@ -124,9 +130,12 @@ class ModelRunner:
         for row, (s, table) in enumerate(zip(decodes, tables, strict=True)):
             num_blocks = -(-(s.start + 1) // size)
             padded[row, :num_blocks] = table[:num_blocks]
+        if can_read_cache_in_place(self.device, self.kv_caches[0][0].dtype):
+            return (None, None, self._tensor(padded.astype(np.int32)),
+                    self._tensor(context_lens.astype(np.int32)))
         mask = np.arange(max_blocks * size)[None, :] < context_lens[:, None]
         return (self._tensor(self._head_rows(padded)),
-                self._tensor(mask[:, None, None, :]))
+                self._tensor(mask[:, None, None, :]), None, None)
 
     def _head_rows(self, block_ids: np.ndarray) -> np.ndarray:
         return head_block_rows(block_ids, self.num_kv_heads, self.num_blocks)

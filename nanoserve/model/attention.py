@@ -20,6 +20,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from nanoserve.model import paged_decode
+
 
 @dataclass
 class PrefillChunk:
@@ -45,6 +47,9 @@ class AttentionMetadata:
     decode_block_ids: torch.Tensor | None
     decode_key_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool
     prefills: list[PrefillChunk]
+    # Set instead of the two above when decodes read the cache in place (paged_decode.py):
+    decode_block_table: torch.Tensor | None = None  # [num_decodes, max_blocks] int32 block ids
+    decode_context_lens: torch.Tensor | None = None  # [num_decodes] int32
 
 
 def head_block_rows(block_ids: np.ndarray, num_kv_heads: int, num_blocks: int) -> np.ndarray:
@@ -71,16 +76,25 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
 
     num_decodes = meta.num_decode_tokens
     if not meta.prefills:
-        return _decode_attention(q, k_cache, v_cache, meta)
+        return _attend_decodes(q, k_cache, v_cache, meta)
     out = q.new_empty(num_tokens, num_heads * head_dim)
     # 2) all decodes at once
     if num_decodes:
-        out[:num_decodes] = _decode_attention(q[:num_decodes], k_cache, v_cache, meta)
+        out[:num_decodes] = _attend_decodes(q[:num_decodes], k_cache, v_cache, meta)
     # 3) each prefill chunk on its own
     for chunk in meta.prefills:
         rows = slice(chunk.start, chunk.start + chunk.num_tokens)
         out[rows] = _prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, chunk)
     return out
+
+
+def _attend_decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata) -> torch.Tensor:
+    """q: [B, H, D] -> [B, H * D], by the in-place kernel when the runner chose it."""
+    if meta.decode_block_table is not None and meta.decode_context_lens is not None:
+        return paged_decode.decode_attention(q, k_cache, v_cache, meta.decode_block_table,
+                                             meta.decode_context_lens)
+    return _decode_attention(q, k_cache, v_cache, meta)
 
 
 def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

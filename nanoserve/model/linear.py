@@ -9,6 +9,8 @@ differ from F.linear only in summation order (~1e-6 relative).
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 
@@ -29,9 +31,18 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight, PACKING_BATCH_HINT)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-           ) -> torch.Tensor:
-    """x @ weight.T + bias, for plain or packed weights. x: [rows, in] -> [rows, out]."""
+class MatmulWeight(Protocol):
+    """A weight held in another form (quantization.py): it multiplies by itself."""
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor | MatmulWeight,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T + bias, for plain, packed or quantized weights. x: [rows, in] -> [rows, out]."""
+    if not isinstance(weight, torch.Tensor):
+        out = weight.matmul(x)
+        return out if bias is None else out + bias
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)

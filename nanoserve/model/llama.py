@@ -83,10 +83,16 @@ class CausalLM(nn.Module):
         """input_ids, positions: [num_tokens] -> final hidden states [num_tokens, hidden_size]."""
         assert self.rotary is not None, "weights not loaded: use nanoserve.model.loader.load_model"
         cos, sin = self.rotary.lookup(positions)  # [T, 1, D] each, shared by all layers
-        hidden = F.embedding(input_ids, self.embed_tokens)  # [T, hidden]
+        hidden = self._embed(input_ids)  # [T, hidden]
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             hidden = layer(hidden, cos, sin, k_cache, v_cache, meta)
         return F.rms_norm(hidden, (self.arch.hidden_size,), self.norm, self.arch.rms_norm_eps)
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        table = self.embed_tokens
+        if isinstance(table, torch.Tensor):
+            return F.embedding(input_ids, table)
+        return table.rows(input_ids)  # quantized blocks, dequantized row by row (exact)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_rows, hidden] -> [num_rows, vocab] in float32 (the sampler's dtype)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,9 +20,11 @@ from nanoserve.config import DEFAULT_MODEL_NAME
 from nanoserve.model.arch import ArchConfig
 from nanoserve.model.gguf_file import GGUFFile
 from nanoserve.model.llama import CausalLM
+from nanoserve.model.quantization import resolve_mode
 from nanoserve.model.rope import RotaryEmbedding, inverse_frequencies
 from nanoserve.model.tokenizer import load_tokenizer_from_dir, load_tokenizer_from_gguf
 from nanoserve.model.weights import (
+    ReadTensor,
     gguf_rope_factors,
     load_into,
     read_gguf_tensors,
@@ -100,14 +103,16 @@ def load_frontend(model: str | None) -> FrontendModel:
 
 
 def load_model(model: str | None, device: torch.device, dtype: torch.dtype,
-               max_positions: int | None = None) -> LoadedModel:
-    """Read weights, tokenizer and generation defaults; put the model on `device` in `dtype`."""
+               max_positions: int | None = None, quantization: str = "auto") -> LoadedModel:
+    """Read weights, tokenizer and generation defaults; put the model on `device` in `dtype`,
+    its matmul weights held as `quantization` says (model/quantization.py)."""
     path = resolve_model_path(model)
+    mode = resolve_mode(quantization, not path.is_dir(), device)
     rope_factors = None
     generation_config: dict[str, Any] = {}
     if path.is_dir():
         arch = ArchConfig.from_hf_config(json.loads((path / "config.json").read_text()))
-        tensors = read_safetensors_dir(path)
+        tensors: Iterator[tuple[str, ReadTensor]] = read_safetensors_dir(path)
         tokenizer = load_tokenizer_from_dir(path)
         gen_file = path / "generation_config.json"
         if gen_file.exists():
@@ -115,13 +120,13 @@ def load_model(model: str | None, device: torch.device, dtype: torch.dtype,
     else:
         gguf = GGUFFile(path)
         arch = ArchConfig.from_gguf_metadata(gguf.metadata, "output.weight" in gguf.tensors)
-        tensors = read_gguf_tensors(gguf, arch)
+        tensors = read_gguf_tensors(gguf, arch, keep_blocks=mode == "gguf")
         rope_factors = gguf_rope_factors(gguf)
         tokenizer = load_tokenizer_from_gguf(gguf)
         generation_config = gguf_sampling_defaults(gguf.metadata)
 
     net = CausalLM(arch)
-    load_into(net, tensors, dtype, device)
+    load_into(net, tensors, dtype, device, mode)
     positions = max_positions or arch.max_position_embeddings
     net.rotary = RotaryEmbedding(inverse_frequencies(arch, rope_factors), positions, dtype, device)
     net.eval()

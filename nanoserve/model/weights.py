@@ -14,8 +14,18 @@ import torch
 
 from nanoserve.model.arch import ArchConfig
 from nanoserve.model.gguf_file import GGUFFile
-from nanoserve.model.linear import pack_weight
 from nanoserve.model.llama import CausalLM
+from nanoserve.model.quant_linear import QuantizedWeight
+from nanoserve.model.quantization import (
+    RawBlocks,
+    as_float,
+    fuse_rows,
+    make_matmul_weight,
+    shape_of,
+)
+
+ReadTensor = torch.Tensor | RawBlocks
+Loaded = torch.Tensor | RawBlocks | list[RawBlocks]
 
 # GGUF tensor name (after `blk.N.`) -> Hugging Face name (after `model.layers.N.`)
 _GGUF_LAYER_NAMES = {
@@ -55,24 +65,33 @@ def read_safetensors_dir(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield key, f.get_tensor(key)
 
 
-def read_gguf_tensors(gguf: GGUFFile, arch: ArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """Dequantized GGUF tensors under Hugging Face names, with Q/K rows un-permuted for Llama.
+def read_gguf_tensors(gguf: GGUFFile, arch: ArchConfig, keep_blocks: bool = False
+                      ) -> Iterator[tuple[str, ReadTensor]]:
+    """GGUF tensors under Hugging Face names, with Q/K rows un-permuted for Llama.
 
-    llama.cpp's converter reorders each Llama head's Q and K rows from the HF "rotate halves"
-    layout to interleaved pairs; we undo it so the same RoPE code serves both sources. Qwen
-    files are written without that permutation.
+    Dequantized to float32, or, with `keep_blocks`, the 2-D weights (projections, embedding,
+    head) as the file stores them (`RawBlocks`). llama.cpp's converter reorders each Llama
+    head's Q and K rows from the HF "rotate halves" layout to interleaved pairs; we undo it
+    (on whole rows, so raw blocks too) so the same RoPE code serves both sources. Qwen files
+    are written without that permutation.
     """
     is_permuted = gguf.metadata.get("general.architecture") == "llama"
     for name in gguf.tensors:
         if name == "rope_freqs.weight":
             continue  # read by the loader as RoPE scaling factors
         hf_name = gguf_to_hf_name(name)
-        values = gguf.dequantize(name)
+        tensor = gguf.tensors[name]
+        blocks = None
+        if keep_blocks and len(tensor.shape) == 2:
+            blocks = RawBlocks(tensor.data, tensor.ggml_type, (tensor.shape[0], tensor.shape[1]))
+            blocks = blocks if blocks.has_kernel else None
+        values = gguf.dequantize(name) if blocks is None else blocks.rows()
         if is_permuted and hf_name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias",
                                              "k_proj.bias")):
             num_heads = arch.num_heads if ".q_proj." in hf_name else arch.num_kv_heads
             values = unpermute_rope_rows(values, num_heads)
-        yield hf_name, values
+        yield hf_name, values if blocks is None else RawBlocks(values, blocks.ggml_type,
+                                                               blocks.shape)
 
 
 def gguf_to_hf_name(name: str) -> str:
@@ -91,12 +110,14 @@ def unpermute_rope_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
             .transpose(1, 2).reshape(w.shape))
 
 
-def load_into(model: CausalLM, tensors: Iterator[tuple[str, torch.Tensor]],
-              dtype: torch.dtype, device: torch.device) -> None:
-    """Copy HF-named tensors into the model, fusing q/k/v and gate/up; check nothing is missing."""
+def load_into(model: CausalLM, tensors: Iterator[tuple[str, ReadTensor]], dtype: torch.dtype,
+              device: torch.device, quantization: str = "none") -> None:
+    """Copy HF-named tensors into the model, fusing q/k/v and gate/up; check nothing is missing.
+
+    Matmul weights become what `quantization` (resolved, see quantization.py) asks for."""
     arch = model.arch
     state = {name: t for name, t in tensors}
-    fused: dict[str, torch.Tensor] = {
+    fused: dict[str, Loaded] = {
         "embed_tokens": state.pop("model.embed_tokens.weight"),
         "norm": state.pop("model.norm.weight"),
     }
@@ -109,16 +130,16 @@ def load_into(model: CausalLM, tensors: Iterator[tuple[str, torch.Tensor]],
         fused[f"layers.{i}.input_layernorm"] = state.pop(p + "input_layernorm.weight")
         fused[f"layers.{i}.post_attention_layernorm"] = state.pop(
             p + "post_attention_layernorm.weight")
-        fused[f"layers.{i}.qkv_proj"] = torch.cat(
+        fused[f"layers.{i}.qkv_proj"] = fuse_rows(
             [state.pop(f"{attn}{n}_proj.weight") for n in "qkv"])
         if arch.has_qkv_bias:
             fused[f"layers.{i}.qkv_bias"] = torch.cat(
-                [state.pop(f"{attn}{n}_proj.bias") for n in "qkv"])
+                [as_float(state.pop(f"{attn}{n}_proj.bias")) for n in "qkv"])
         fused[f"layers.{i}.o_proj"] = state.pop(attn + "o_proj.weight")
         if arch.has_qk_norm:
             fused[f"layers.{i}.q_norm"] = state.pop(attn + "q_norm.weight")
             fused[f"layers.{i}.k_norm"] = state.pop(attn + "k_norm.weight")
-        fused[f"layers.{i}.gate_up_proj"] = torch.cat(
+        fused[f"layers.{i}.gate_up_proj"] = fuse_rows(
             [state.pop(p + "mlp.gate_proj.weight"), state.pop(p + "mlp.up_proj.weight")])
         fused[f"layers.{i}.down_proj"] = state.pop(p + "mlp.down_proj.weight")
     leftover = [k for k in state if "rotary_emb" not in k]
@@ -133,25 +154,36 @@ def load_into(model: CausalLM, tensors: Iterator[tuple[str, torch.Tensor]],
         raise ValueError(f"checkpoint is missing weights: {missing[:5]}")
     for name, value in fused.items():
         want = tuple(expected[name].shape)
-        if tuple(value.shape) != want:
-            raise ValueError(f"weight {name}: checkpoint shape {tuple(value.shape)}, "
+        if shape_of(value) != want:
+            raise ValueError(f"weight {name}: checkpoint shape {shape_of(value)}, "
                              f"model expects {want}")
-        value = value.to(device=device, dtype=dtype).contiguous()
         if name.endswith(_MATMUL_WEIGHTS):
-            value = pack_weight(value)
-        _set_parameter(model, name, value)
-    if arch.tie_word_embeddings:  # the embedding stays plain for lookups; the head gets a copy
-        _set_parameter(model, "lm_head", pack_weight(model.embed_tokens.data))
+            _set_weight(model, name, make_matmul_weight(value, quantization, dtype, device))
+        elif name == "embed_tokens" and isinstance(value, RawBlocks) and quantization == "gguf":
+            # looked up row by row (exact); the tied head multiplies with the same blocks
+            _set_weight(model, name, QuantizedWeight.from_gguf(value.rows(), value.ggml_type,
+                                                               value.shape))
+        else:
+            _set_weight(model, name, as_float(value).to(device=device, dtype=dtype).contiguous())
+    if arch.tie_word_embeddings:  # the head multiplies with the embedding's own blocks, or a
+        embedding = model.embed_tokens  # packed float copy (the embedding stays plain)
+        _set_weight(model, "lm_head", embedding if isinstance(embedding, QuantizedWeight)
+                    else make_matmul_weight(embedding.data, quantization, dtype, device))
 
 
 _MATMUL_WEIGHTS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
 
 
-def _set_parameter(model: torch.nn.Module, dotted_name: str, value: torch.Tensor) -> None:
-    """Replace a (meta-device) parameter with real data, without an init pass or a copy."""
+def _set_weight(model: torch.nn.Module, dotted_name: str, value: object) -> None:
+    """Replace a (meta-device) parameter with real data, without an init pass or a copy. A
+    tensor stays a Parameter; a quantized weight becomes a plain attribute."""
     owner_name, _, attr = dotted_name.rpartition(".")
     owner = model.get_submodule(owner_name) if owner_name else model
-    setattr(owner, attr, torch.nn.Parameter(value, requires_grad=False))
+    if isinstance(value, torch.Tensor):
+        setattr(owner, attr, torch.nn.Parameter(value, requires_grad=False))
+        return
+    owner._parameters.pop(attr, None)
+    setattr(owner, attr, value)
 
 
 def gguf_rope_factors(gguf: GGUFFile) -> torch.Tensor | None:

@@ -1,0 +1,116 @@
+"""`nanoserve bench step`: where one decode step's time goes.
+
+A batch of requests is brought to the decoding state at a given context length; then a few
+steps run under `torch.profiler` and every operator's own (self) CPU time is put in one bucket:
+
+  matmuls      the projections and the LM head (oneDNN, MKL, the quantized kernels)
+  attention    writing K/V into the cache, gathering it, and attending (SDPA or our kernel)
+  element-wise every other operator inside the model's forward (norms, RoPE, SiLU, adds, copies)
+  model Python the forward's wall time not spent inside any operator: Python and dispatch
+  sampler      the whole sampling call (its own operators and Python)
+  engine       scheduling, input preparation and request updates: the rest of the step
+
+`EngineCore.step` marks its phases with `record_function` scopes (`nanoserve.*`) for this.
+The profiler adds a few microseconds per operator, so the buckets are scaled to the unprofiled
+median step time, which is printed too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from nanoserve.bench.roofline import start_decoding
+from nanoserve.bench.timing import median_seconds
+from nanoserve.engine.core import EngineCore
+
+MATMUL_OPS = re.compile(r"mm$|addmm|linear|quant_matmul|linear_dynamic|_weight_int|matmul")
+ATTENTION_OPS = re.compile(r"attention|index_select|index_copy|_softmax")
+BUCKETS = ("matmuls", "attention", "element-wise", "model Python", "sampler", "engine")
+
+
+@dataclass
+class StepProfile:
+    batch: int
+    step_seconds: float  # unprofiled median
+    buckets: dict[str, float] = field(default_factory=dict)  # seconds, scaled to step_seconds
+
+    def share(self, bucket: str) -> float:
+        return self.buckets[bucket] / self.step_seconds
+
+
+def profile_decode_step(engine: EngineCore, batch: int, context_len: int,
+                        repeats: int = 10) -> StepProfile:
+    ids = start_decoding(engine, batch, context_len, 2 * repeats + 2, "profile")
+    step_seconds = median_seconds(engine.step, repeats)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(repeats):
+            engine.step()
+    for request_id in ids:
+        engine.abort(request_id)
+    raw = _bucket_events(prof.events())
+    total = sum(raw.values())
+    buckets = {name: raw[name] / total * step_seconds for name in BUCKETS}
+    return StepProfile(batch, step_seconds, buckets)
+
+
+def _bucket_events(events: list) -> dict[str, float]:
+    """Seconds per bucket, summed over the profiled steps."""
+    totals: dict[str, float] = defaultdict(float)
+
+    def scope(event) -> str | None:  # the innermost nanoserve.* scope around an event
+        node = event.cpu_parent
+        while node is not None:
+            if node.name.startswith("nanoserve."):
+                return node.name
+            node = node.cpu_parent
+        return None
+
+    model_ops = 0.0
+    for event in events:
+        if event.name == "nanoserve.step":
+            totals["step"] += event.cpu_time_total
+        elif event.name.startswith("nanoserve."):
+            totals[event.name] += event.cpu_time_total
+        elif scope(event) == "nanoserve.model":
+            if MATMUL_OPS.search(event.name):
+                totals["matmuls"] += event.self_cpu_time_total
+            elif ATTENTION_OPS.search(event.name):
+                totals["attention"] += event.self_cpu_time_total
+            else:
+                totals["element-wise"] += event.self_cpu_time_total
+            model_ops += event.self_cpu_time_total
+    seconds = {
+        "matmuls": totals["matmuls"], "attention": totals["attention"],
+        "element-wise": totals["element-wise"],
+        "model Python": max(0.0, totals["nanoserve.model"] - model_ops),
+        "sampler": totals["nanoserve.sample"],
+    }
+    seconds["engine"] = max(0.0, totals["step"] - sum(seconds.values()))
+    return {name: value / 1e6 for name, value in seconds.items()}
+
+
+def format_profiles(profiles: list[StepProfile]) -> str:
+    header = "| bucket | " + " | ".join(f"batch {p.batch}" for p in profiles) + " |"
+    lines = [header, "|---|" + "---:|" * len(profiles)]
+    for name in BUCKETS:
+        cells = [f"{p.buckets[name] * 1e3:.1f} ms ({p.share(name):.0%})" for p in profiles]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines.append("| **step** | " + " | ".join(f"**{p.step_seconds * 1e3:.1f} ms**"
+                                             for p in profiles) + " |")
+    return "\n".join(lines)
+
+
+def run_step_profile(engine: EngineCore, args: argparse.Namespace) -> list[StepProfile]:
+    sizes = [int(size) for size in args.batch_sizes.split(",")]
+    print(f"decode step, context {args.context_len}, threads={torch.get_num_threads()}, "
+          f"median of {args.repeats}\n")
+    profiles = [profile_decode_step(engine, size, args.context_len, args.repeats)
+                for size in sizes]
+    print(format_profiles(profiles))
+    return profiles

@@ -1,0 +1,374 @@
+// Decode attention that reads the paged KV cache in place (no gathered copy of the keys).
+// What it computes and why it is shaped this way: nanoserve/model/paged_decode.py.
+//
+// Cache layout (nanoserve/model/attention.py): k_cache, v_cache [Hkv, num_blocks, block_size, D]
+// float32; token t of request b lives in block block_table[b][t / block_size], row
+// t % block_size, of each KV head's plane.
+//
+// One work item is (request, KV head, partition of the context). It loads each key and value
+// row once and uses it for the G = H / Hkv query heads that share it. The context is walked in
+// tiles of kTileTokens: scores for the tile (G dot products per key), one max/exp/sum per tile
+// (online softmax: the running sums are rescaled once per tile, not per token), then P·V.
+// When there are too few (request, KV head) items to keep every thread busy, long contexts are
+// split into partitions whose partial results are merged by log-sum-exp.
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kTileTokens = 64;      // keys scored per tile; [G, 128] scores stay in L1
+constexpr int64_t kPrefetchAhead = 8;     // key rows requested this many tokens early
+constexpr int64_t kMinPartition = 256;    // never split a context finer than this
+constexpr int64_t kItemsPerThread = 4;    // split until there are this many items per thread
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// exp of 8 floats: Cephes' range reduction and degree-5 polynomial (~1 ulp on [-87, 88]).
+// Inputs below ln(FLT_MIN) are clamped there, so -inf gives ~1e-38, never NaN.
+inline __m256 exp256(__m256 x) {
+  const __m256 hi = _mm256_set1_ps(88.3762626647949f);
+  const __m256 lo = _mm256_set1_ps(-87.3365447505531f);
+  x = _mm256_max_ps(_mm256_min_ps(x, hi), lo);
+  __m256 fx = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
+  fx = _mm256_round_ps(fx, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  const __m256 z = _mm256_mul_ps(x, x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, z, x);
+  y = _mm256_add_ps(y, _mm256_set1_ps(1.0f));
+  __m256i n = _mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127));
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(n, 23)));
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline void prefetch_row(const float* row, int64_t dim) {
+  for (int64_t d = 0; d < dim; d += 16) _mm_prefetch(reinterpret_cast<const char*>(row + d), _MM_HINT_T0);
+}
+
+// scores[g * kTileTokens + j] = q[g] · key[j] for GB query heads (q already scaled). With
+// `prefetch`, it also asks for key rows kPrefetchAhead tokens ahead (up to `num_known`, which
+// runs into the next tile) and for the value rows this tile's P·V will read.
+template <int GB>
+void score_tile(const float* q, const float* const* keys, const float* const* values, int64_t n,
+                int64_t num_known, int64_t dim, bool prefetch, float* scores) {
+  for (int64_t j = 0; j < n; ++j) {
+    if (prefetch) {
+      if (j + kPrefetchAhead < num_known) prefetch_row(keys[j + kPrefetchAhead], dim);
+      prefetch_row(values[j], dim);
+    }
+    const float* k = keys[j];
+    // two accumulators per head: half the chain of dependent FMAs
+    __m256 even[GB], odd[GB];
+    for (int g = 0; g < GB; ++g) even[g] = odd[g] = _mm256_setzero_ps();
+    int64_t d = 0;
+    for (; d + 16 <= dim; d += 16) {
+      const __m256 k0 = _mm256_loadu_ps(k + d), k1 = _mm256_loadu_ps(k + d + 8);
+      for (int g = 0; g < GB; ++g) {
+        even[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * dim + d), k0, even[g]);
+        odd[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * dim + d + 8), k1, odd[g]);
+      }
+    }
+    if (d < dim) {
+      const __m256 k0 = _mm256_loadu_ps(k + d);
+      for (int g = 0; g < GB; ++g)
+        even[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * dim + d), k0, even[g]);
+    }
+    for (int g = 0; g < GB; ++g) scores[g * kTileTokens + j] = hsum(_mm256_add_ps(even[g], odd[g]));
+  }
+}
+
+// acc[g] = acc[g] * corr[g] + sum_j p[g][j] * value[j] for GB heads, NV * 8 columns at a time:
+// the GB x NV accumulators stay in registers while the tile's values stream past.
+template <int GB, int NV>
+void accumulate_columns(const float* p, const float* const* values, int64_t n, int64_t dim,
+                        int64_t d0, const float* corr, float* acc) {
+  __m256 a[GB][NV];
+  for (int g = 0; g < GB; ++g) {
+    const __m256 c = _mm256_set1_ps(corr[g]);
+    for (int v = 0; v < NV; ++v) a[g][v] = _mm256_mul_ps(_mm256_loadu_ps(acc + g * dim + d0 + 8 * v), c);
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    __m256 x[NV];
+    for (int v = 0; v < NV; ++v) x[v] = _mm256_loadu_ps(values[j] + d0 + 8 * v);
+    for (int g = 0; g < GB; ++g) {
+      const __m256 w = _mm256_broadcast_ss(p + g * kTileTokens + j);
+      for (int v = 0; v < NV; ++v) a[g][v] = _mm256_fmadd_ps(w, x[v], a[g][v]);
+    }
+  }
+  for (int g = 0; g < GB; ++g)
+    for (int v = 0; v < NV; ++v) _mm256_storeu_ps(acc + g * dim + d0 + 8 * v, a[g][v]);
+}
+
+template <int GB>
+void accumulate_tile(const float* p, const float* const* values, int64_t n, int64_t dim,
+                     const float* corr, float* acc) {
+  // Each pass keeps GB x NV accumulators, one FMA chain each: with too few chains a pass waits
+  // on FMA latency, with too many they spill out of the 16 registers.
+  constexpr int NV = GB == 1 ? 8 : GB == 2 ? 4 : 2;
+  int64_t d0 = 0;
+  for (; d0 + 8 * NV <= dim; d0 += 8 * NV)
+    accumulate_columns<GB, NV>(p, values, n, dim, d0, corr, acc);
+  for (; d0 < dim; d0 += 8) accumulate_columns<GB, 1>(p, values, n, dim, d0, corr, acc);
+}
+
+// Query heads are taken four at a time: 4 heads x 16 columns is 8 accumulators in registers.
+void score_heads(const float* q, const float* const* keys, const float* const* values,
+                 int64_t n, int64_t num_known, int64_t dim, int64_t group, float* scores) {
+  for (int64_t g0 = 0; g0 < group; g0 += 4) {
+    const float* qg = q + g0 * dim;
+    float* sg = scores + g0 * kTileTokens;
+    const bool prefetch = g0 == 0;
+    switch (std::min<int64_t>(4, group - g0)) {
+      case 1: score_tile<1>(qg, keys, values, n, num_known, dim, prefetch, sg); break;
+      case 2: score_tile<2>(qg, keys, values, n, num_known, dim, prefetch, sg); break;
+      case 3: score_tile<3>(qg, keys, values, n, num_known, dim, prefetch, sg); break;
+      default: score_tile<4>(qg, keys, values, n, num_known, dim, prefetch, sg); break;
+    }
+  }
+}
+
+void accumulate_heads(const float* p, const float* const* values, int64_t n, int64_t dim,
+                      int64_t group, const float* corr, float* acc) {
+  for (int64_t g0 = 0; g0 < group; g0 += 4) {
+    const float* pg = p + g0 * kTileTokens;
+    float* ag = acc + g0 * dim;
+    switch (std::min<int64_t>(4, group - g0)) {
+      case 1: accumulate_tile<1>(pg, values, n, dim, corr + g0, ag); break;
+      case 2: accumulate_tile<2>(pg, values, n, dim, corr + g0, ag); break;
+      case 3: accumulate_tile<3>(pg, values, n, dim, corr + g0, ag); break;
+      default: accumulate_tile<4>(pg, values, n, dim, corr + g0, ag); break;
+    }
+  }
+}
+
+// Softmax bookkeeping for one tile: scores become exp(score - new max) in place; returns each
+// head's correction factor exp(old max - new max) for what was accumulated before.
+void softmax_tile(float* scores, int64_t n, int64_t group, float* max, float* sum, float* corr) {
+  const int64_t padded = (n + 7) / 8 * 8;
+  for (int64_t g = 0; g < group; ++g) {
+    float* s = scores + g * kTileTokens;
+    for (int64_t j = n; j < padded; ++j) s[j] = kNegInf;  // pad to whole vectors
+    __m256 vmax = _mm256_set1_ps(kNegInf);
+    for (int64_t j = 0; j < padded; j += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s + j));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float new_max = std::max(max[g], _mm_cvtss_f32(m4));
+    corr[g] = max[g] == kNegInf ? 0.0f : std::exp(max[g] - new_max);
+    max[g] = new_max;
+    const __m256 m = _mm256_set1_ps(new_max);
+    __m256 vsum = _mm256_setzero_ps();
+    for (int64_t j = 0; j < padded; j += 8) {
+      const __m256 p = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + j), m));
+      vsum = _mm256_add_ps(vsum, p);
+      _mm256_storeu_ps(s + j, p);
+    }
+    // Padding adds exp(ln(FLT_MIN)) ~ 1e-38 per entry to a sum of at least 1 (the max's own
+    // term): nothing, in float32. P·V reads only the n real entries.
+    sum[g] = sum[g] * corr[g] + hsum(vsum);
+  }
+}
+
+struct Problem {
+  const float* q;        // [B, H, D]
+  const float* k_cache;  // [Hkv, num_blocks, block_size, D]
+  const float* v_cache;
+  const int32_t* block_table;  // [B, max_blocks]
+  const int32_t* context_lens;  // [B]
+  int64_t num_heads, num_kv_heads, dim, num_blocks, block_size, max_blocks;
+  float scale;
+};
+
+// Attention of one (request, KV head) over tokens [begin, end): unnormalized acc [G, D], the
+// running max and sum [G]. `Scratch` holds the scaled queries, scores and row pointers.
+struct Scratch {
+  std::vector<float> q, scores, corr;
+  std::vector<const float*> keys, values;  // two tiles' worth: this one and the next
+  explicit Scratch(int64_t group, int64_t dim)
+      : q(group * dim), scores(group * kTileTokens), corr(group),
+        keys(2 * kTileTokens), values(2 * kTileTokens) {}
+};
+
+// Row pointers of tokens [t0, t0 + n).
+void locate_rows(const Problem& pb, const int32_t* table, int64_t plane, int64_t t0, int64_t n,
+                 const float** keys, const float** values) {
+  const int64_t bs = pb.block_size, dim = pb.dim;
+  int64_t block = t0 / bs, offset = t0 % bs;  // stepped, not divided, per token
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t row = plane + static_cast<int64_t>(table[block]) * bs + offset;
+    keys[j] = pb.k_cache + row * dim;
+    values[j] = pb.v_cache + row * dim;
+    if (++offset == bs) {
+      offset = 0;
+      ++block;
+    }
+  }
+}
+
+void attend_range(const Problem& pb, int64_t b, int64_t kv_head, int64_t begin, int64_t end,
+                  Scratch& sc, float* acc, float* max, float* sum) {
+  const int64_t group = pb.num_heads / pb.num_kv_heads, dim = pb.dim;
+  const float* q = pb.q + (b * pb.num_heads + kv_head * group) * dim;
+  for (int64_t i = 0; i < group * dim; ++i) sc.q[i] = q[i] * pb.scale;
+  std::fill(acc, acc + group * dim, 0.0f);
+  std::fill(max, max + group, kNegInf);
+  std::fill(sum, sum + group, 0.0f);
+  const int32_t* table = pb.block_table + b * pb.max_blocks;
+  const int64_t plane = kv_head * pb.num_blocks * pb.block_size;  // this head's first row
+  const float** keys = sc.keys.data();  // [this tile | next tile]
+  const float** values = sc.values.data();
+  locate_rows(pb, table, plane, begin, std::min(kTileTokens, end - begin), keys, values);
+  for (int64_t t0 = begin; t0 < end; t0 += kTileTokens) {
+    const int64_t n = std::min(kTileTokens, end - t0);
+    const int64_t num_next = std::clamp<int64_t>(end - t0 - n, 0, kTileTokens);
+    locate_rows(pb, table, plane, t0 + n, num_next, keys + kTileTokens, values + kTileTokens);
+    score_heads(sc.q.data(), keys, values, n, n + num_next, dim, group,
+                sc.scores.data());
+    softmax_tile(sc.scores.data(), n, group, max, sum, sc.corr.data());
+    accumulate_heads(sc.scores.data(), values, n, dim, group, sc.corr.data(), acc);
+    std::copy(keys + kTileTokens, keys + kTileTokens + num_next, keys);
+    std::copy(values + kTileTokens, values + kTileTokens + num_next, values);
+  }
+}
+
+void check_inputs(const torch::Tensor& q, const torch::Tensor& k_cache,
+                  const torch::Tensor& v_cache, const torch::Tensor& block_table,
+                  const torch::Tensor& context_lens, const torch::Tensor& out) {
+  for (const auto* t : {&q, &k_cache, &v_cache, &out}) {
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == torch::kFloat32,
+                "paged decode_attention takes CPU float32 tensors");
+    TORCH_CHECK(t->is_contiguous(), "paged decode_attention takes contiguous tensors");
+  }
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
+              "expected q [B, H, D] and caches [Hkv, num_blocks, block_size, D]");
+  TORCH_CHECK(out.sizes() == q.sizes(), "out must have q's shape [B, H, D]");
+  const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2);
+  TORCH_CHECK(k_cache.size(3) == dim && dim % 8 == 0, "head_dim must match and be a multiple of 8");
+  TORCH_CHECK(heads % k_cache.size(0) == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(block_table.scalar_type() == torch::kInt32 && block_table.dim() == 2 &&
+                  block_table.size(0) == batch && block_table.is_contiguous(),
+              "block_table must be contiguous int32 [B, max_blocks]");
+  TORCH_CHECK(context_lens.scalar_type() == torch::kInt32 && context_lens.numel() == batch &&
+                  context_lens.is_contiguous(),
+              "context_lens must be contiguous int32 [B]");
+  // An id out of range would read outside the cache: check every block a context uses.
+  const int64_t bs = k_cache.size(2), num_blocks = k_cache.size(1);
+  const int64_t max_blocks = block_table.size(1);
+  const int32_t* table = block_table.data_ptr<int32_t>();
+  const int32_t* lens = context_lens.data_ptr<int32_t>();
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t used = (static_cast<int64_t>(lens[b]) + bs - 1) / bs;
+    TORCH_CHECK(lens[b] >= 0 && used <= max_blocks, "context_lens[", b, "] = ", lens[b],
+                " does not fit the block table's ", max_blocks, " blocks of ", bs);
+    for (int64_t i = 0; i < used; ++i)
+      TORCH_CHECK(table[b * max_blocks + i] >= 0 && table[b * max_blocks + i] < num_blocks,
+                  "block_table[", b, ", ", i, "] = ", table[b * max_blocks + i],
+                  " is outside the cache's ", num_blocks, " blocks");
+  }
+}
+
+}  // namespace
+
+// out [B, H, D] = softmax(q · K^T * scale) · V per request, over its context_lens[b] cached
+// tokens. Writes `out` and returns it.
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                               torch::Tensor block_table, torch::Tensor context_lens,
+                               double scale, torch::Tensor out) {
+  check_inputs(q, k_cache, v_cache, block_table, context_lens, out);
+  const Problem pb{q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+                   block_table.data_ptr<int32_t>(), context_lens.data_ptr<int32_t>(),
+                   q.size(1), k_cache.size(0), q.size(2), k_cache.size(1), k_cache.size(2),
+                   block_table.size(1), static_cast<float>(scale)};
+  const int64_t batch = q.size(0), group = pb.num_heads / pb.num_kv_heads, dim = pb.dim;
+  const int64_t items = batch * pb.num_kv_heads;
+  if (items == 0) return out;
+  int64_t max_len = 0;
+  for (int64_t b = 0; b < batch; ++b) max_len = std::max<int64_t>(max_len, pb.context_lens[b]);
+
+  // Partitions: enough work items for every thread, none shorter than kMinPartition tokens.
+  const int64_t wanted = kItemsPerThread * at::get_num_threads();
+  int64_t parts = std::min((wanted + items - 1) / items,
+                           std::max<int64_t>(1, max_len / kMinPartition));
+  const int64_t part_len = parts > 1
+      ? ((max_len + parts - 1) / parts + kTileTokens - 1) / kTileTokens * kTileTokens : max_len;
+  parts = parts > 1 ? (max_len + part_len - 1) / part_len : 1;
+  float* out_ptr = out.data_ptr<float>();
+
+  if (parts == 1) {  // each item writes its G output rows directly
+    at::parallel_for(0, items, 1, [&](int64_t first, int64_t last) {
+      Scratch sc(group, dim);
+      std::vector<float> max(group), sum(group);
+      for (int64_t item = first; item < last; ++item) {
+        const int64_t b = item / pb.num_kv_heads, kv_head = item % pb.num_kv_heads;
+        float* acc = out_ptr + (b * pb.num_heads + kv_head * group) * dim;
+        attend_range(pb, b, kv_head, 0, pb.context_lens[b], sc, acc, max.data(), sum.data());
+        for (int64_t g = 0; g < group; ++g) {
+          const float inv = sum[g] > 0.0f ? 1.0f / sum[g] : 0.0f;
+          for (int64_t d = 0; d < dim; ++d) acc[g * dim + d] *= inv;
+        }
+      }
+    });
+    return out;
+  }
+
+  // Split contexts: partial [items, parts, G, D] results, then a log-sum-exp merge per head.
+  std::vector<float> part_acc(items * parts * group * dim);
+  std::vector<float> part_max(items * parts * group), part_sum(items * parts * group);
+  at::parallel_for(0, items * parts, 1, [&](int64_t first, int64_t last) {
+    Scratch sc(group, dim);
+    for (int64_t i = first; i < last; ++i) {
+      const int64_t item = i / parts, part = i % parts;
+      const int64_t b = item / pb.num_kv_heads, kv_head = item % pb.num_kv_heads;
+      const int64_t begin = part * part_len;
+      const int64_t end = std::min<int64_t>(begin + part_len, pb.context_lens[b]);
+      attend_range(pb, b, kv_head, begin, std::max(begin, end), sc,
+                   part_acc.data() + i * group * dim, part_max.data() + i * group,
+                   part_sum.data() + i * group);
+    }
+  });
+  at::parallel_for(0, items * group, 1, [&](int64_t first, int64_t last) {
+    for (int64_t row = first; row < last; ++row) {  // row = (item, g) = (b, query head)
+      const int64_t item = row / group, g = row % group;
+      float global_max = kNegInf;
+      for (int64_t p = 0; p < parts; ++p)
+        global_max = std::max(global_max, part_max[(item * parts + p) * group + g]);
+      float* o = out_ptr + row * dim;  // items * group rows are exactly [B, H] in order
+      std::fill(o, o + dim, 0.0f);
+      float total = 0.0f;
+      for (int64_t p = 0; p < parts; ++p) {
+        const int64_t at = (item * parts + p) * group + g;
+        if (part_sum[at] == 0.0f) continue;  // an empty partition (context ended before it)
+        const float w = std::exp(part_max[at] - global_max);
+        total += part_sum[at] * w;
+        const float* a = part_acc.data() + at * dim;
+        for (int64_t d = 0; d < dim; ++d) o[d] += w * a[d];
+      }
+      const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+      for (int64_t d = 0; d < dim; ++d) o[d] *= inv;
+    }
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_attention", &decode_attention,
+        "Decode attention over a paged KV cache, read in place (CPU float32, AVX2)");
+}

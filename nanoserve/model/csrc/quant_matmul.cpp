@@ -1,0 +1,578 @@
+// Matmuls straight from GGUF quantized weights (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K), AVX2 + FMA + F16C.
+//
+// y[M, N] = x[M, K] @ W[N, K]^T. W is repacked once, at load, into tiles of 8 output rows
+// interleaved 4 bytes at a time, so that one 32-bit lane of a 256-bit register belongs to one
+// output row: a block of 32 inputs times 8 rows is 8 `maddubs` whose sum is already the 8 dot
+// products (no horizontal sums), then one int32 -> float conversion and one FMA with the
+// 8 row scales times the activation scale. The activations are quantized once per call, per row
+// into int8 blocks of 32 with a scale d_a and a scaled sum s_a = d_a * sum(q_a) (Q8_1-like);
+// `w = d*q + m` formats (Q4_0, Q4_1, Q4_K) add their offset term as m * s_a.
+// Each unpacked weight block serves up to 4 activation rows (TILE_M); threads split the
+// output rows (at::parallel_for over 8-row groups).
+//
+// Packed block layouts, per 8-row group and per 32 inputs (the Python side only stores them):
+//   U4H (Q4_1):       f16 d[8], f16 m[8], 128 bytes of nibbles              160 bytes
+//   U4F (Q4_0, Q4_K): f32 d[8], f32 m[8], 128 bytes of nibbles              192 bytes
+//   S8H (Q8_0):       f16 d[8], 256 int8                                    272 bytes
+//   S8F2 (Q6_K):      f32 d[8] for inputs 0-15, f32 d[8] for 16-31, 256 int8 320 bytes
+// Nibble byte t*32 + i*4 + c holds row i's input 4t+c (low) and 16+4t+c (high); int8 byte
+// t*32 + i*4 + c holds row i's input 4t+c. Scales are exact products of the file's scales, so
+// dequantizing the packed form equals dequantizing the file (tests check it bit for bit).
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+constexpr int GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q8_0 = 8, GGML_Q4_K = 12, GGML_Q6_K = 14;
+constexpr int QK = 32;     // inputs per kernel block
+constexpr int TILE_N = 8;  // output rows interleaved in one packed group
+constexpr int TILE_M = 4;  // activation rows that share one unpacked weight block
+
+enum class Layout { U4H, U4F, S8H, S8F2 };
+
+struct TypeInfo {
+  int block_elems;  // inputs per GGUF block
+  int block_bytes;  // bytes per GGUF block
+  Layout layout;
+};
+
+TypeInfo type_info(int64_t ggml_type) {
+  switch (ggml_type) {
+    case GGML_Q8_0: return {32, 34, Layout::S8H};
+    case GGML_Q4_0: return {32, 18, Layout::U4F};
+    case GGML_Q4_1: return {32, 20, Layout::U4H};
+    case GGML_Q4_K: return {256, 144, Layout::U4F};
+    case GGML_Q6_K: return {256, 210, Layout::S8F2};
+    default:
+      TORCH_CHECK(false, "quant_matmul: ggml type ", ggml_type,
+                  " is not supported (Q8_0=8, Q4_0=2, Q4_1=3, Q4_K=12, Q6_K=14)");
+  }
+}
+
+constexpr int64_t packed_block_bytes(Layout layout) {
+  return layout == Layout::U4H ? 160 : layout == Layout::U4F ? 192
+       : layout == Layout::S8H ? 272 : 320;
+}
+
+constexpr bool is_u4(Layout layout) { return layout == Layout::U4H || layout == Layout::U4F; }
+
+inline float f16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+inline int32_t load_i32(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// ---- decoding one GGUF block of 32 inputs -------------------------------------------------------
+
+// One 32-input block in the common form: value e = d[e / 16] * q[e] + m.
+struct Block32 {
+  int8_t q[QK];     // 0..15 for the 4-bit formats, signed for Q8_0 / Q6_K
+  float d[2];       // scale of inputs 0-15 and 16-31 (equal except for Q6_K)
+  float m;          // offset (0 for the symmetric formats)
+  uint8_t d_f16[2]; // the file's f16 scale and offset, for the f16 layouts
+  uint8_t m_f16[2];
+};
+
+inline void q4k_scale_min(const uint8_t* s, int j, int& sc, int& mn) {
+  if (j < 4) {
+    sc = s[j] & 63;
+    mn = s[j + 4] & 63;
+  } else {
+    sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+    mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+// Block b (of 32 inputs) of one weight row's raw GGUF bytes.
+void decode_block(int64_t type, const uint8_t* row, int64_t b, Block32& out) {
+  out.m = 0.f;
+  switch (type) {
+    case GGML_Q8_0: {
+      const uint8_t* blk = row + b * 34;
+      std::memcpy(out.d_f16, blk, 2);
+      out.d[0] = out.d[1] = f16(blk);
+      std::memcpy(out.q, blk + 2, QK);
+      return;
+    }
+    case GGML_Q4_0:
+    case GGML_Q4_1: {
+      const bool has_min = type == GGML_Q4_1;
+      const uint8_t* blk = row + b * (has_min ? 20 : 18);
+      const uint8_t* qs = blk + (has_min ? 4 : 2);
+      std::memcpy(out.d_f16, blk, 2);
+      out.d[0] = out.d[1] = f16(blk);
+      if (has_min) {
+        std::memcpy(out.m_f16, blk + 2, 2);
+        out.m = f16(blk + 2);
+      } else {
+        out.m = -8.f * out.d[0];  // d * (q - 8) == d * q + (-8 d), both exact in f32
+      }
+      for (int e = 0; e < 16; ++e) {
+        out.q[e] = qs[e] & 0xF;
+        out.q[e + 16] = qs[e] >> 4;
+      }
+      return;
+    }
+    case GGML_Q4_K: {
+      const uint8_t* sb = row + (b / 8) * 144;
+      const int j = b % 8;
+      int sc, mn;
+      q4k_scale_min(sb + 4, j, sc, mn);
+      out.d[0] = out.d[1] = f16(sb) * float(sc);  // exact: 11 + 6 bits
+      out.m = -(f16(sb + 2) * float(mn));
+      const uint8_t* qs = sb + 16 + (j / 2) * 32;
+      const int shift = (j % 2) * 4;
+      for (int e = 0; e < QK; ++e) out.q[e] = (qs[e] >> shift) & 0xF;
+      return;
+    }
+    case GGML_Q6_K: {
+      const uint8_t* sb = row + (b / 8) * 210;
+      const int j = b % 8;
+      const uint8_t* ql = sb;
+      const uint8_t* qh = sb + 128;
+      const int8_t* sc = reinterpret_cast<const int8_t*>(sb + 192);
+      const float d = f16(sb + 208);
+      out.d[0] = d * float(sc[2 * j]);
+      out.d[1] = d * float(sc[2 * j + 1]);
+      for (int e = 0; e < QK; ++e) {
+        const int idx = 32 * j + e, half = idx / 128, r = idx % 128;
+        const int lo = (ql[half * 64 + r % 64] >> (4 * (r / 64))) & 0xF;
+        const int hi = (qh[half * 32 + r % 32] >> (2 * (r / 32))) & 0x3;
+        out.q[e] = int8_t((lo | (hi << 4)) - 32);
+      }
+      return;
+    }
+    default:
+      type_info(type);  // throws
+  }
+}
+
+// ---- repacking ----------------------------------------------------------------------------------
+
+inline int64_t qs_offset(Layout layout) {
+  return layout == Layout::U4H ? 32 : layout == Layout::S8H ? 16 : 64;
+}
+
+// Block b of one row into its slot i (0-7) of the packed group block at dst.
+void pack_block(Layout layout, const Block32& blk, int i, uint8_t* dst) {
+  switch (layout) {
+    case Layout::U4H:
+      std::memcpy(dst + 2 * i, blk.d_f16, 2);
+      std::memcpy(dst + 16 + 2 * i, blk.m_f16, 2);
+      break;
+    case Layout::S8H:
+      std::memcpy(dst + 2 * i, blk.d_f16, 2);
+      break;
+    case Layout::U4F:
+      std::memcpy(dst + 4 * i, &blk.d[0], 4);
+      std::memcpy(dst + 32 + 4 * i, &blk.m, 4);
+      break;
+    case Layout::S8F2:
+      std::memcpy(dst + 4 * i, &blk.d[0], 4);
+      std::memcpy(dst + 32 + 4 * i, &blk.d[1], 4);
+      break;
+  }
+  uint8_t* qs = dst + qs_offset(layout);
+  if (is_u4(layout)) {
+    for (int t = 0; t < 4; ++t)
+      for (int c = 0; c < 4; ++c)
+        qs[t * 32 + i * 4 + c] = uint8_t(blk.q[4 * t + c] | (blk.q[16 + 4 * t + c] << 4));
+  } else {
+    for (int t = 0; t < 8; ++t)
+      for (int c = 0; c < 4; ++c) qs[t * 32 + i * 4 + c] = uint8_t(blk.q[4 * t + c]);
+  }
+}
+
+// Row i of a packed group block, dequantized: the exact inverse of pack_block.
+void unpack_row(Layout layout, const uint8_t* blk, int i, float* out) {
+  const uint8_t* qs = blk + qs_offset(layout);
+  float d0, d1, m = 0.f;
+  if (layout == Layout::U4H || layout == Layout::S8H) {
+    d0 = d1 = f16(blk + 2 * i);
+    if (layout == Layout::U4H) m = f16(blk + 16 + 2 * i);
+  } else {
+    std::memcpy(&d0, blk + 4 * i, 4);
+    std::memcpy(&d1, blk + 32 + 4 * i, 4);
+    if (layout == Layout::U4F) {
+      m = d1;
+      d1 = d0;
+    }
+  }
+  if (is_u4(layout)) {
+    for (int e = 0; e < 16; ++e) {
+      const uint8_t byte = qs[(e / 4) * 32 + i * 4 + e % 4];
+      out[e] = d0 * float(byte & 0xF) + m;
+      out[e + 16] = d0 * float(byte >> 4) + m;
+    }
+  } else {
+    for (int e = 0; e < QK; ++e) {
+      const int8_t q = int8_t(qs[(e / 4) * 32 + i * 4 + e % 4]);
+      out[e] = (e < 16 ? d0 : d1) * float(q);
+    }
+  }
+}
+
+void check_shapes(int64_t ggml_type, int64_t N, int64_t K) {
+  const TypeInfo info = type_info(ggml_type);
+  TORCH_CHECK(N > 0 && K > 0 && K % info.block_elems == 0, "quant_matmul: K=", K,
+              " must be a positive multiple of ", info.block_elems, " for ggml type ", ggml_type);
+}
+
+int64_t raw_row_bytes(int64_t ggml_type, int64_t K) {
+  const TypeInfo info = type_info(ggml_type);
+  return K / info.block_elems * info.block_bytes;
+}
+
+void check_raw(const at::Tensor& raw, int64_t ggml_type, int64_t N, int64_t K) {
+  check_shapes(ggml_type, N, K);
+  TORCH_CHECK(raw.device().is_cpu() && raw.scalar_type() == at::kByte && raw.is_contiguous(),
+              "quant_matmul: the raw weight must be a contiguous CPU uint8 tensor");
+  TORCH_CHECK(raw.numel() == N * raw_row_bytes(ggml_type, K), "quant_matmul: the raw weight has ",
+              raw.numel(), " bytes, but ", N, " rows of ", K, " inputs need ",
+              N * raw_row_bytes(ggml_type, K));
+}
+
+void check_packed(const at::Tensor& packed, int64_t ggml_type, int64_t N, int64_t K) {
+  check_shapes(ggml_type, N, K);
+  const int64_t expected = (N + TILE_N - 1) / TILE_N * (K / QK) *
+                           packed_block_bytes(type_info(ggml_type).layout);
+  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte &&
+                  packed.is_contiguous() && packed.numel() == expected,
+              "quant_matmul: the packed weight must be a contiguous CPU uint8 tensor of ", expected,
+              " bytes (from repack) for N=", N, ", K=", K);
+}
+
+// ---- activations --------------------------------------------------------------------------------
+
+// One row of x into int8 blocks of 32: q = round(x * 127 / amax), d = amax / 127, s = d * sum(q).
+void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* s) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t b = 0; b < K / QK; ++b) {
+    const float* xb = x + b * QK;
+    __m256 v0 = _mm256_loadu_ps(xb), v1 = _mm256_loadu_ps(xb + 8);
+    __m256 v2 = _mm256_loadu_ps(xb + 16), v3 = _mm256_loadu_ps(xb + 24);
+    __m256 amax = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v0, abs_mask), _mm256_and_ps(v1, abs_mask)),
+                                _mm256_max_ps(_mm256_and_ps(v2, abs_mask), _mm256_and_ps(v3, abs_mask)));
+    __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(amax, 1), _mm256_castps256_ps128(amax));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float max_abs = _mm_cvtss_f32(m4);
+    const float scale = max_abs / 127.f;
+    const __m256 inv = _mm256_set1_ps(max_abs != 0.f ? 127.f / max_abs : 0.f);
+    // cvtps rounds to nearest even under the default MXCSR mode
+    __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, inv));
+    __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, inv));
+    __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, inv));
+    __m256i i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, inv));
+    __m256i sum = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
+    __m128i s4 = _mm_add_epi32(_mm256_extracti128_si256(sum, 1), _mm256_castsi256_si128(sum));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+    d[b] = scale;
+    s[b] = scale * float(_mm_cvtsi128_si32(s4));
+    // 32 x int32 -> 32 x int8 in order (packs interleave the 128-bit lanes; the permute undoes it)
+    const __m256i p01 = _mm256_packs_epi32(i0, i1), p23 = _mm256_packs_epi32(i2, i3);
+    const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p01, p23), order);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * QK), bytes);
+  }
+}
+
+struct Acts {
+  at::Tensor q, d, s;  // [M, K] int8, [M, K / 32] f32, [M, K / 32] f32
+};
+
+Acts quantize_acts(const at::Tensor& x) {
+  const int64_t M = x.size(0), K = x.size(1);
+  Acts a{at::empty({M, K}, at::kChar), at::empty({M, K / QK}, at::kFloat),
+         at::empty({M, K / QK}, at::kFloat)};
+  const float* xp = x.data_ptr<float>();
+  int8_t* qp = a.q.data_ptr<int8_t>();
+  float *dp = a.d.data_ptr<float>(), *sp = a.s.data_ptr<float>();
+  at::parallel_for(0, M, std::max<int64_t>(1, 65536 / K), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      quantize_row(xp + r * K, K, qp + r * K, dp + r * (K / QK), sp + r * (K / QK));
+  });
+  return a;
+}
+
+// ---- the tile kernels ---------------------------------------------------------------------------
+
+// R activation rows (as pointers to their quantized row) times one packed 8-row group.
+struct RowPtrs {
+  const int8_t* q[TILE_M];
+  const float* d[TILE_M];
+  const float* s[TILE_M];
+  float* y[TILE_M];  // 8 outputs each
+};
+
+template <Layout L>
+inline void load_scales(const uint8_t* blk, __m256& a, __m256& b) {
+  if constexpr (L == Layout::U4H) {
+    a = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
+    b = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16)));
+  } else if constexpr (L == Layout::S8H) {
+    a = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
+    b = a;
+  } else {
+    a = _mm256_loadu_ps(reinterpret_cast<const float*>(blk));
+    b = _mm256_loadu_ps(reinterpret_cast<const float*>(blk + 32));
+  }
+}
+
+// w = d*q + m with 4-bit q: sum over 8 maddubs stays within int16 (8 * 2 * 15 * 127 = 30480).
+template <Layout L, int R>
+void u4_group(const uint8_t* w, int64_t KB, const RowPtrs& rows) {
+  constexpr int64_t BPB = packed_block_bytes(L);
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < KB; ++b) {
+    const uint8_t* blk = w + b * BPB;
+    const uint8_t* qs = blk + (L == Layout::U4H ? 32 : 64);
+    __m256i sum[R];
+    for (int t = 0; t < 4; ++t) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * t));
+      const __m256i lo = _mm256_and_si256(raw, nibble);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
+      for (int r = 0; r < R; ++r) {
+        const int8_t* a = rows.q[r] + b * QK;
+        const __m256i p = _mm256_add_epi16(
+            _mm256_maddubs_epi16(lo, _mm256_set1_epi32(load_i32(a + 4 * t))),
+            _mm256_maddubs_epi16(hi, _mm256_set1_epi32(load_i32(a + 16 + 4 * t))));
+        sum[r] = t == 0 ? p : _mm256_add_epi16(sum[r], p);
+      }
+    }
+    __m256 dw, mw;
+    load_scales<L>(blk, dw, mw);
+    for (int r = 0; r < R; ++r) {
+      const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum[r], ones));
+      acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(dw, _mm256_set1_ps(rows.d[r][b])), acc[r]);
+      acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(rows.s[r][b]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(rows.y[r], acc[r]);
+}
+
+// w = d*q with signed q: maddubs(|q|, sign(a, q)). Q8_0 widens each product pair to int32 at
+// once (two could overflow int16); Q6_K's |q| <= 32 lets four sum in int16 (4*2*32*127 = 32512).
+template <Layout L, int R>
+void s8_group(const uint8_t* w, int64_t KB, const RowPtrs& rows) {
+  constexpr int64_t BPB = packed_block_bytes(L);
+  constexpr bool kPerHalf = L == Layout::S8F2;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < KB; ++b) {
+    const uint8_t* blk = w + b * BPB;
+    const uint8_t* qs = blk + (kPerHalf ? 64 : 16);
+    __m256i sum[R][2];
+    for (int t = 0; t < 8; ++t) {
+      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * t));
+      const __m256i q_abs = _mm256_abs_epi8(q);
+      for (int r = 0; r < R; ++r) {
+        const __m256i a = _mm256_set1_epi32(load_i32(rows.q[r] + b * QK + 4 * t));
+        const __m256i p = _mm256_maddubs_epi16(q_abs, _mm256_sign_epi8(a, q));
+        if constexpr (kPerHalf) {
+          sum[r][t / 4] = t % 4 == 0 ? p : _mm256_add_epi16(sum[r][t / 4], p);
+        } else {
+          const __m256i p32 = _mm256_madd_epi16(p, ones);
+          sum[r][0] = t == 0 ? p32 : _mm256_add_epi32(sum[r][0], p32);
+        }
+      }
+    }
+    __m256 d0, d1;
+    load_scales<L>(blk, d0, d1);
+    for (int r = 0; r < R; ++r) {
+      const __m256 da = _mm256_set1_ps(rows.d[r][b]);
+      if constexpr (kPerHalf) {
+        const __m256 lo = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum[r][0], ones));
+        const __m256 hi = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum[r][1], ones));
+        acc[r] = _mm256_fmadd_ps(lo, _mm256_mul_ps(d0, da), acc[r]);
+        acc[r] = _mm256_fmadd_ps(hi, _mm256_mul_ps(d1, da), acc[r]);
+      } else {
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r][0]), _mm256_mul_ps(d0, da), acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(rows.y[r], acc[r]);
+}
+
+template <Layout L, int R>
+inline void group_kernel(const uint8_t* w, int64_t KB, const RowPtrs& rows) {
+  if constexpr (is_u4(L)) u4_group<L, R>(w, KB, rows);
+  else s8_group<L, R>(w, KB, rows);
+}
+
+// Groups [g0, g1) of the packed weight against all M activation rows.
+template <Layout L>
+void matmul_groups(const uint8_t* packed, const Acts& acts, int64_t M, int64_t N, int64_t K,
+                   float* y, int64_t g0, int64_t g1) {
+  const int64_t KB = K / QK, group_bytes = KB * packed_block_bytes(L);
+  // a few groups stay in L1/L2 while every tile of activation rows passes over them
+  constexpr int64_t kGroupsPerChunk = 8;
+  const int8_t* q = acts.q.data_ptr<int8_t>();
+  const float *d = acts.d.data_ptr<float>(), *s = acts.s.data_ptr<float>();
+  alignas(32) float tail[TILE_M][TILE_N];
+  for (int64_t gc = g0; gc < g1; gc += kGroupsPerChunk) {
+    const int64_t gc_end = std::min(g1, gc + kGroupsPerChunk);
+    for (int64_t r0 = 0; r0 < M; r0 += TILE_M) {
+      const int R = int(std::min<int64_t>(TILE_M, M - r0));
+      for (int64_t g = gc; g < gc_end; ++g) {
+        const bool is_full = (g + 1) * TILE_N <= N;
+        RowPtrs rows;
+        for (int r = 0; r < R; ++r) {
+          rows.q[r] = q + (r0 + r) * K;
+          rows.d[r] = d + (r0 + r) * KB;
+          rows.s[r] = s + (r0 + r) * KB;
+          rows.y[r] = is_full ? y + (r0 + r) * N + g * TILE_N : tail[r];
+        }
+        const uint8_t* w = packed + g * group_bytes;
+        switch (R) {
+          case 4: group_kernel<L, 4>(w, KB, rows); break;
+          case 3: group_kernel<L, 3>(w, KB, rows); break;
+          case 2: group_kernel<L, 2>(w, KB, rows); break;
+          default: group_kernel<L, 1>(w, KB, rows); break;
+        }
+        if (!is_full) {
+          for (int r = 0; r < R; ++r)
+            std::memcpy(y + (r0 + r) * N + g * TILE_N, tail[r], (N - g * TILE_N) * sizeof(float));
+        }
+      }
+    }
+  }
+}
+
+template <Layout L>
+void matmul_layout(const uint8_t* packed, const Acts& acts, int64_t M, int64_t N, int64_t K,
+                   float* y) {
+  const int64_t G = (N + TILE_N - 1) / TILE_N;
+  const int64_t group_bytes = K / QK * packed_block_bytes(L);
+  // at least ~16 KB of weights per task, so that small layers do not pay for a thread wake-up
+  const int64_t grain = std::max<int64_t>(1, 16384 / (group_bytes * std::max<int64_t>(1, M)));
+  at::parallel_for(0, G, grain, [&](int64_t g0, int64_t g1) {
+    matmul_groups<L>(packed, acts, M, N, K, y, g0, g1);
+  });
+}
+
+}  // namespace
+
+// ---- Python entry points ------------------------------------------------------------------------
+
+at::Tensor repack(const at::Tensor& raw, int64_t ggml_type, int64_t N, int64_t K) {
+  check_raw(raw, ggml_type, N, K);
+  const Layout layout = type_info(ggml_type).layout;
+  const int64_t KB = K / QK, G = (N + TILE_N - 1) / TILE_N, bpb = packed_block_bytes(layout);
+  const int64_t row_bytes = raw_row_bytes(ggml_type, K);
+  at::Tensor packed = at::zeros({G, KB * bpb}, at::kByte);  // rows past N stay zero
+  const uint8_t* src = raw.data_ptr<uint8_t>();
+  uint8_t* dst = packed.data_ptr<uint8_t>();
+  at::parallel_for(0, G, 16, [&](int64_t g0, int64_t g1) {
+    Block32 blk;
+    for (int64_t g = g0; g < g1; ++g)
+      for (int i = 0; i < TILE_N && g * TILE_N + i < N; ++i)
+        for (int64_t b = 0; b < KB; ++b) {
+          decode_block(ggml_type, src + (g * TILE_N + i) * row_bytes, b, blk);
+          pack_block(layout, blk, i, dst + (g * KB + b) * bpb);
+        }
+  });
+  return packed;
+}
+
+at::Tensor packed_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t ggml_type,
+                         int64_t N, int64_t K) {
+  check_packed(packed, ggml_type, N, K);
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 &&
+                  x.size(1) == K && x.is_contiguous(),
+              "quant_matmul: x must be a contiguous float32 CPU tensor [M, ", K, "]");
+  const int64_t M = x.size(0);
+  at::Tensor y = at::empty({M, N}, at::kFloat);
+  if (M == 0) return y;
+  const Acts acts = quantize_acts(x);
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  switch (type_info(ggml_type).layout) {
+    case Layout::U4H: matmul_layout<Layout::U4H>(w, acts, M, N, K, yp); break;
+    case Layout::U4F: matmul_layout<Layout::U4F>(w, acts, M, N, K, yp); break;
+    case Layout::S8H: matmul_layout<Layout::S8H>(w, acts, M, N, K, yp); break;
+    case Layout::S8F2: matmul_layout<Layout::S8F2>(w, acts, M, N, K, yp); break;
+  }
+  return y;
+}
+
+at::Tensor packed_rows(const at::Tensor& packed, int64_t ggml_type, const at::Tensor& ids,
+                       int64_t N, int64_t K) {
+  check_packed(packed, ggml_type, N, K);
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1 && ids.is_contiguous(),
+              "quant_rows: ids must be a contiguous 1-D int64 tensor");
+  const Layout layout = type_info(ggml_type).layout;
+  const int64_t KB = K / QK, bpb = packed_block_bytes(layout), num_ids = ids.size(0);
+  const int64_t* idp = ids.data_ptr<int64_t>();
+  for (int64_t r = 0; r < num_ids; ++r)
+    TORCH_CHECK(idp[r] >= 0 && idp[r] < N, "quant_rows: row id ", idp[r], " is outside [0, ", N, ")");
+  at::Tensor out = at::empty({num_ids, K}, at::kFloat);
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, num_ids, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t g = idp[r] / TILE_N;
+      for (int64_t b = 0; b < KB; ++b)
+        unpack_row(layout, w + (g * KB + b) * bpb, int(idp[r] % TILE_N), op + r * K + b * QK);
+    }
+  });
+  return out;
+}
+
+at::Tensor quant_rows(const at::Tensor& raw, int64_t ggml_type, const at::Tensor& ids, int64_t K) {
+  const int64_t row_bytes = raw_row_bytes(ggml_type, K);
+  TORCH_CHECK(raw.numel() % row_bytes == 0, "quant_rows: the raw weight is not whole rows of ", K);
+  const int64_t N = raw.numel() / row_bytes;
+  check_raw(raw, ggml_type, N, K);
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1 && ids.is_contiguous(),
+              "quant_rows: ids must be a contiguous 1-D int64 tensor");
+  const int64_t num_ids = ids.size(0);
+  const int64_t* idp = ids.data_ptr<int64_t>();
+  for (int64_t r = 0; r < num_ids; ++r)
+    TORCH_CHECK(idp[r] >= 0 && idp[r] < N, "quant_rows: row id ", idp[r], " is outside [0, ", N, ")");
+  at::Tensor out = at::empty({num_ids, K}, at::kFloat);
+  const uint8_t* src = raw.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, num_ids, 16, [&](int64_t r0, int64_t r1) {
+    Block32 blk;
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t b = 0; b < K / QK; ++b) {
+        decode_block(ggml_type, src + idp[r] * row_bytes, b, blk);
+        float* o = op + r * K + b * QK;
+        for (int e = 0; e < QK; ++e) o[e] = blk.d[e / 16] * float(blk.q[e]) + blk.m;
+      }
+  });
+  return out;
+}
+
+at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& raw, int64_t ggml_type, int64_t N,
+                        int64_t K) {
+  return packed_matmul(x, repack(raw, ggml_type, N, K), ggml_type, N, K);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace py = pybind11;
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
+  m.def("repack", &repack, "raw GGUF rows [N, row_bytes] -> the kernel's packed layout", nogil);
+  m.def("packed_matmul", &packed_matmul, "x [M, K] f32 @ packed weight [N, K]^T -> [M, N]", nogil);
+  m.def("packed_rows", &packed_rows, "rows ids of the packed weight, dequantized -> [len, K]", nogil);
+  m.def("quant_matmul", &quant_matmul, "x [M, K] f32 @ raw GGUF weight [N, K]^T -> [M, N]", nogil);
+  m.def("quant_rows", &quant_rows, "rows ids of the raw GGUF weight, dequantized -> [len, K]", nogil);
+}

@@ -1,0 +1,157 @@
+"""The in-place paged decode kernel (paged_decode.py) equals the gather + SDPA path it replaces
+(attention.py's `_decode_attention`) and a plain float64 softmax, on shuffled block tables."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from nanoserve.model.attention import (
+    AttentionMetadata,
+    PrefillChunk,
+    _decode_attention,
+    head_block_rows,
+    paged_attention,
+)
+from nanoserve.model.native import load_kernels, missing_build_tool
+from nanoserve.model.paged_decode import can_read_cache_in_place, decode_attention
+
+if missing_build_tool() is not None or load_kernels("paged_attention") is None:
+    pytest.skip(f"paged attention kernel unavailable: {missing_build_tool()}",
+                allow_module_level=True)
+
+BLOCK_SIZE = 16
+CONTEXT_LENS = [1, 15, 16, 17, 300, 17, 1, 300, 16]  # mixed in one batch
+
+
+def random_case(context_lens: list[int], num_kv_heads: int, group: int, head_dim: int,
+                seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """q [B, H, D], caches [Hkv, num_blocks, 16, D], and each request's blocks drawn at random
+    from a shuffled pool (non-contiguous, in no order), padded with stale ids past the end."""
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-n // BLOCK_SIZE) for n in context_lens) + 7
+    max_blocks = max(-(-n // BLOCK_SIZE) for n in context_lens) + 2
+    k_cache = torch.randn(num_kv_heads, num_blocks, BLOCK_SIZE, head_dim, generator=gen)
+    v_cache = torch.randn(num_kv_heads, num_blocks, BLOCK_SIZE, head_dim, generator=gen)
+    pool = torch.randperm(num_blocks, generator=gen)
+    table = torch.randint(0, num_blocks, (len(context_lens), max_blocks), generator=gen)
+    taken = 0
+    for row, n in enumerate(context_lens):
+        used = -(-n // BLOCK_SIZE)
+        table[row, :used] = pool[taken : taken + used]
+        taken += used
+    q = 2 * torch.randn(len(context_lens), num_kv_heads * group, head_dim, generator=gen)
+    lens = torch.tensor(context_lens, dtype=torch.int32)
+    return q, k_cache, v_cache, table.to(torch.int32), lens
+
+
+def sdpa_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   table: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """Today's gather + SDPA decode path, with the metadata the runner builds for it."""
+    num_kv_heads, num_blocks = k_cache.shape[:2]
+    rows = head_block_rows(table.numpy().astype(np.int64), num_kv_heads, num_blocks)
+    mask = torch.arange(table.shape[1] * BLOCK_SIZE)[None, :] < lens[:, None].long()
+    meta = AttentionMetadata(cache_index=torch.zeros(0, dtype=torch.int64),
+                             num_decode_tokens=q.shape[0], decode_block_ids=torch.from_numpy(rows),
+                             decode_key_mask=mask[:, None, None, :], prefills=[])
+    return _decode_attention(q, k_cache, v_cache, meta)
+
+
+def plain_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    table: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """softmax(q Kᵀ / √D) V per request, in float64, token by token through the table."""
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[0]
+    out = torch.empty(batch, num_heads, head_dim, dtype=torch.float64)
+    for b, n in enumerate(lens.tolist()):
+        t = torch.arange(n)
+        rows = table[b, t // BLOCK_SIZE].long() * BLOCK_SIZE + t % BLOCK_SIZE
+        keys = k_cache.view(num_kv_heads, -1, head_dim)[:, rows].double()  # [Hkv, n, D]
+        values = v_cache.view(num_kv_heads, -1, head_dim)[:, rows].double()
+        grouped = q[b].view(num_kv_heads, -1, head_dim).double()  # [Hkv, G, D]
+        probs = torch.softmax(grouped @ keys.transpose(1, 2) / math.sqrt(head_dim), dim=-1)
+        out[b] = (probs @ values).reshape(num_heads, head_dim)
+    return out.view(batch, num_heads * head_dim)
+
+
+def relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
+    return ((ours.double() - reference.double()).abs().max() / reference.abs().max()).item()
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 3, 4])
+def test_kernel_equals_gather_sdpa(group: int, head_dim: int) -> None:
+    case = random_case(CONTEXT_LENS, num_kv_heads=3, group=group, head_dim=head_dim)
+    ours = decode_attention(*case)
+    assert ours.shape == (len(CONTEXT_LENS), 3 * group * head_dim)
+    assert relative_error(ours, sdpa_reference(*case)) < 1e-5
+    assert relative_error(ours, plain_reference(*case)) < 1e-5
+
+
+@pytest.mark.parametrize("num_threads", [1, 2])
+@pytest.mark.parametrize("context_len", [1, 257, 1000, 2049])
+def test_split_contexts_merge_exactly(context_len: int, num_threads: int) -> None:
+    """One long request has fewer (request, KV head) items than threads want: its context is
+    split into partitions merged by log-sum-exp, and equals the unsplit reference."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        for lens in ([context_len], [context_len, 3]):
+            case = random_case(lens, num_kv_heads=2, group=3, head_dim=64, seed=context_len)
+            assert relative_error(decode_attention(*case), plain_reference(*case)) < 1e-5
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("head_dim", [8, 16, 24, 32])
+@pytest.mark.parametrize("group", [2, 5, 9])
+def test_small_and_odd_shapes(group: int, head_dim: int) -> None:
+    """Head sizes that are multiples of 8 but not of 16 (the tiny test models use 16 and 32),
+    and groups over 4 query heads (taken four at a time)."""
+    case = random_case([1, 17, 40], num_kv_heads=2, group=group, head_dim=head_dim, seed=group)
+    assert relative_error(decode_attention(*case), plain_reference(*case)) < 1e-5
+
+
+def test_decodes_in_a_mixed_batch_take_the_kernel_path() -> None:
+    """paged_attention gives the same rows whichever decode metadata the runner built, with a
+    prefill chunk in the same batch."""
+    q_dec, k_cache, v_cache, table, lens = random_case([5, 33], num_kv_heads=2, group=2,
+                                                       head_dim=16)
+    chunk_len = 4
+    q = torch.cat([q_dec, torch.randn(chunk_len, 4, 16)])
+    k, v = torch.randn(2 + chunk_len, 2, 16), torch.randn(2 + chunk_len, 2, 16)
+    # each decode's new token goes to its last position, the chunk's to the cache's last rows
+    # (both paths write the same rows of their own copy of the cache)
+    last = [int(table[b, (n - 1) // BLOCK_SIZE]) * BLOCK_SIZE + (n - 1) % BLOCK_SIZE
+            for b, n in enumerate(lens.tolist())]
+    num_rows = k_cache.shape[1] * BLOCK_SIZE
+    cache_index = torch.tensor(last + list(range(num_rows - chunk_len, num_rows)))
+    rows = head_block_rows(table.numpy().astype(np.int64), 2, k_cache.shape[1])
+    mask = torch.arange(table.shape[1] * BLOCK_SIZE)[None, :] < lens[:, None].long()
+    outs = []
+    for is_in_place in (False, True):
+        meta = AttentionMetadata(
+            cache_index=cache_index, num_decode_tokens=2,
+            decode_block_ids=None if is_in_place else torch.from_numpy(rows),
+            decode_key_mask=None if is_in_place else mask[:, None, None, :],
+            prefills=[PrefillChunk(2, chunk_len, chunk_len)],
+            decode_block_table=table if is_in_place else None,
+            decode_context_lens=lens if is_in_place else None)
+        outs.append(paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta))
+    assert relative_error(outs[1], outs[0]) < 1e-5
+
+
+def test_bad_block_id_is_refused() -> None:
+    q, k_cache, v_cache, table, lens = random_case([20], num_kv_heads=1, group=1, head_dim=8)
+    table[0, 1] = k_cache.shape[1]
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        decode_attention(q, k_cache, v_cache, table, lens)
+
+
+def test_kernel_path_is_chosen_for_cpu_float32_only() -> None:
+    assert can_read_cache_in_place(torch.device("cpu"), torch.float32)
+    assert not can_read_cache_in_place(torch.device("cpu"), torch.bfloat16)
+    assert not can_read_cache_in_place(torch.device("cuda"), torch.float32)

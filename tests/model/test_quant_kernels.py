@@ -1,0 +1,169 @@
+"""The quantized-weight kernels (`csrc/quant_matmul.cpp`) against gguf's own dequantization.
+
+Tolerances. The kernel rounds each row of x to int8 blocks of 32 (scale max|x| / 127) and is
+otherwise exact integer arithmetic plus float32 scaling, so it is checked two ways:
+- against an emulation in float64 of the same rounding, W_gguf @ x8, where the only difference
+  is float32 accumulation of at most K / 32 block terms: 1e-5 of sum(|W| |x8|) per output;
+- against plain float32 W_gguf @ x: the 8-bit rounding error is ~1/(127 * sqrt(12)) of a block's
+  max|x| per input and averages out over a dot product, ~5e-3 of the output norm for Gaussian
+  data; 2e-2 leaves room without hiding a wrong scale, offset or nibble order (those give O(1)).
+`rows` and `dequantize` must equal gguf's dequantization bit for bit (all scale products the
+kernel stores are exact in float32).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+from nanoserve.model.quant_linear import (
+    BLOCK_FORMATS,
+    GGML_Q4_0,
+    GGML_Q4_1,
+    GGML_Q4_K,
+    GGML_Q6_K,
+    GGML_Q8_0,
+    QuantizedWeight,
+    kernels,
+    quantize_q8_0,
+)
+
+ALL_TYPES = [GGML_Q8_0, GGML_Q4_0, GGML_Q4_1, GGML_Q4_K, GGML_Q6_K]
+TYPE_IDS = ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"]
+
+
+@pytest.fixture(scope="module")
+def native():
+    module = kernels()
+    if module is None:
+        pytest.skip("the quant_matmul C++ extension is unavailable (see the warning for why)")
+    return module
+
+
+def make_raw(ggml_type: int, num_rows: int, in_features: int, seed: int = 0) -> np.ndarray:
+    """Valid raw GGUF rows: gguf's quantizer where it has one, else random bytes whose f16
+    super-block scales are set to sane values (Q4_K: d, dmin; Q6_K: d)."""
+    rng = np.random.default_rng(seed)
+    if ggml_type in (GGML_Q8_0, GGML_Q4_0, GGML_Q4_1):
+        weight = rng.standard_normal((num_rows, in_features)).astype(np.float32)
+        return quantize(weight, GGMLQuantizationType(ggml_type))
+    block, size = BLOCK_FORMATS[ggml_type]
+    raw = rng.integers(0, 256, (num_rows, in_features // block, size), dtype=np.uint8)
+    offsets = (0, 2) if ggml_type == GGML_Q4_K else (208,)
+    for offset in offsets:
+        scale = rng.uniform(1e-3, 1e-2, raw.shape[:2]).astype(np.float16)
+        raw[..., offset : offset + 2] = scale[..., None].view(np.uint8)
+    return raw.reshape(num_rows, -1)
+
+
+def reference_weight(raw: np.ndarray, ggml_type: int, shape: tuple[int, int]) -> torch.Tensor:
+    values = dequantize(raw, GGMLQuantizationType(ggml_type))
+    return torch.from_numpy(np.asarray(values, dtype=np.float32).reshape(shape))
+
+
+def emulate_int8_rows(x: torch.Tensor) -> torch.Tensor:
+    """x rounded as the kernel rounds it: per block of 32, q = rint(x * (127 / max|x|))."""
+    blocks = x.reshape(-1, 32)
+    max_abs = blocks.abs().amax(dim=1, keepdim=True)
+    inverse = torch.where(max_abs == 0, torch.zeros_like(max_abs), 127 / max_abs)
+    q = torch.round(blocks * inverse)  # half to even, like _mm256_cvtps_epi32
+    return (q.double() * (max_abs / 127).double()).reshape(x.shape)
+
+
+def shape_for(ggml_type: int, num_rows: int) -> tuple[int, int]:
+    # two super-blocks for the K-quants; three blocks of 32 (an odd count) for the others
+    return (num_rows, 512 if BLOCK_FORMATS[ggml_type][0] == 256 else 96)
+
+
+@pytest.mark.parametrize("ggml_type", ALL_TYPES, ids=TYPE_IDS)
+@pytest.mark.parametrize("num_rows", [1, 13, 40])
+def test_rows_and_dequantize_equal_gguf(native, ggml_type: int, num_rows: int) -> None:
+    shape = shape_for(ggml_type, num_rows)
+    raw = make_raw(ggml_type, *shape)
+    expected = reference_weight(raw, ggml_type, shape)
+    weight = QuantizedWeight.from_gguf(raw, ggml_type, shape)
+    assert weight.is_packed
+    ids = torch.tensor([num_rows - 1, 0, num_rows // 2, num_rows - 1])
+    assert torch.equal(weight.rows(ids), expected[ids])
+    assert torch.equal(weight.dequantize(), expected)
+    raw_rows = native.quant_rows(torch.from_numpy(raw.reshape(-1).copy()), ggml_type, ids,
+                                 shape[1])
+    assert torch.equal(raw_rows, expected[ids])
+
+
+@pytest.mark.parametrize("ggml_type", ALL_TYPES, ids=TYPE_IDS)
+@pytest.mark.parametrize("num_x_rows", [1, 3, 17, 64])
+@pytest.mark.parametrize("num_rows", [1, 13, 40])
+def test_matmul_equals_int8_emulation(ggml_type: int, num_x_rows: int, num_rows: int) -> None:
+    shape = shape_for(ggml_type, num_rows)
+    raw = make_raw(ggml_type, *shape, seed=num_rows)
+    w = reference_weight(raw, ggml_type, shape).double()
+    x = torch.randn(num_x_rows, shape[1], generator=torch.Generator().manual_seed(num_x_rows))
+    weight = QuantizedWeight.from_gguf(raw, ggml_type, shape)
+    if not weight.is_packed:
+        pytest.skip("the quant_matmul C++ extension is unavailable (see the warning for why)")
+    y = weight.matmul(x)
+    assert y.shape == (num_x_rows, num_rows) and y.dtype == torch.float32
+    x8 = emulate_int8_rows(x)
+    expected = x8 @ w.T
+    bound = 1e-5 * (x8.abs() @ w.abs().T) + 1e-30
+    assert ((y.double() - expected).abs() <= bound).all()
+    exact = x @ w.float().T
+    assert (y - exact).norm() <= 2e-2 * exact.norm()
+
+
+@pytest.mark.parametrize("ggml_type", ALL_TYPES, ids=TYPE_IDS)
+def test_fallback_equals_dequantized_matmul(ggml_type: int) -> None:
+    shape = shape_for(ggml_type, 24)
+    raw = make_raw(ggml_type, *shape, seed=7)
+    expected_w = reference_weight(raw, ggml_type, shape)
+    weight = QuantizedWeight.from_gguf(raw, ggml_type, shape, use_kernel=False)
+    assert not weight.is_packed
+    x = torch.randn(5, shape[1])
+    # float32 either way; only the summation order differs (oneDNN vs torch.matmul)
+    bound = 1e-5 * (x.abs() @ expected_w.abs().T)
+    assert ((weight.matmul(x) - x @ expected_w.T).abs() <= bound).all()
+    ids = torch.tensor([3, 0, 23])
+    assert torch.equal(weight.rows(ids), expected_w[ids])
+    assert torch.equal(weight.dequantize(), expected_w)
+
+
+def test_matmul_keeps_leading_dims(native) -> None:
+    shape = (20, 64)
+    weight = QuantizedWeight.from_gguf(make_raw(GGML_Q4_1, *shape), GGML_Q4_1, shape)
+    x = torch.randn(2, 3, 64)
+    y = weight.matmul(x)
+    assert y.shape == (2, 3, 20)
+    torch.testing.assert_close(y[1, 2], weight.matmul(x[1, 2:3])[0])
+    assert weight.rows(torch.tensor([[1, 2], [3, 4]])).shape == (2, 2, 64)
+
+
+def test_zero_rows_and_zero_blocks(native) -> None:
+    shape = (9, 64)
+    weight = QuantizedWeight.from_gguf(make_raw(GGML_Q8_0, *shape), GGML_Q8_0, shape)
+    assert weight.matmul(torch.zeros(0, 64)).shape == (0, 9)
+    x = torch.randn(3, 64)
+    x[1] = 0.0  # all-zero activation blocks have scale 0 and must give exact zeros
+    assert torch.equal(weight.matmul(x)[1], torch.zeros(9))
+
+
+def test_quantize_q8_0_matches_gguf() -> None:
+    weight = torch.randn(7, 96) * 3
+    weight[2, :32] = 0.0  # a zero block
+    weight[3, :3] = torch.tensor([127.0, 0.5, -2.5])  # scale 1: ties round away from zero
+    expected = quantize(weight.numpy(), GGMLQuantizationType.Q8_0)
+    assert np.array_equal(quantize_q8_0(weight).numpy(), expected)
+    q = QuantizedWeight.from_float(weight)
+    assert torch.equal(q.dequantize(), reference_weight(expected, GGML_Q8_0, (7, 96)))
+
+
+def test_bad_shapes_are_reported() -> None:
+    with pytest.raises(ValueError, match="multiple of 32"):
+        QuantizedWeight.from_gguf(np.zeros(34 * 3, np.uint8), GGML_Q8_0, (3, 40))
+    with pytest.raises(ValueError, match="needs 102 bytes"):
+        QuantizedWeight.from_gguf(np.zeros(100, np.uint8), GGML_Q8_0, (3, 32))
+    with pytest.raises(ValueError, match="no quantized kernel"):
+        QuantizedWeight.from_gguf(np.zeros(100, np.uint8), 1, (3, 32))
