@@ -15,7 +15,8 @@ from nanoserve.engine_args import EngineArgs
 
 
 def add_bench_commands(bench: argparse.ArgumentParser, build_llm: LLMFactory) -> None:
-    """Add throughput, sampler, detokenize and serve under `bench`; each sets `func`."""
+    """Add throughput, sampler, step, quality, detokenize and serve under `bench`; each sets
+    `func`."""
     sub = bench.add_subparsers(dest="bench", required=True)
 
     tput = sub.add_parser("throughput", help="offline batch throughput vs transformers generate")
@@ -45,6 +46,21 @@ def add_bench_commands(bench: argparse.ArgumentParser, build_llm: LLMFactory) ->
     step.add_argument("--repeats", type=int, default=10, help="timed steps (default: 10)")
     EngineArgs.add_cli_args(step)
     step.set_defaults(func=partial(_run_step, build_llm=build_llm))
+
+    quality = sub.add_parser("quality", help="perplexity and greedy agreement of each "
+                             "--quantization mode beside exact float32 (none)")
+    quality.add_argument("--modes", default="none,gguf,int8,fp16",
+                         help="comma-separated modes; none, the reference, is always measured "
+                              "(default: %(default)s)")
+    quality.add_argument("--text", default="tests/data/essay.txt",
+                         help="plain-text file for the perplexity (default: %(default)s, "
+                              "relative to the current directory: run from a checkout)")
+    quality.add_argument("--num-tokens", type=int, default=4096,
+                         help="tokens of the text to score (default: %(default)s)")
+    quality.add_argument("--max-tokens", type=int, default=32,
+                         help="greedy tokens per prompt (default: %(default)s)")
+    EngineArgs.add_cli_args(quality)
+    quality.set_defaults(func=partial(_run_quality, build_llm=build_llm))
 
     detok = sub.add_parser("detokenize",
                            help="incremental detokenization vs re-decoding, µs/token")
@@ -98,6 +114,12 @@ def _run_step(args: argparse.Namespace, build_llm: LLMFactory) -> int:
 
     run_step_profile(build_llm(EngineArgs.from_cli_args(args)).engine, args)
     return 0
+
+
+def _run_quality(args: argparse.Namespace, build_llm: LLMFactory) -> int:
+    from nanoserve.bench.quality import run_quality_bench
+
+    return run_quality_bench(args, build_llm)
 
 
 def _run_detokenize(args: argparse.Namespace) -> int:

@@ -18,6 +18,8 @@
 // Nibble byte t*32 + i*4 + c holds row i's input 4t+c (low) and 16+4t+c (high); int8 byte
 // t*32 + i*4 + c holds row i's input 4t+c. Scales are exact products of the file's scales, so
 // dequantizing the packed form equals dequantizing the file (tests check it bit for bit).
+// Q4_0 keeps its offset -8d as f32 (exact, and the f16 form would need an overflow check).
+// The figures that chose this design are in nanoserve/model/quant_linear.py.
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -161,7 +163,7 @@ void decode_block(int64_t type, const uint8_t* row, int64_t b, Block32& out) {
 
 // ---- repacking ----------------------------------------------------------------------------------
 
-inline int64_t qs_offset(Layout layout) {
+constexpr int64_t qs_offset(Layout layout) {
   return layout == Layout::U4H ? 32 : layout == Layout::S8H ? 16 : 64;
 }
 
@@ -333,6 +335,8 @@ inline void load_scales(const uint8_t* blk, __m256& a, __m256& b) {
 }
 
 // w = d*q + m with 4-bit q: sum over 8 maddubs stays within int16 (8 * 2 * 15 * 127 = 30480).
+// The 8 unpacked weight vectors stay in registers while the R activation rows pass over them
+// (measured 8% faster than unpacking per row pair: fewer spills).
 template <Layout L, int R>
 void u4_group(const uint8_t* w, int64_t KB, const RowPtrs& rows) {
   constexpr int64_t BPB = packed_block_bytes(L);
@@ -342,24 +346,27 @@ void u4_group(const uint8_t* w, int64_t KB, const RowPtrs& rows) {
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < KB; ++b) {
     const uint8_t* blk = w + b * BPB;
-    const uint8_t* qs = blk + (L == Layout::U4H ? 32 : 64);
-    __m256i sum[R];
+    const uint8_t* qs = blk + qs_offset(L);
+    __m256i wq[8];  // wq[j] lane i: row i's inputs 4j..4j+3
     for (int t = 0; t < 4; ++t) {
       const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * t));
-      const __m256i lo = _mm256_and_si256(raw, nibble);
-      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
-      for (int r = 0; r < R; ++r) {
-        const int8_t* a = rows.q[r] + b * QK;
-        const __m256i p = _mm256_add_epi16(
-            _mm256_maddubs_epi16(lo, _mm256_set1_epi32(load_i32(a + 4 * t))),
-            _mm256_maddubs_epi16(hi, _mm256_set1_epi32(load_i32(a + 16 + 4 * t))));
-        sum[r] = t == 0 ? p : _mm256_add_epi16(sum[r], p);
-      }
+      wq[t] = _mm256_and_si256(raw, nibble);
+      wq[t + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
     }
     __m256 dw, mw;
     load_scales<L>(blk, dw, mw);
     for (int r = 0; r < R; ++r) {
-      const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum[r], ones));
+      const int8_t* a = rows.q[r] + b * QK;
+      // two chains of four, so that the adds do not wait on each other
+      __m256i s0 = _mm256_maddubs_epi16(wq[0], _mm256_set1_epi32(load_i32(a)));
+      __m256i s1 = _mm256_maddubs_epi16(wq[1], _mm256_set1_epi32(load_i32(a + 4)));
+      for (int j = 2; j < 8; j += 2) {
+        s0 = _mm256_add_epi16(
+            s0, _mm256_maddubs_epi16(wq[j], _mm256_set1_epi32(load_i32(a + 4 * j))));
+        s1 = _mm256_add_epi16(
+            s1, _mm256_maddubs_epi16(wq[j + 1], _mm256_set1_epi32(load_i32(a + 4 * j + 4))));
+      }
+      const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_add_epi16(s0, s1), ones));
       acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(dw, _mm256_set1_ps(rows.d[r][b])), acc[r]);
       acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(rows.s[r][b]), acc[r]);
     }
@@ -378,7 +385,7 @@ void s8_group(const uint8_t* w, int64_t KB, const RowPtrs& rows) {
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < KB; ++b) {
     const uint8_t* blk = w + b * BPB;
-    const uint8_t* qs = blk + (kPerHalf ? 64 : 16);
+    const uint8_t* qs = blk + qs_offset(L);
     __m256i sum[R][2];
     for (int t = 0; t < 8; ++t) {
       const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * t));
