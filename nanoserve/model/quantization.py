@@ -92,16 +92,21 @@ MatmulWeight = torch.Tensor | QuantizedWeight | Fp16Weight | ConcatWeight
 
 
 def fuse_rows(parts: list[torch.Tensor | RawBlocks]) -> torch.Tensor | RawBlocks | list[RawBlocks]:
-    """Stack weights along their rows (q/k/v, gate/up): raw blocks of one type stay raw, blocks
-    of several types stay a list (a ConcatWeight later), anything else is dequantized."""
-    if all(isinstance(p, RawBlocks) and p.has_kernel for p in parts):
-        blocks = [p for p in parts if isinstance(p, RawBlocks)]
-        if len({b.ggml_type for b in blocks}) > 1:
-            return blocks
-        rows = torch.cat([b.rows() for b in blocks])
-        return RawBlocks(rows, blocks[0].ggml_type,
-                         (sum(b.shape[0] for b in blocks), blocks[0].shape[1]))
-    return torch.cat([as_float(p) for p in parts])
+    """Stack weights along their rows (q/k/v, gate/up). Raw blocks stay raw: neighbours of one
+    type are joined, so a file with q/k in one type and v in another gives two runs (a
+    ConcatWeight later). Anything else is dequantized and stacked as float."""
+    if not all(isinstance(p, RawBlocks) and p.has_kernel for p in parts):
+        return torch.cat([as_float(p) for p in parts])
+    runs: list[list[RawBlocks]] = []
+    for part in parts:
+        assert isinstance(part, RawBlocks)
+        if runs and runs[-1][0].ggml_type == part.ggml_type:
+            runs[-1].append(part)
+        else:
+            runs.append([part])
+    joined = [RawBlocks(torch.cat([b.rows() for b in run]), run[0].ggml_type,
+                        (sum(b.shape[0] for b in run), run[0].shape[1])) for run in runs]
+    return joined[0] if len(joined) == 1 else joined
 
 
 def as_float(value: torch.Tensor | RawBlocks | list[RawBlocks]) -> torch.Tensor:

@@ -43,8 +43,10 @@ def llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def write_gguf(hf_dir: Path, out: Path, qtype: gguf.GGMLQuantizationType,
-               with_rope_factors: bool = True) -> Path:
-    """Convert a tiny Llama checkpoint to GGUF the way llama.cpp does.
+               with_rope_factors: bool = True,
+               qtype_of: dict[str, gguf.GGMLQuantizationType] | None = None) -> Path:
+    """Convert a tiny Llama checkpoint to GGUF the way llama.cpp does; `qtype_of` gives some
+    tensors (by GGUF short name, e.g. "attn_v") another type, as mixed-quant files do.
 
     Llama 3.1 rope scaling travels as the `rope_freqs.weight` tensor, which transformers' GGUF
     reader ignores; without it the file describes plain RoPE.
@@ -97,8 +99,10 @@ def write_gguf(hf_dir: Path, out: Path, qtype: gguf.GGMLQuantizationType,
                 w = llama_cpp_permute(w, cfg.num_attention_heads)
             elif module == "self_attn.k_proj":
                 w = llama_cpp_permute(w, cfg.num_key_value_heads)
-        if w.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
-            writer.add_tensor(gguf_name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+        tensor_qtype = (qtype_of or {}).get(gguf_name.split(".")[-2], qtype)
+        if w.ndim == 2 and tensor_qtype != gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(gguf_name, gguf.quants.quantize(w, tensor_qtype),
+                              raw_dtype=tensor_qtype)
         else:
             writer.add_tensor(gguf_name, w)
     writer.write_header_to_file()

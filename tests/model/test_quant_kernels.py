@@ -167,3 +167,17 @@ def test_bad_shapes_are_reported() -> None:
         QuantizedWeight.from_gguf(np.zeros(100, np.uint8), GGML_Q8_0, (3, 32))
     with pytest.raises(ValueError, match="no quantized kernel"):
         QuantizedWeight.from_gguf(np.zeros(100, np.uint8), 1, (3, 32))
+
+
+@pytest.mark.parametrize("ggml_type", ALL_TYPES, ids=TYPE_IDS)
+def test_each_row_is_independent_of_the_batch(native, ggml_type: int) -> None:
+    """Seeded sampling gives the same tokens alone or batched only if a row's logits do not
+    depend on which other rows share its matmul: every row, bit for bit, equal alone and in
+    a batch of any size (the kernel tiles rows by 4; 67 leaves a remainder)."""
+    shape = shape_for(ggml_type, 40)
+    weight = QuantizedWeight.from_gguf(make_raw(ggml_type, *shape), ggml_type, shape)
+    x = torch.randn(67, shape[1], generator=torch.Generator().manual_seed(3))
+    batched = weight.matmul(x)
+    for row in range(x.shape[0]):
+        assert torch.equal(batched[row : row + 1], weight.matmul(x[row : row + 1].clone()))
+    assert torch.equal(batched[5:13], weight.matmul(x[5:13].clone()))
