@@ -83,7 +83,7 @@ def test_modes_that_cannot_run_are_refused(tiny_model_dir) -> None:
     assert resolve_mode("auto", True, cpu) == "gguf"
     assert resolve_mode("auto", False, cpu) == "none"
     assert resolve_mode("auto", True, cuda) == "none"
-    with pytest.raises(ValueError, match="needs a .gguf model file"):
+    with pytest.raises(ValueError, match=r"needs a \.gguf model file"):
         make_engine(tiny_model_dir("llama"), quantization="gguf")
     with pytest.raises(ValueError, match="CPU only"):
         resolve_mode("int8", False, cuda)
