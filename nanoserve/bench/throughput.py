@@ -1,8 +1,9 @@
 """`nanoserve bench throughput`: offline generation speed beside transformers `generate`.
 
 The same random-token prompts go through nanoserve's engine (continuous batching) and through
-transformers (one static batch), greedy, EOS ignored, in one run, in float32. Two scenarios:
-all prompts at once, and a single prompt. Then a decode step at the chosen batch is timed beside
+transformers (one static batch), greedy, EOS ignored, in one run; transformers in float32,
+nanoserve with the weights its --quantization gives (a GGUF file's own blocks by default).
+Two scenarios: all prompts at once, and a single prompt. Then a decode step at the chosen batch is timed beside
 the same step's matmuls alone (see roofline.py), the floor this machine sets for the model.
 """
 
@@ -104,7 +105,8 @@ def run_throughput_bench(args: argparse.Namespace, build_llm: LLMFactory) -> int
         del reference
 
     print(f"\n{args.num_prompts} prompts x {args.input_len} tokens -> {args.output_len} "
-          "output tokens each (greedy, EOS ignored), float32")
+          f"output tokens each (greedy, EOS ignored); nanoserve weights: "
+          f"{llm.engine.loaded.quantization}, transformers: float32")
     print(f"{'sequences':>10} {'nanoserve tok/s':>16} {'transformers tok/s':>19} {'ratio':>7}")
     for i, ours_result in enumerate(ours):
         ref = f"{theirs[i].tokens_per_s:19.1f}" if theirs else f"{'-':>19}"

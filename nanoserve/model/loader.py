@@ -46,6 +46,7 @@ class LoadedModel:
     name: str
     eos_token_ids: tuple[int, ...]
     generation_config: dict[str, Any] = field(default_factory=dict)
+    quantization: str = "none"  # the resolved mode the matmul weights are held in
 
 
 def default_model_path() -> Path:
@@ -132,7 +133,8 @@ def load_model(model: str | None, device: torch.device, dtype: torch.dtype,
     net.eval()
     name = DEFAULT_MODEL_NAME if model in _DEFAULT_MODEL_ALIASES else str(model)
     return LoadedModel(net, arch, tokenizer, path, name,
-                       _eos_token_ids(arch, tokenizer, generation_config), generation_config)
+                       _eos_token_ids(arch, tokenizer, generation_config), generation_config,
+                       mode)
 
 
 def _eos_token_ids(arch: ArchConfig, tokenizer: Any,

@@ -4,11 +4,17 @@
 from __future__ import annotations
 
 import math
+import random
+from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from helpers import make_engine, run_to_completion
 
+from nanoserve.engine import model_runner
+from nanoserve.model import paged_decode
 from nanoserve.model.attention import (
     AttentionMetadata,
     PrefillChunk,
@@ -18,6 +24,7 @@ from nanoserve.model.attention import (
 )
 from nanoserve.model.native import load_kernels, missing_build_tool
 from nanoserve.model.paged_decode import can_read_cache_in_place, decode_attention
+from nanoserve.sampling_params import SamplingParams
 
 if missing_build_tool() is not None or load_kernels("paged_attention") is None:
     pytest.skip(f"paged attention kernel unavailable: {missing_build_tool()}",
@@ -155,3 +162,28 @@ def test_kernel_path_is_chosen_for_cpu_float32_only() -> None:
     assert can_read_cache_in_place(torch.device("cpu"), torch.float32)
     assert not can_read_cache_in_place(torch.device("cpu"), torch.bfloat16)
     assert not can_read_cache_in_place(torch.device("cuda"), torch.float32)
+
+
+def test_engine_decodes_through_the_kernel(tiny_model_dir: Callable[[str], Path],
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CPU float32 the runner hands decodes to the kernel, and the greedy tokens equal those
+    of the gather path (the runner told the kernel is unavailable)."""
+    path = tiny_model_dir("qwen3")
+    rng = random.Random(0)
+    prompts = {f"p{n}": [rng.randrange(3, 49152) for _ in range(n)] for n in (1, 15, 16, 17, 40)}
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    calls: list[int] = []
+    kernel = paged_decode.decode_attention
+
+    def counted(*args: torch.Tensor) -> torch.Tensor:
+        calls.append(args[0].shape[0])
+        return kernel(*args)
+
+    monkeypatch.setattr(paged_decode, "decode_attention", counted)
+    in_place = run_to_completion(make_engine(path), prompts, params)
+    assert max(calls) == len(prompts), "all five requests should have decoded in one batch"
+    calls.clear()
+    monkeypatch.setattr(model_runner, "can_read_cache_in_place", lambda *_: False)
+    gathered = run_to_completion(make_engine(path), prompts, params)
+    assert not calls
+    assert in_place == gathered

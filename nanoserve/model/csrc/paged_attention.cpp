@@ -23,16 +23,20 @@
 
 namespace {
 
-constexpr int64_t kTileTokens = 64;      // keys scored per tile; [G, 128] scores stay in L1
-constexpr int64_t kPrefetchAhead = 8;     // key rows requested this many tokens early
-constexpr int64_t kMinPartition = 256;    // never split a context finer than this
-constexpr int64_t kItemsPerThread = 4;    // split until there are this many items per thread
+// Measured on a 2-core AVX2 machine, one thread, batch 16 x 1,024 tokens over 30 layers' caches
+// (so from DRAM, as in a real step): asking for the next tile's rows while this one computes
+// takes the time per (token, KV head) from 66 to ~38 ns (17 ns when the cache sits in L3);
+// tiles of 16, 32, 64 keys: 38, 37, 42 ns from DRAM and 19, 16, 15.5 ns from L3. Splitting one
+// request's context over both threads takes 7-15% off batch 1.
+constexpr int64_t kTileTokens = 32;     // keys scored per tile
+constexpr int64_t kMinPartition = 256;  // never split a context finer than this
+constexpr int64_t kItemsPerThread = 4;  // split until there are this many items per thread
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // exp of 8 floats: Cephes' range reduction and degree-5 polynomial (~1 ulp on [-87, 88]).
-// Inputs below ln(FLT_MIN) are clamped there, so -inf gives ~1e-38, never NaN.
+// Inputs are clamped to [ln(FLT_MIN), 88], so -inf gives ~1e-38, never NaN.
 inline __m256 exp256(__m256 x) {
-  const __m256 hi = _mm256_set1_ps(88.3762626647949f);
+  const __m256 hi = _mm256_set1_ps(88.0f);
   const __m256 lo = _mm256_set1_ps(-87.3365447505531f);
   x = _mm256_max_ps(_mm256_min_ps(x, hi), lo);
   __m256 fx = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
@@ -59,20 +63,28 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-inline void prefetch_row(const float* row, int64_t dim) {
-  for (int64_t d = 0; d < dim; d += 16) _mm_prefetch(reinterpret_cast<const char*>(row + d), _MM_HINT_T0);
+// The rows of the next tile, to request into L2 while this one computes: the blocks are
+// scattered pages, where the hardware prefetcher does not follow.
+struct NextRows {
+  const float* const* keys;
+  const float* const* values;
+  int64_t count;  // 0: none, or already requested
+};
+
+inline void prefetch_row(const float* row, int64_t dim) {  // one request per 64-byte line
+  for (int64_t d = 0; d < dim; d += 16)
+    _mm_prefetch(reinterpret_cast<const char*>(row + d), _MM_HINT_T1);
 }
 
-// scores[g * kTileTokens + j] = q[g] · key[j] for GB query heads (q already scaled). With
-// `prefetch`, it also asks for key rows kPrefetchAhead tokens ahead (up to `num_known`, which
-// runs into the next tile) and for the value rows this tile's P·V will read.
+// scores[g * kTileTokens + j] = q[g] · key[j] for GB query heads (q already scaled). Row j of
+// the next tile is requested at key j: spread out, not in one burst (measured: ~20% faster).
 template <int GB>
-void score_tile(const float* q, const float* const* keys, const float* const* values, int64_t n,
-                int64_t num_known, int64_t dim, bool prefetch, float* scores) {
+void score_tile(const float* q, const float* const* keys, int64_t n, int64_t dim,
+                const NextRows& next, float* scores) {
   for (int64_t j = 0; j < n; ++j) {
-    if (prefetch) {
-      if (j + kPrefetchAhead < num_known) prefetch_row(keys[j + kPrefetchAhead], dim);
-      prefetch_row(values[j], dim);
+    if (j < next.count) {
+      prefetch_row(next.keys[j], dim);
+      prefetch_row(next.values[j], dim);
     }
     const float* k = keys[j];
     // two accumulators per head: half the chain of dependent FMAs
@@ -103,7 +115,8 @@ void accumulate_columns(const float* p, const float* const* values, int64_t n, i
   __m256 a[GB][NV];
   for (int g = 0; g < GB; ++g) {
     const __m256 c = _mm256_set1_ps(corr[g]);
-    for (int v = 0; v < NV; ++v) a[g][v] = _mm256_mul_ps(_mm256_loadu_ps(acc + g * dim + d0 + 8 * v), c);
+    for (int v = 0; v < NV; ++v)
+      a[g][v] = _mm256_mul_ps(_mm256_loadu_ps(acc + g * dim + d0 + 8 * v), c);
   }
   for (int64_t j = 0; j < n; ++j) {
     __m256 x[NV];
@@ -129,18 +142,17 @@ void accumulate_tile(const float* p, const float* const* values, int64_t n, int6
   for (; d0 < dim; d0 += 8) accumulate_columns<GB, 1>(p, values, n, dim, d0, corr, acc);
 }
 
-// Query heads are taken four at a time: 4 heads x 16 columns is 8 accumulators in registers.
-void score_heads(const float* q, const float* const* keys, const float* const* values,
-                 int64_t n, int64_t num_known, int64_t dim, int64_t group, float* scores) {
-  for (int64_t g0 = 0; g0 < group; g0 += 4) {
+// Query heads are taken four at a time, so each pass's accumulators fit in the 16 registers.
+void score_heads(const float* q, const float* const* keys, int64_t n, int64_t dim,
+                 int64_t group, NextRows next, float* scores) {
+  for (int64_t g0 = 0; g0 < group; g0 += 4, next.count = 0) {
     const float* qg = q + g0 * dim;
     float* sg = scores + g0 * kTileTokens;
-    const bool prefetch = g0 == 0;
     switch (std::min<int64_t>(4, group - g0)) {
-      case 1: score_tile<1>(qg, keys, values, n, num_known, dim, prefetch, sg); break;
-      case 2: score_tile<2>(qg, keys, values, n, num_known, dim, prefetch, sg); break;
-      case 3: score_tile<3>(qg, keys, values, n, num_known, dim, prefetch, sg); break;
-      default: score_tile<4>(qg, keys, values, n, num_known, dim, prefetch, sg); break;
+      case 1: score_tile<1>(qg, keys, n, dim, next, sg); break;
+      case 2: score_tile<2>(qg, keys, n, dim, next, sg); break;
+      case 3: score_tile<3>(qg, keys, n, dim, next, sg); break;
+      default: score_tile<4>(qg, keys, n, dim, next, sg); break;
     }
   }
 }
@@ -159,7 +171,7 @@ void accumulate_heads(const float* p, const float* const* values, int64_t n, int
   }
 }
 
-// Softmax bookkeeping for one tile: scores become exp(score - new max) in place; returns each
+// Softmax bookkeeping for one tile: scores become exp(score - new max) in place; corr gets each
 // head's correction factor exp(old max - new max) for what was accumulated before.
 void softmax_tile(float* scores, int64_t n, int64_t group, float* max, float* sum, float* corr) {
   const int64_t padded = (n + 7) / 8 * 8;
@@ -197,8 +209,7 @@ struct Problem {
   float scale;
 };
 
-// Attention of one (request, KV head) over tokens [begin, end): unnormalized acc [G, D], the
-// running max and sum [G]. `Scratch` holds the scaled queries, scores and row pointers.
+// One thread's working memory: the scaled queries, a tile's scores and its rows' addresses.
 struct Scratch {
   std::vector<float> q, scores, corr;
   std::vector<const float*> keys, values;  // two tiles' worth: this one and the next
@@ -223,6 +234,8 @@ void locate_rows(const Problem& pb, const int32_t* table, int64_t plane, int64_t
   }
 }
 
+// Attention of one (request, KV head) over tokens [begin, end): unnormalized acc [G, D], the
+// running max and sum [G].
 void attend_range(const Problem& pb, int64_t b, int64_t kv_head, int64_t begin, int64_t end,
                   Scratch& sc, float* acc, float* max, float* sum) {
   const int64_t group = pb.num_heads / pb.num_kv_heads, dim = pb.dim;
@@ -238,10 +251,11 @@ void attend_range(const Problem& pb, int64_t b, int64_t kv_head, int64_t begin, 
   locate_rows(pb, table, plane, begin, std::min(kTileTokens, end - begin), keys, values);
   for (int64_t t0 = begin; t0 < end; t0 += kTileTokens) {
     const int64_t n = std::min(kTileTokens, end - t0);
+    // the next tile's rows load while this one computes
     const int64_t num_next = std::clamp<int64_t>(end - t0 - n, 0, kTileTokens);
     locate_rows(pb, table, plane, t0 + n, num_next, keys + kTileTokens, values + kTileTokens);
-    score_heads(sc.q.data(), keys, values, n, n + num_next, dim, group,
-                sc.scores.data());
+    score_heads(sc.q.data(), keys, n, dim, group,
+                NextRows{keys + kTileTokens, values + kTileTokens, num_next}, sc.scores.data());
     softmax_tile(sc.scores.data(), n, group, max, sum, sc.corr.data());
     accumulate_heads(sc.scores.data(), values, n, dim, group, sc.corr.data(), acc);
     std::copy(keys + kTileTokens, keys + kTileTokens + num_next, keys);
@@ -262,7 +276,8 @@ void check_inputs(const torch::Tensor& q, const torch::Tensor& k_cache,
   TORCH_CHECK(out.sizes() == q.sizes(), "out must have q's shape [B, H, D]");
   const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2);
   TORCH_CHECK(k_cache.size(3) == dim && dim % 8 == 0, "head_dim must match and be a multiple of 8");
-  TORCH_CHECK(heads % k_cache.size(0) == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(k_cache.size(0) > 0 && heads % k_cache.size(0) == 0,
+              "num_heads must be a multiple of num_kv_heads");
   TORCH_CHECK(block_table.scalar_type() == torch::kInt32 && block_table.dim() == 2 &&
                   block_table.size(0) == batch && block_table.is_contiguous(),
               "block_table must be contiguous int32 [B, max_blocks]");
