@@ -3,8 +3,9 @@
 The same random-token prompts go through nanoserve's engine (continuous batching) and through
 transformers (one static batch), greedy, EOS ignored, in one run; transformers in float32,
 nanoserve with the weights its --quantization gives (a GGUF file's own blocks by default).
-Two scenarios: all prompts at once, and a single prompt. Then a decode step at the chosen batch is timed beside
-the same step's matmuls alone (see roofline.py), the floor this machine sets for the model.
+Two scenarios: all prompts at once, and a single prompt. Then a decode step at the chosen
+batch is timed beside the same step's matmuls alone (see roofline.py), the floor this
+machine sets for the model.
 """
 
 from __future__ import annotations
