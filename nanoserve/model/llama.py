@@ -43,15 +43,20 @@ class DecoderLayer(nn.Module):
         # 1) attention
         x = F.rms_norm(hidden, (arch.hidden_size,), self.input_layernorm, eps)
         qkv = linear(x, self.qkv_proj, self.qkv_bias)  # [T, (H + 2 * Hkv) * D]
-        q, k, v = qkv.split([arch.q_size, arch.kv_size, arch.kv_size], dim=-1)
-        q = q.view(num_tokens, arch.num_heads, arch.head_dim)
-        k = k.view(num_tokens, arch.num_kv_heads, arch.head_dim)
-        v = v.view(num_tokens, arch.num_kv_heads, arch.head_dim)
+        qk_size = arch.q_size + arch.kv_size
+        v = qkv[:, qk_size:].view(num_tokens, arch.num_kv_heads, arch.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q = F.rms_norm(q, (arch.head_dim,), self.q_norm, eps)
-            k = F.rms_norm(k, (arch.head_dim,), self.k_norm, eps)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
+            q, k = qkv[:, :qk_size].split([arch.q_size, arch.kv_size], dim=-1)
+            q = F.rms_norm(q.view(num_tokens, arch.num_heads, arch.head_dim), (arch.head_dim,),
+                           self.q_norm, eps)
+            k = F.rms_norm(k.view(num_tokens, arch.num_kv_heads, arch.head_dim),
+                           (arch.head_dim,), self.k_norm, eps)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        else:
+            # q and k sit side by side in qkv: one rotation of [T, H + Hkv, D] costs half the
+            # dispatches of two (each element's arithmetic is the same)
+            qk = apply_rope(qkv[:, :qk_size].view(num_tokens, -1, arch.head_dim), cos, sin)
+            q, k = qk.split([arch.num_heads, arch.num_kv_heads], dim=1)
         attn = paged_attention(q, k, v, k_cache, v_cache, meta)  # [T, H * D]
         hidden = hidden + linear(attn, self.o_proj)
         # 2) MLP
