@@ -24,6 +24,7 @@ import sys
 from multiprocessing.process import BaseProcess
 
 import msgspec
+import torch
 import uvicorn
 
 from nanoserve.config import EngineConfig, ServerConfig
@@ -116,6 +117,9 @@ async def serve_api(engine_config: EngineConfig, server_config: ServerConfig,
                     engine_process: BaseProcess | None = None,
                     watch_parent: bool = False) -> int:
     """One API server: wait for the engine core, then serve HTTP until told to stop."""
+    # The API process computes no tensors worth threads; a torch pool here would only wake
+    # workers on the cores the engine's threads use (engine/core_proc.py).
+    torch.set_num_threads(1)
     frontend = load_frontend(engine_config.model.model)
     client = EngineCoreClient(addresses, index)
 
