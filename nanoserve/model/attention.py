@@ -8,7 +8,7 @@ as one contiguous [context, head_dim] matrix, the layout attention's small matmu
 on (measured: about a third less time per decode step's attention than token-major blocks).
 
 Decodes (one query each) are attended all together. On the CPU in float32 a C++ kernel reads
-their blocks where they lie (paged_decode.py: 3-6x faster than the gather below, figures there);
+their blocks where they lie (paged_decode.py: 2-10x faster than the gather below, figures there);
 elsewhere, and as the reference it is tested against, their blocks are gathered with one
 `index_select` into a padded [num_decodes, max_blocks * block_size] key range and masked. Prefill
 chunks, few per step, are attended one by one; that loop is the only per-sequence work in a step.
