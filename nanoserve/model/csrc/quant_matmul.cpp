@@ -520,16 +520,22 @@ at::Tensor packed_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t 
   return y;
 }
 
+// Row ids for an embedding lookup: a contiguous 1-D int64 tensor, each in [0, N).
+static const int64_t* checked_ids(const at::Tensor& ids, int64_t N) {
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1 && ids.is_contiguous(),
+              "quant_rows: ids must be a contiguous 1-D int64 tensor");
+  const int64_t* idp = ids.data_ptr<int64_t>();
+  for (int64_t r = 0; r < ids.size(0); ++r)
+    TORCH_CHECK(idp[r] >= 0 && idp[r] < N, "quant_rows: row id ", idp[r], " is outside [0, ", N, ")");
+  return idp;
+}
+
 at::Tensor packed_rows(const at::Tensor& packed, int64_t ggml_type, const at::Tensor& ids,
                        int64_t N, int64_t K) {
   check_packed(packed, ggml_type, N, K);
-  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1 && ids.is_contiguous(),
-              "quant_rows: ids must be a contiguous 1-D int64 tensor");
   const Layout layout = type_info(ggml_type).layout;
   const int64_t KB = K / QK, bpb = packed_block_bytes(layout), num_ids = ids.size(0);
-  const int64_t* idp = ids.data_ptr<int64_t>();
-  for (int64_t r = 0; r < num_ids; ++r)
-    TORCH_CHECK(idp[r] >= 0 && idp[r] < N, "quant_rows: row id ", idp[r], " is outside [0, ", N, ")");
+  const int64_t* idp = checked_ids(ids, N);
   at::Tensor out = at::empty({num_ids, K}, at::kFloat);
   const uint8_t* w = packed.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
@@ -548,12 +554,8 @@ at::Tensor quant_rows(const at::Tensor& raw, int64_t ggml_type, const at::Tensor
   TORCH_CHECK(raw.numel() % row_bytes == 0, "quant_rows: the raw weight is not whole rows of ", K);
   const int64_t N = raw.numel() / row_bytes;
   check_raw(raw, ggml_type, N, K);
-  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1 && ids.is_contiguous(),
-              "quant_rows: ids must be a contiguous 1-D int64 tensor");
   const int64_t num_ids = ids.size(0);
-  const int64_t* idp = ids.data_ptr<int64_t>();
-  for (int64_t r = 0; r < num_ids; ++r)
-    TORCH_CHECK(idp[r] >= 0 && idp[r] < N, "quant_rows: row id ", idp[r], " is outside [0, ", N, ")");
+  const int64_t* idp = checked_ids(ids, N);
   at::Tensor out = at::empty({num_ids, K}, at::kFloat);
   const uint8_t* src = raw.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
