@@ -69,8 +69,8 @@ def measure_decode_step(engine: EngineCore, batch: int, context_len: int,
 def measure_matmuls(model: CausalLM, batch: int, context_len: int,
                     repeats: int = 10) -> MatmulTimes:
     arch = model.arch
-    device = model.embed_tokens.device
-    dtype = model.embed_tokens.dtype
+    device = model.norm.device  # the embedding may be a quantized weight
+    dtype = model.norm.dtype
 
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, device=device, dtype=dtype)
