@@ -342,8 +342,7 @@ void u4_group(const uint8_t* w, int64_t KB, const RowPtrs& rows) {
   constexpr int64_t BPB = packed_block_bytes(L);
   const __m256i nibble = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  __m256 acc[R] = {};  // zeroed
   for (int64_t b = 0; b < KB; ++b) {
     const uint8_t* blk = w + b * BPB;
     const uint8_t* qs = blk + qs_offset(L);
@@ -381,8 +380,7 @@ void s8_group(const uint8_t* w, int64_t KB, const RowPtrs& rows) {
   constexpr int64_t BPB = packed_block_bytes(L);
   constexpr bool kPerHalf = L == Layout::S8F2;
   const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  __m256 acc[R] = {};  // zeroed
   for (int64_t b = 0; b < KB; ++b) {
     const uint8_t* blk = w + b * BPB;
     const uint8_t* qs = blk + qs_offset(L);
