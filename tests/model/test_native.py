@@ -1,0 +1,36 @@
+"""The C++ kernels' build: a machine that cannot build them says why and keeps the plain path."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from nanoserve.model.native import missing_build_tool
+
+
+def test_a_missing_compiler_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CXX", "no-such-compiler-g++")
+    assert missing_build_tool() == "no C++ compiler ('no-such-compiler-g++' is not on PATH)"
+
+
+def test_without_a_compiler_quantized_weights_fall_back_to_float() -> None:
+    """A fresh interpreter with no compiler: one warning, and the model still multiplies."""
+    script = (
+        "import warnings, torch\n"
+        "from nanoserve.model.quant_linear import QuantizedWeight\n"
+        "w = torch.randn(8, 64)\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    q = QuantizedWeight.from_float(w)\n"
+        "assert not q.is_packed\n"
+        "print(caught[0].message)\n"
+        "x = torch.randn(3, 64)\n"
+        "assert torch.allclose(q.matmul(x), x @ q.dequantize().T, atol=1e-5)\n"
+    )
+    env = {"CXX": "no-such-compiler-g++", "PATH": "/usr/bin:/bin", "HOME": "/nonexistent"}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "C++ kernels unavailable (no C++ compiler" in out.stdout
