@@ -84,9 +84,6 @@ class ConcatWeight:
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([part.matmul(x) for part in self.parts], dim=-1)
 
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        return torch.cat([part.dequantize() for part in self.parts])[ids]
-
 
 MatmulWeight = torch.Tensor | QuantizedWeight | Fp16Weight | ConcatWeight
 
