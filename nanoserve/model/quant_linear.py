@@ -38,7 +38,7 @@ import torch
 
 from nanoserve.model.dequant import dequantize_fast
 from nanoserve.model.linear import linear, pack_weight
-from nanoserve.model.native import load_kernels
+from nanoserve.native import load_kernels
 
 GGML_Q4_0, GGML_Q4_1, GGML_Q8_0, GGML_Q4_K, GGML_Q6_K = 2, 3, 8, 12, 14
 # ggml type -> (inputs per block, bytes per block)

@@ -22,7 +22,7 @@ from nanoserve.model.attention import (
     head_block_rows,
     paged_attention,
 )
-from nanoserve.model.native import load_kernels, missing_build_tool
+from nanoserve.native import load_kernels, missing_build_tool
 from nanoserve.model.paged_decode import can_read_cache_in_place, decode_attention
 from nanoserve.sampling_params import SamplingParams
 

@@ -1,9 +1,9 @@
-"""Builds and loads nanoserve's C++ kernels (`nanoserve/model/csrc/*.cpp`) on first use.
+"""Builds and loads nanoserve's C++ kernels (`nanoserve/csrc/*.cpp`) on first use.
 
 Each kernel file is one PyTorch extension, compiled with `torch.utils.cpp_extension.load` into
 the user's cache directory (`~/.cache/nanoserve/ext`, or `$XDG_CACHE_HOME/nanoserve/ext`) so only
 the first start on a machine pays for the build. `make install` builds them ahead of time
-(`python -m nanoserve.model.native`).
+(`python -m nanoserve.native`).
 
 Flags are fixed, never `-march=native`: AVX2 + FMA + F16C is what the kernels use, the build
 machine may differ from the run machine, and AVX-512 must not be emitted. Where there is no

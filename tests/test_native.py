@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from nanoserve.model.native import missing_build_tool
+from nanoserve.native import missing_build_tool
 
 
 def test_a_missing_compiler_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
