@@ -17,6 +17,7 @@ GiB = 1 << 30
 # ships it (model/loader.py).
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 QUANTIZATION_MODES = ("auto", "gguf", "int8", "fp16", "none")
+KV_CACHE_DTYPES = ("auto", "float32", "float16")
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,15 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = None  # None = 1 GiB on CPU, 90% of free GPU memory
     num_blocks: int | None = None  # overrides the memory budget (tests use tiny caches)
     enable_prefix_caching: bool = True
+    # The keys' and values' element type (engine/model_runner.py: resolve_kv_cache_dtype):
+    # "auto" = float16 on the CPU when the weights are quantized and the paged decode kernel
+    # is built, else the model's dtype; "float32" or "float16" as asked.
+    kv_cache_dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not one of "
+                             f"{list(KV_CACHE_DTYPES)}")
 
 
 @dataclass(frozen=True)
@@ -117,6 +127,8 @@ class ServerConfig:
     api_key: str | None = None
     served_model_name: str | None = None  # None = the model's own name
     reasoning_parser: str | None = None  # "qwen3" | "deepseek_r1"
+    tool_call_parser: str | None = None  # "hermes" | "llama3_json": reads tool_choice="auto"
+    chat_template: str | None = None  # the Jinja text that replaces the tokenizer's template
     api_server_count: int = 1
     shutdown_timeout: float = 30.0  # seconds in-flight requests may take to finish on SIGTERM
     max_in_flight: int = 512  # past this many requests in flight, new ones get 429

@@ -17,6 +17,7 @@ from typing import Any
 
 from nanoserve.config import (
     DEFAULT_MODEL_NAME,
+    KV_CACHE_DTYPES,
     QUANTIZATION_MODES,
     CacheConfig,
     EngineConfig,
@@ -67,6 +68,12 @@ class EngineArgs:
         type=int)
     block_size: int = _arg(CacheConfig.block_size,
                            "token positions per KV-cache block (default: %(default)s)", type=int)
+    kv_cache_dtype: str = _arg(
+        CacheConfig.kv_cache_dtype,
+        "element type of the KV cache: auto (float16 on the CPU with quantized weights, else "
+        "the model's dtype) | float32 | float16 (half the memory and decode-attention reads; "
+        "keys and values rounded to 11 significant bits) (default: %(default)s)",
+        choices=KV_CACHE_DTYPES)
     enable_prefix_caching: bool = _arg(
         CacheConfig.enable_prefix_caching, "do not reuse the KV blocks of shared prompt prefixes",
         flag="--no-prefix-caching", action="store_false")
@@ -108,7 +115,8 @@ class EngineArgs:
                 block_size=self.block_size, num_blocks=self.num_kv_blocks,
                 kv_cache_memory_bytes=None if self.kv_cache_memory_gb is None
                 else int(self.kv_cache_memory_gb * GiB),
-                enable_prefix_caching=self.enable_prefix_caching),
+                enable_prefix_caching=self.enable_prefix_caching,
+                kv_cache_dtype=self.kv_cache_dtype),
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                       max_num_batched_tokens=self.max_num_batched_tokens),
             sampler=SamplerConfig(logits_processors=tuple(self.logits_processors),

@@ -126,6 +126,7 @@ class ModeResult:
     mode: str
     perplexity: float
     tokens: list[list[int]]
+    kv_cache_dtype: str  # what --kv-cache-dtype resolved to for this mode
 
 
 def measure_mode(build_llm: LLMFactory, engine_args: EngineArgs, mode: str, text: Path,
@@ -135,7 +136,8 @@ def measure_mode(build_llm: LLMFactory, engine_args: EngineArgs, mode: str, text
     ids = text_token_ids(llm.tokenizer, text, num_tokens)
     ppl = perplexity(llm.engine, ids)
     tokens = greedy_tokens(llm.engine, prompt_token_ids(llm.tokenizer), max_tokens)
-    return ModeResult(mode, ppl, tokens)
+    kv_dtype = str(llm.engine.runner.kv_caches[0][0].dtype).removeprefix("torch.")
+    return ModeResult(mode, ppl, tokens, kv_dtype)
 
 
 def format_table(results: list[ModeResult], max_tokens: int) -> str:
@@ -170,7 +172,8 @@ def run_quality_bench(args: argparse.Namespace, build_llm: LLMFactory) -> int:
     for mode in modes:  # one model loaded at a time; only the tokens are kept
         results.append(measure_mode(build_llm, engine_args, mode, text, args.num_tokens,
                                     args.max_tokens))
-        print(f"{mode}: perplexity {results[-1].perplexity:.3f}", flush=True)
+        print(f"{mode}: perplexity {results[-1].perplexity:.3f} "
+              f"(KV cache {results[-1].kv_cache_dtype})", flush=True)
     print(f"\nperplexity on the first {args.num_tokens} tokens of {text}; greedy agreement with "
           f"none over {len(PROMPTS)} prompts x {args.max_tokens} tokens\n")
     print(format_table(results, args.max_tokens))

@@ -2,8 +2,9 @@
 // What it computes and why it is shaped this way: nanoserve/model/paged_decode.py.
 //
 // Cache layout (nanoserve/model/attention.py): k_cache, v_cache [Hkv, num_blocks, block_size, D]
-// float32; token t of request b lives in block block_table[b][t / block_size], row
-// t % block_size, of each KV head's plane.
+// float32 or float16; token t of request b lives in block block_table[b][t / block_size], row
+// t % block_size, of each KV head's plane. A float16 row is widened to float32 as it loads
+// (F16C); q, the scores, the softmax and the accumulators are float32 for either cache.
 //
 // One work item is (request, KV head, partition of the context). It loads each key and value
 // row once and uses it for the G = H / Hkv query heads that share it. The context is walked in
@@ -27,7 +28,9 @@ namespace {
 // (so from DRAM, as in a real step): asking for the next tile's rows while this one computes
 // takes the time per (token, KV head) from 66 to ~38 ns (17 ns when the cache sits in L3);
 // tiles of 16, 32, 64 keys: 38, 37, 42 ns from DRAM and 19, 16, 15.5 ns from L3. Splitting one
-// request's context over both threads takes 7-15% off batch 1.
+// request's context over both threads takes 7-15% off batch 1. A float16 cache halves the bytes
+// per row for one F16C widening per 8 elements: ~1.9x less time per step at batch 16-64 from
+// DRAM, one thread (figures in paged_decode.py).
 constexpr int64_t kTileTokens = 32;     // keys scored per tile
 constexpr int64_t kMinPartition = 256;  // never split a context finer than this
 constexpr int64_t kItemsPerThread = 4;  // split until there are this many items per thread
@@ -56,6 +59,15 @@ inline __m256 exp256(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(n, 23)));
 }
 
+// A cache element: float, or an IEEE half held as its 16 bits (at::Half's storage).
+using Half = uint16_t;
+
+// 8 cache elements as 8 floats: the only place the two cache types differ.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -65,41 +77,43 @@ inline float hsum(__m256 v) {
 
 // The rows of the next tile, to request into L2 while this one computes: the blocks are
 // scattered pages, where the hardware prefetcher does not follow.
+template <typename T>
 struct NextRows {
-  const float* const* keys;
-  const float* const* values;
+  const T* const* keys;
+  const T* const* values;
   int64_t count;  // 0: none, or already requested
 };
 
-inline void prefetch_row(const float* row, int64_t dim) {  // one request per 64-byte line
-  for (int64_t d = 0; d < dim; d += 16)
+template <typename T>
+inline void prefetch_row(const T* row, int64_t dim) {  // one request per 64-byte line
+  for (int64_t d = 0; d < dim; d += 64 / sizeof(T))
     _mm_prefetch(reinterpret_cast<const char*>(row + d), _MM_HINT_T1);
 }
 
 // scores[g * kTileTokens + j] = q[g] · key[j] for GB query heads (q already scaled). Row j of
 // the next tile is requested at key j: spread out, not in one burst (measured: ~20% faster).
-template <int GB>
-void score_tile(const float* q, const float* const* keys, int64_t n, int64_t dim,
-                const NextRows& next, float* scores) {
+template <typename T, int GB>
+void score_tile(const float* q, const T* const* keys, int64_t n, int64_t dim,
+                const NextRows<T>& next, float* scores) {
   for (int64_t j = 0; j < n; ++j) {
     if (j < next.count) {
       prefetch_row(next.keys[j], dim);
       prefetch_row(next.values[j], dim);
     }
-    const float* k = keys[j];
+    const T* k = keys[j];
     // two accumulators per head: half the chain of dependent FMAs
     __m256 even[GB], odd[GB];
     for (int g = 0; g < GB; ++g) even[g] = odd[g] = _mm256_setzero_ps();
     int64_t d = 0;
     for (; d + 16 <= dim; d += 16) {
-      const __m256 k0 = _mm256_loadu_ps(k + d), k1 = _mm256_loadu_ps(k + d + 8);
+      const __m256 k0 = load8(k + d), k1 = load8(k + d + 8);
       for (int g = 0; g < GB; ++g) {
         even[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * dim + d), k0, even[g]);
         odd[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * dim + d + 8), k1, odd[g]);
       }
     }
     if (d < dim) {
-      const __m256 k0 = _mm256_loadu_ps(k + d);
+      const __m256 k0 = load8(k + d);
       for (int g = 0; g < GB; ++g)
         even[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * dim + d), k0, even[g]);
     }
@@ -109,8 +123,8 @@ void score_tile(const float* q, const float* const* keys, int64_t n, int64_t dim
 
 // acc[g] = acc[g] * corr[g] + sum_j p[g][j] * value[j] for GB heads, NV * 8 columns at a time:
 // the GB x NV accumulators stay in registers while the tile's values stream past.
-template <int GB, int NV>
-void accumulate_columns(const float* p, const float* const* values, int64_t n, int64_t dim,
+template <typename T, int GB, int NV>
+void accumulate_columns(const float* p, const T* const* values, int64_t n, int64_t dim,
                         int64_t d0, const float* corr, float* acc) {
   __m256 a[GB][NV];
   for (int g = 0; g < GB; ++g) {
@@ -120,7 +134,7 @@ void accumulate_columns(const float* p, const float* const* values, int64_t n, i
   }
   for (int64_t j = 0; j < n; ++j) {
     __m256 x[NV];
-    for (int v = 0; v < NV; ++v) x[v] = _mm256_loadu_ps(values[j] + d0 + 8 * v);
+    for (int v = 0; v < NV; ++v) x[v] = load8(values[j] + d0 + 8 * v);
     for (int g = 0; g < GB; ++g) {
       const __m256 w = _mm256_broadcast_ss(p + g * kTileTokens + j);
       for (int v = 0; v < NV; ++v) a[g][v] = _mm256_fmadd_ps(w, x[v], a[g][v]);
@@ -130,43 +144,45 @@ void accumulate_columns(const float* p, const float* const* values, int64_t n, i
     for (int v = 0; v < NV; ++v) _mm256_storeu_ps(acc + g * dim + d0 + 8 * v, a[g][v]);
 }
 
-template <int GB>
-void accumulate_tile(const float* p, const float* const* values, int64_t n, int64_t dim,
+template <typename T, int GB>
+void accumulate_tile(const float* p, const T* const* values, int64_t n, int64_t dim,
                      const float* corr, float* acc) {
   // Each pass keeps GB x NV accumulators, one FMA chain each: with too few chains a pass waits
   // on FMA latency, with too many they spill out of the 16 registers.
   constexpr int NV = GB == 1 ? 8 : GB == 2 ? 4 : 2;
   int64_t d0 = 0;
   for (; d0 + 8 * NV <= dim; d0 += 8 * NV)
-    accumulate_columns<GB, NV>(p, values, n, dim, d0, corr, acc);
-  for (; d0 < dim; d0 += 8) accumulate_columns<GB, 1>(p, values, n, dim, d0, corr, acc);
+    accumulate_columns<T, GB, NV>(p, values, n, dim, d0, corr, acc);
+  for (; d0 < dim; d0 += 8) accumulate_columns<T, GB, 1>(p, values, n, dim, d0, corr, acc);
 }
 
 // Query heads are taken four at a time, so each pass's accumulators fit in the 16 registers.
-void score_heads(const float* q, const float* const* keys, int64_t n, int64_t dim,
-                 int64_t group, NextRows next, float* scores) {
+template <typename T>
+void score_heads(const float* q, const T* const* keys, int64_t n, int64_t dim,
+                 int64_t group, NextRows<T> next, float* scores) {
   for (int64_t g0 = 0; g0 < group; g0 += 4, next.count = 0) {
     const float* qg = q + g0 * dim;
     float* sg = scores + g0 * kTileTokens;
     switch (std::min<int64_t>(4, group - g0)) {
-      case 1: score_tile<1>(qg, keys, n, dim, next, sg); break;
-      case 2: score_tile<2>(qg, keys, n, dim, next, sg); break;
-      case 3: score_tile<3>(qg, keys, n, dim, next, sg); break;
-      default: score_tile<4>(qg, keys, n, dim, next, sg); break;
+      case 1: score_tile<T, 1>(qg, keys, n, dim, next, sg); break;
+      case 2: score_tile<T, 2>(qg, keys, n, dim, next, sg); break;
+      case 3: score_tile<T, 3>(qg, keys, n, dim, next, sg); break;
+      default: score_tile<T, 4>(qg, keys, n, dim, next, sg); break;
     }
   }
 }
 
-void accumulate_heads(const float* p, const float* const* values, int64_t n, int64_t dim,
+template <typename T>
+void accumulate_heads(const float* p, const T* const* values, int64_t n, int64_t dim,
                       int64_t group, const float* corr, float* acc) {
   for (int64_t g0 = 0; g0 < group; g0 += 4) {
     const float* pg = p + g0 * kTileTokens;
     float* ag = acc + g0 * dim;
     switch (std::min<int64_t>(4, group - g0)) {
-      case 1: accumulate_tile<1>(pg, values, n, dim, corr + g0, ag); break;
-      case 2: accumulate_tile<2>(pg, values, n, dim, corr + g0, ag); break;
-      case 3: accumulate_tile<3>(pg, values, n, dim, corr + g0, ag); break;
-      default: accumulate_tile<4>(pg, values, n, dim, corr + g0, ag); break;
+      case 1: accumulate_tile<T, 1>(pg, values, n, dim, corr + g0, ag); break;
+      case 2: accumulate_tile<T, 2>(pg, values, n, dim, corr + g0, ag); break;
+      case 3: accumulate_tile<T, 3>(pg, values, n, dim, corr + g0, ag); break;
+      default: accumulate_tile<T, 4>(pg, values, n, dim, corr + g0, ag); break;
     }
   }
 }
@@ -199,10 +215,11 @@ void softmax_tile(float* scores, int64_t n, int64_t group, float* max, float* su
   }
 }
 
+template <typename T>
 struct Problem {
-  const float* q;        // [B, H, D]
-  const float* k_cache;  // [Hkv, num_blocks, block_size, D]
-  const float* v_cache;
+  const float* q;    // [B, H, D]
+  const T* k_cache;  // [Hkv, num_blocks, block_size, D]
+  const T* v_cache;
   const int32_t* block_table;  // [B, max_blocks]
   const int32_t* context_lens;  // [B]
   int64_t num_heads, num_kv_heads, dim, num_blocks, block_size, max_blocks;
@@ -210,17 +227,19 @@ struct Problem {
 };
 
 // One thread's working memory: the scaled queries, a tile's scores and its rows' addresses.
+template <typename T>
 struct Scratch {
   std::vector<float> q, scores, corr;
-  std::vector<const float*> keys, values;  // two tiles' worth: this one and the next
+  std::vector<const T*> keys, values;  // two tiles' worth: this one and the next
   explicit Scratch(int64_t group, int64_t dim)
       : q(group * dim), scores(group * kTileTokens), corr(group),
         keys(2 * kTileTokens), values(2 * kTileTokens) {}
 };
 
 // Row pointers of tokens [t0, t0 + n).
-void locate_rows(const Problem& pb, const int32_t* table, int64_t plane, int64_t t0, int64_t n,
-                 const float** keys, const float** values) {
+template <typename T>
+void locate_rows(const Problem<T>& pb, const int32_t* table, int64_t plane, int64_t t0,
+                 int64_t n, const T** keys, const T** values) {
   const int64_t bs = pb.block_size, dim = pb.dim;
   int64_t block = t0 / bs, offset = t0 % bs;  // stepped, not divided, per token
   for (int64_t j = 0; j < n; ++j) {
@@ -236,8 +255,9 @@ void locate_rows(const Problem& pb, const int32_t* table, int64_t plane, int64_t
 
 // Attention of one (request, KV head) over tokens [begin, end): unnormalized acc [G, D], the
 // running max and sum [G].
-void attend_range(const Problem& pb, int64_t b, int64_t kv_head, int64_t begin, int64_t end,
-                  Scratch& sc, float* acc, float* max, float* sum) {
+template <typename T>
+void attend_range(const Problem<T>& pb, int64_t b, int64_t kv_head, int64_t begin, int64_t end,
+                  Scratch<T>& sc, float* acc, float* max, float* sum) {
   const int64_t group = pb.num_heads / pb.num_kv_heads, dim = pb.dim;
   const float* q = pb.q + (b * pb.num_heads + kv_head * group) * dim;
   for (int64_t i = 0; i < group * dim; ++i) sc.q[i] = q[i] * pb.scale;
@@ -246,18 +266,19 @@ void attend_range(const Problem& pb, int64_t b, int64_t kv_head, int64_t begin, 
   std::fill(sum, sum + group, 0.0f);
   const int32_t* table = pb.block_table + b * pb.max_blocks;
   const int64_t plane = kv_head * pb.num_blocks * pb.block_size;  // this head's first row
-  const float** keys = sc.keys.data();  // [this tile | next tile]
-  const float** values = sc.values.data();
+  const T** keys = sc.keys.data();  // [this tile | next tile]
+  const T** values = sc.values.data();
   locate_rows(pb, table, plane, begin, std::min(kTileTokens, end - begin), keys, values);
   for (int64_t t0 = begin; t0 < end; t0 += kTileTokens) {
     const int64_t n = std::min(kTileTokens, end - t0);
     // the next tile's rows load while this one computes
     const int64_t num_next = std::clamp<int64_t>(end - t0 - n, 0, kTileTokens);
     locate_rows(pb, table, plane, t0 + n, num_next, keys + kTileTokens, values + kTileTokens);
-    score_heads(sc.q.data(), keys, n, dim, group,
-                NextRows{keys + kTileTokens, values + kTileTokens, num_next}, sc.scores.data());
+    score_heads<T>(sc.q.data(), keys, n, dim, group,
+                   NextRows<T>{keys + kTileTokens, values + kTileTokens, num_next},
+                   sc.scores.data());
     softmax_tile(sc.scores.data(), n, group, max, sum, sc.corr.data());
-    accumulate_heads(sc.scores.data(), values, n, dim, group, sc.corr.data(), acc);
+    accumulate_heads<T>(sc.scores.data(), values, n, dim, group, sc.corr.data(), acc);
     std::copy(keys + kTileTokens, keys + kTileTokens + num_next, keys);
     std::copy(values + kTileTokens, values + kTileTokens + num_next, values);
   }
@@ -267,10 +288,15 @@ void check_inputs(const torch::Tensor& q, const torch::Tensor& k_cache,
                   const torch::Tensor& v_cache, const torch::Tensor& block_table,
                   const torch::Tensor& context_lens, const torch::Tensor& out) {
   for (const auto* t : {&q, &k_cache, &v_cache, &out}) {
-    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == torch::kFloat32,
-                "paged decode_attention takes CPU float32 tensors");
-    TORCH_CHECK(t->is_contiguous(), "paged decode_attention takes contiguous tensors");
+    TORCH_CHECK(t->device().is_cpu() && t->is_contiguous(),
+                "paged decode_attention takes contiguous CPU tensors");
   }
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && out.scalar_type() == torch::kFloat32,
+              "q and out must be float32");
+  TORCH_CHECK((k_cache.scalar_type() == torch::kFloat32 ||
+               k_cache.scalar_type() == torch::kFloat16) &&
+                  v_cache.scalar_type() == k_cache.scalar_type(),
+              "the caches must both be float32 or both float16");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
               "expected q [B, H, D] and caches [Hkv, num_blocks, block_size, D]");
   TORCH_CHECK(out.sizes() == q.sizes(), "out must have q's shape [B, H, D]");
@@ -300,21 +326,20 @@ void check_inputs(const torch::Tensor& q, const torch::Tensor& k_cache,
   }
 }
 
-}  // namespace
-
-// out [B, H, D] = softmax(q · K^T * scale) · V per request, over its context_lens[b] cached
-// tokens. Writes `out` and returns it.
-torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                               torch::Tensor block_table, torch::Tensor context_lens,
-                               double scale, torch::Tensor out) {
-  check_inputs(q, k_cache, v_cache, block_table, context_lens, out);
-  const Problem pb{q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
-                   block_table.data_ptr<int32_t>(), context_lens.data_ptr<int32_t>(),
-                   q.size(1), k_cache.size(0), q.size(2), k_cache.size(1), k_cache.size(2),
-                   block_table.size(1), static_cast<float>(scale)};
+// The whole batch for one cache element type T (float or Half); writes out [B, H, D].
+template <typename T>
+void attend_batch(const torch::Tensor& q, const torch::Tensor& k_cache,
+                  const torch::Tensor& v_cache, const torch::Tensor& block_table,
+                  const torch::Tensor& context_lens, double scale, torch::Tensor& out) {
+  const Problem<T> pb{q.data_ptr<float>(), static_cast<const T*>(k_cache.data_ptr()),
+                      static_cast<const T*>(v_cache.data_ptr()), block_table.data_ptr<int32_t>(),
+                      context_lens.data_ptr<int32_t>(), q.size(1), k_cache.size(0), q.size(2),
+                      k_cache.size(1), k_cache.size(2), block_table.size(1),
+                      static_cast<float>(scale)};
+  float* out_ptr = out.data_ptr<float>();
   const int64_t batch = q.size(0), group = pb.num_heads / pb.num_kv_heads, dim = pb.dim;
   const int64_t items = batch * pb.num_kv_heads;
-  if (items == 0) return out;
+  if (items == 0) return;
   int64_t max_len = 0;
   for (int64_t b = 0; b < batch; ++b) max_len = std::max<int64_t>(max_len, pb.context_lens[b]);
 
@@ -325,11 +350,10 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
   const int64_t part_len = parts > 1
       ? ((max_len + parts - 1) / parts + kTileTokens - 1) / kTileTokens * kTileTokens : max_len;
   parts = parts > 1 ? (max_len + part_len - 1) / part_len : 1;
-  float* out_ptr = out.data_ptr<float>();
 
   if (parts == 1) {  // each item writes its G output rows directly
     at::parallel_for(0, items, 1, [&](int64_t first, int64_t last) {
-      Scratch sc(group, dim);
+      Scratch<T> sc(group, dim);
       std::vector<float> max(group), sum(group);
       for (int64_t item = first; item < last; ++item) {
         const int64_t b = item / pb.num_kv_heads, kv_head = item % pb.num_kv_heads;
@@ -341,14 +365,14 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
         }
       }
     });
-    return out;
+    return;
   }
 
   // Split contexts: partial [items, parts, G, D] results, then a log-sum-exp merge per head.
   std::vector<float> part_acc(items * parts * group * dim);
   std::vector<float> part_max(items * parts * group), part_sum(items * parts * group);
   at::parallel_for(0, items * parts, 1, [&](int64_t first, int64_t last) {
-    Scratch sc(group, dim);
+    Scratch<T> sc(group, dim);
     for (int64_t i = first; i < last; ++i) {
       const int64_t item = i / parts, part = i % parts;
       const int64_t b = item / pb.num_kv_heads, kv_head = item % pb.num_kv_heads;
@@ -380,10 +404,24 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
       for (int64_t d = 0; d < dim; ++d) o[d] *= inv;
     }
   });
+}
+
+}  // namespace
+
+// out [B, H, D] = softmax(q · K^T * scale) · V per request, over its context_lens[b] cached
+// tokens, for a float32 or float16 cache. Writes `out` and returns it.
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                               torch::Tensor block_table, torch::Tensor context_lens,
+                               double scale, torch::Tensor out) {
+  check_inputs(q, k_cache, v_cache, block_table, context_lens, out);
+  if (k_cache.scalar_type() == torch::kFloat16)
+    attend_batch<Half>(q, k_cache, v_cache, block_table, context_lens, scale, out);
+  else
+    attend_batch<float>(q, k_cache, v_cache, block_table, context_lens, scale, out);
   return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention,
-        "Decode attention over a paged KV cache, read in place (CPU float32, AVX2)");
+        "Decode attention over a paged float32 or float16 KV cache, read in place (CPU, AVX2)");
 }

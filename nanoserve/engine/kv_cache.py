@@ -100,6 +100,9 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
         self.req_blocks: dict[str, list[KVBlock]] = {}
+        # The same blocks' ids, appended to alongside: the runner copies only their new tail
+        # into its per-slot table each step (block_table.py), never rebuilding a list.
+        self.req_block_ids: dict[str, list[int]] = {}
         self.req_num_registered: dict[str, int] = {}
         # Prefix-cache counters, in tokens (vLLM's meaning): looked up, and found cached.
         self.prefix_cache_queries = 0
@@ -115,7 +118,8 @@ class KVCacheManager:
         return 1.0 - self.pool.num_free_blocks / self.num_blocks
 
     def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+        """The request's block ids in order: the live list (read it, do not change it)."""
+        return self.req_block_ids.get(request_id, [])
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """The longest run of the request's full blocks already in the cache, and its token count.
@@ -149,9 +153,11 @@ class KVCacheManager:
         if num_needed > self.pool.num_free_blocks - num_reclaimed:
             return False
         self.pool.touch(computed_blocks)
-        blocks.extend(computed_blocks)
-        if num_needed > 0:
-            blocks.extend(self.pool.allocate(num_needed))
+        new_blocks = [*computed_blocks, *(self.pool.allocate(num_needed) if num_needed > 0
+                                          else ())]
+        blocks.extend(new_blocks)
+        self.req_block_ids.setdefault(request.request_id, []).extend(
+            b.block_id for b in new_blocks)
         return True
 
     def cache_blocks(self, request: Request) -> None:
@@ -171,6 +177,7 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Drop the request's hold on its blocks; the tail goes first so prefixes live longer."""
         blocks = self.req_blocks.pop(request.request_id, [])
+        self.req_block_ids.pop(request.request_id, None)
         self.pool.release(reversed(blocks))
         self.req_num_registered.pop(request.request_id, None)
 

@@ -27,7 +27,10 @@ class ZeroCostRunner:
         rows = torch.arange(max_rows, device=real.device)
         self.logits[rows, _FIRST_TOKEN + rows % 1000] = 10.0  # a different token per row
 
-    def execute(self, scheduled: list[ScheduledRequest], block_tables: list[list[int]]
+    def release_slot(self, slot: int) -> None:
+        pass  # no block table to keep
+
+    def execute(self, scheduled: list[ScheduledRequest], block_ids: list[list[int]]
                 ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         num_rows = sum(1 for s in scheduled if s.samples)
         return self.logits[:num_rows].clone(), {}  # the sampler edits its logits in place

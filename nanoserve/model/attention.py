@@ -7,14 +7,18 @@ sampler). Heads come first so that a gather of whole blocks gives each (head, re
 as one contiguous [context, head_dim] matrix, the layout attention's small matmuls run fastest
 on (measured: about a third less time per decode step's attention than token-major blocks).
 
-Decodes (one query each) are attended all together. On the CPU in float32 a C++ kernel reads
-their blocks where they lie (paged_decode.py: 2-10x faster than the gather below, figures there);
-elsewhere, and as the reference it is tested against, their blocks are gathered with one
-`index_select` into a padded [num_decodes, max_blocks * block_size] key range and masked. Prefill
-chunks, few per step, are attended one by one; that loop is the only per-sequence work in a step.
-Their gather of a cached prefix stays: measured at 1-11% of a chunk's attention (chunks of 16 to
-512 tokens over contexts of 256 to 2,048, one thread), against SDPA's blocked matmuls that an
-in-place kernel would have to match.
+The cache may hold float16 while the model computes in float32 (`--kv-cache-dtype`, chosen by
+the engine): new keys and values are rounded as they are written, and whatever is gathered from
+the cache is widened to the queries' dtype before SDPA.
+
+Decodes (one query each) are attended all together. On the CPU, over a float32 or float16
+cache, a C++ kernel reads their blocks where they lie (paged_decode.py: 2-10x faster than the
+gather below, figures there); elsewhere, and as the reference it is tested against, their blocks
+are gathered with one `index_select` into a padded [num_decodes, max_blocks * block_size] key
+range and masked. Prefill chunks, few per step, are attended one by one; that loop is the only
+per-sequence work in a step. Their gather of a cached prefix stays: measured at 1-11% of a
+chunk's attention (chunks of 16 to 512 tokens over contexts of 256 to 2,048, one thread),
+against SDPA's blocked matmuls that an in-place kernel would have to match.
 """
 
 from __future__ import annotations
@@ -70,14 +74,18 @@ def _gather_blocks(cache: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return cache.view(-1, *cache.shape[2:]).index_select(0, rows)
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-    """Write this step's keys/values into the cache, then attend. Returns [num_tokens, H * D]."""
+def paged_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                    stored: bool = False) -> torch.Tensor:
+    """Write this step's keys/values into the cache, then attend. Returns [num_tokens, H * D].
+
+    `stored`: the caller wrote them already (llama.py's fused path); k and v are then read only
+    by prefill chunks that attend to themselves, and may be None in a step without prefills."""
     num_tokens, num_heads, head_dim = q.shape  # q: [T, H, D]; k, v: [T, Hkv, D]
-    num_kv_heads = k.shape[1]
     # 1) store the new keys and values in their cache slots
-    k_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, meta.cache_index, k.transpose(0, 1))
-    v_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, meta.cache_index, v.transpose(0, 1))
+    if not stored:
+        assert k is not None and v is not None, "paged_attention stores k and v unless stored"
+        write_kv_cache(k, v, k_cache, v_cache, meta.cache_index)
 
     num_decodes = meta.num_decode_tokens
     if not meta.prefills:
@@ -87,10 +95,20 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     if num_decodes:
         out[:num_decodes] = _attend_decodes(q[:num_decodes], k_cache, v_cache, meta)
     # 3) each prefill chunk on its own
+    assert k is not None and v is not None, "prefill chunks read this step's k and v"
     for chunk in meta.prefills:
         rows = slice(chunk.start, chunk.start + chunk.num_tokens)
         out[rows] = _prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, chunk)
     return out
+
+
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, cache_index: torch.Tensor) -> None:
+    """k, v [T, Hkv, D] into the caches' rows `cache_index` [T], in the cache's dtype."""
+    num_kv_heads, head_dim = k.shape[1:]
+    for new, cache in ((k, k_cache), (v, v_cache)):
+        cache.view(num_kv_heads, -1, head_dim).index_copy_(
+            1, cache_index, new.transpose(0, 1).to(cache.dtype))
 
 
 def _attend_decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -112,10 +130,11 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     # [Hkv, B, max_blocks * block_size, D]: index_select on whole blocks is a plain block copy.
     # Attention is independent per (request, head), so the KV head serves as SDPA's batch
     # dimension and the request as its head dimension: no transpose of the keys.
-    keys = _gather_blocks(k_cache, meta.decode_block_ids).view(num_kv_heads, batch, num_keys,
-                                                               head_dim)
-    values = _gather_blocks(v_cache, meta.decode_block_ids).view(num_kv_heads, batch, num_keys,
-                                                                 head_dim)
+    # A float16 cache's rows become q's dtype after the gather: SDPA takes one dtype.
+    keys = _gather_blocks(k_cache, meta.decode_block_ids).view(
+        num_kv_heads, batch, num_keys, head_dim).to(q.dtype)
+    values = _gather_blocks(v_cache, meta.decode_block_ids).view(
+        num_kv_heads, batch, num_keys, head_dim).to(q.dtype)
     # Grouped-query attention without copying keys: the H / Hkv query heads that share a KV
     # head act as that head's queries. [Hkv, B, H / Hkv, D]
     grouped_q = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim).transpose(0, 1)
@@ -135,7 +154,9 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cach
         num_kv_heads = k_cache.shape[0]
         keys = _gather_blocks(k_cache, chunk.block_ids).view(num_kv_heads, -1, head_dim)
         values = _gather_blocks(v_cache, chunk.block_ids).view(num_kv_heads, -1, head_dim)
-        keys, values = keys[:, : chunk.context_len], values[:, : chunk.context_len]
+        # [Hkv, ctx, D] in q's dtype (the cache may hold float16)
+        keys = keys[:, : chunk.context_len].to(q.dtype)
+        values = values[:, : chunk.context_len].to(q.dtype)
         mask, is_causal = chunk.mask, False
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0),  # [1, H, n, D]

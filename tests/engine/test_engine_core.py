@@ -68,6 +68,7 @@ def test_no_blocks_leak_through_adds_aborts_and_preemptions(llama_dir: str) -> N
             for out in engine.step():
                 if out.finish_reason is not None:
                     live.remove(out.request_id)
+            _check_block_table(engine)
     assert engine.stats.num_preemptions > 0, "the mix should have forced preemption"
     while engine.has_unfinished():
         engine.step()
@@ -75,6 +76,18 @@ def test_no_blocks_leak_through_adds_aborts_and_preemptions(llama_dir: str) -> N
     assert all(b.ref_count == 0 for b in kv.pool.blocks)
     assert kv.req_blocks == {} and engine.scheduler.requests == {}
     assert sorted(engine.scheduler.free_slots) == list(range(64))
+
+
+def _check_block_table(engine: Any) -> None:
+    """The runner's per-slot table, kept incrementally, holds each running request's blocks
+    (slots are reused by later requests and preempted ones come back in other slots)."""
+    table = engine.runner.block_table
+    for request in engine.scheduler.running:
+        ids = engine.kv_cache.block_ids(request.request_id)
+        if request.slot is None or not ids:
+            continue
+        if table.num_blocks[request.slot] == len(ids):  # synced at its last scheduled step
+            assert table.table[request.slot, : len(ids)].tolist() == ids
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent(llama_dir: str) -> None:

@@ -1,5 +1,6 @@
 """The in-place paged decode kernel (paged_decode.py) equals the gather + SDPA path it replaces
-(attention.py's `_decode_attention`) and a plain float64 softmax, on shuffled block tables."""
+(attention.py's `_decode_attention`) and a plain float64 softmax, on shuffled block tables; on a
+float16 cache it equals both on the same (rounded) keys and values."""
 
 from __future__ import annotations
 
@@ -22,8 +23,8 @@ from nanoserve.model.attention import (
     head_block_rows,
     paged_attention,
 )
-from nanoserve.native import load_kernels, missing_build_tool
 from nanoserve.model.paged_decode import can_read_cache_in_place, decode_attention
+from nanoserve.native import load_kernels, missing_build_tool
 from nanoserve.sampling_params import SamplingParams
 
 if missing_build_tool() is not None or load_kernels("paged_attention") is None:
@@ -35,19 +36,20 @@ CONTEXT_LENS = [1, 15, 16, 17, 300, 17, 1, 300, 16]  # mixed in one batch
 
 
 def random_case(context_lens: list[int], num_kv_heads: int, group: int, head_dim: int,
-                seed: int = 0) -> tuple[torch.Tensor, ...]:
-    """q [B, H, D], caches [Hkv, num_blocks, 16, D], and each request's blocks drawn at random
-    from a shuffled pool (non-contiguous, in no order), padded with stale ids past the end."""
+                seed: int = 0, block_size: int = BLOCK_SIZE) -> tuple[torch.Tensor, ...]:
+    """q [B, H, D], caches [Hkv, num_blocks, block_size, D], and each request's blocks drawn at
+    random from a shuffled pool (non-contiguous, in no order), padded with stale ids past the
+    end."""
     gen = torch.Generator().manual_seed(seed)
-    num_blocks = sum(-(-n // BLOCK_SIZE) for n in context_lens) + 7
-    max_blocks = max(-(-n // BLOCK_SIZE) for n in context_lens) + 2
-    k_cache = torch.randn(num_kv_heads, num_blocks, BLOCK_SIZE, head_dim, generator=gen)
-    v_cache = torch.randn(num_kv_heads, num_blocks, BLOCK_SIZE, head_dim, generator=gen)
+    num_blocks = sum(-(-n // block_size) for n in context_lens) + 7
+    max_blocks = max(-(-n // block_size) for n in context_lens) + 2
+    k_cache = torch.randn(num_kv_heads, num_blocks, block_size, head_dim, generator=gen)
+    v_cache = torch.randn(num_kv_heads, num_blocks, block_size, head_dim, generator=gen)
     pool = torch.randperm(num_blocks, generator=gen)
     table = torch.randint(0, num_blocks, (len(context_lens), max_blocks), generator=gen)
     taken = 0
     for row, n in enumerate(context_lens):
-        used = -(-n // BLOCK_SIZE)
+        used = -(-n // block_size)
         table[row, :used] = pool[taken : taken + used]
         taken += used
     q = 2 * torch.randn(len(context_lens), num_kv_heads * group, head_dim, generator=gen)
@@ -58,9 +60,9 @@ def random_case(context_lens: list[int], num_kv_heads: int, group: int, head_dim
 def sdpa_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    table: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
     """Today's gather + SDPA decode path, with the metadata the runner builds for it."""
-    num_kv_heads, num_blocks = k_cache.shape[:2]
+    num_kv_heads, num_blocks, block_size = k_cache.shape[:3]
     rows = head_block_rows(table.numpy().astype(np.int64), num_kv_heads, num_blocks)
-    mask = torch.arange(table.shape[1] * BLOCK_SIZE)[None, :] < lens[:, None].long()
+    mask = torch.arange(table.shape[1] * block_size)[None, :] < lens[:, None].long()
     meta = AttentionMetadata(cache_index=torch.zeros(0, dtype=torch.int64),
                              num_decode_tokens=q.shape[0], decode_block_ids=torch.from_numpy(rows),
                              decode_key_mask=mask[:, None, None, :], prefills=[])
@@ -71,11 +73,11 @@ def plain_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     table: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
     """softmax(q Kᵀ / √D) V per request, in float64, token by token through the table."""
     batch, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[0]
+    num_kv_heads, _, block_size = k_cache.shape[:3]
     out = torch.empty(batch, num_heads, head_dim, dtype=torch.float64)
     for b, n in enumerate(lens.tolist()):
         t = torch.arange(n)
-        rows = table[b, t // BLOCK_SIZE].long() * BLOCK_SIZE + t % BLOCK_SIZE
+        rows = table[b, t // block_size].long() * block_size + t % block_size
         keys = k_cache.view(num_kv_heads, -1, head_dim)[:, rows].double()  # [Hkv, n, D]
         values = v_cache.view(num_kv_heads, -1, head_dim)[:, rows].double()
         grouped = q[b].view(num_kv_heads, -1, head_dim).double()  # [Hkv, G, D]
@@ -88,6 +90,18 @@ def relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
     return ((ours.double() - reference.double()).abs().max() / reference.abs().max()).item()
 
 
+def with_cache_dtype(case: tuple[torch.Tensor, ...], dtype: torch.dtype
+                     ) -> tuple[torch.Tensor, ...]:
+    """The same case with its caches converted (rounded, for float16); q stays float32."""
+    q, k_cache, v_cache, table, lens = case
+    return q, k_cache.to(dtype), v_cache.to(dtype), table, lens
+
+
+def widened(case: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """A float16 case's rounded values in a float32 cache: what the kernel must compute on."""
+    return with_cache_dtype(case, torch.float32)
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("group", [1, 3, 4])
 def test_kernel_equals_gather_sdpa(group: int, head_dim: int) -> None:
@@ -98,17 +112,20 @@ def test_kernel_equals_gather_sdpa(group: int, head_dim: int) -> None:
     assert relative_error(ours, plain_reference(*case)) < 1e-5
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("num_threads", [1, 2])
 @pytest.mark.parametrize("context_len", [1, 257, 1000, 2049])
-def test_split_contexts_merge_exactly(context_len: int, num_threads: int) -> None:
+def test_split_contexts_merge_exactly(context_len: int, num_threads: int,
+                                      cache_dtype: torch.dtype) -> None:
     """One long request has fewer (request, KV head) items than threads want: its context is
     split into partitions merged by log-sum-exp, and equals the unsplit reference."""
     previous = torch.get_num_threads()
     torch.set_num_threads(num_threads)
     try:
         for lens in ([context_len], [context_len, 3]):
-            case = random_case(lens, num_kv_heads=2, group=3, head_dim=64, seed=context_len)
-            assert relative_error(decode_attention(*case), plain_reference(*case)) < 1e-5
+            case = with_cache_dtype(random_case(lens, num_kv_heads=2, group=3, head_dim=64,
+                                                seed=context_len), cache_dtype)
+            assert relative_error(decode_attention(*case), plain_reference(*widened(case))) < 1e-5
     finally:
         torch.set_num_threads(previous)
 
@@ -122,11 +139,35 @@ def test_small_and_odd_shapes(group: int, head_dim: int) -> None:
     assert relative_error(decode_attention(*case), plain_reference(*case)) < 1e-5
 
 
-def test_decodes_in_a_mixed_batch_take_the_kernel_path() -> None:
+@pytest.mark.parametrize(("group", "head_dim", "block_size"),
+                         [(1, 64, 16), (3, 64, 5), (4, 128, 1), (9, 8, 7), (2, 24, 32),
+                          (5, 16, 3)])
+def test_float16_cache_equals_gather_on_the_same_values(group: int, head_dim: int,
+                                                        block_size: int) -> None:
+    """On a float16 cache the kernel (which widens each row as it loads it) equals the gather
+    path (which widens what it gathers) and float64 on the rounded values; an odd batch, odd
+    contexts and odd block sizes."""
+    lens = [1, 3, 17, 33, 300, 5, 1000]
+    case = with_cache_dtype(random_case(lens, num_kv_heads=3, group=group, head_dim=head_dim,
+                                        seed=block_size, block_size=block_size), torch.float16)
+    ours = decode_attention(*case)
+    assert ours.dtype == torch.float32
+    assert relative_error(ours, sdpa_reference(*case)) < 1e-5
+    assert relative_error(ours, plain_reference(*widened(case))) < 1e-5
+
+
+def test_mixed_cache_dtypes_are_refused() -> None:
+    q, k_cache, v_cache, table, lens = random_case([20], num_kv_heads=1, group=1, head_dim=8)
+    with pytest.raises(RuntimeError, match="must both be float32 or both float16"):
+        decode_attention(q, k_cache.half(), v_cache, table, lens)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+def test_decodes_in_a_mixed_batch_take_the_kernel_path(cache_dtype: torch.dtype) -> None:
     """paged_attention gives the same rows whichever decode metadata the runner built, with a
     prefill chunk in the same batch."""
-    q_dec, k_cache, v_cache, table, lens = random_case([5, 33], num_kv_heads=2, group=2,
-                                                       head_dim=16)
+    q_dec, k_cache, v_cache, table, lens = with_cache_dtype(
+        random_case([5, 33], num_kv_heads=2, group=2, head_dim=16), cache_dtype)
     chunk_len = 4
     q = torch.cat([q_dec, torch.randn(chunk_len, 4, 16)])
     k, v = torch.randn(2 + chunk_len, 2, 16), torch.randn(2 + chunk_len, 2, 16)
@@ -151,6 +192,46 @@ def test_decodes_in_a_mixed_batch_take_the_kernel_path() -> None:
     assert relative_error(outs[1], outs[0]) < 1e-5
 
 
+@pytest.mark.parametrize("is_in_place", [False, True])
+def test_float16_cache_write_and_prefix_read(is_in_place: bool) -> None:
+    """paged_attention writes new keys and values rounded to a float16 cache, and a prefill
+    chunk over a cached prefix reads them back widened: the step equals the same step on a
+    float32 cache that holds the rounded values, decode and chunk alike."""
+    num_kv_heads, group, head_dim, block_size = 2, 2, 16, 4
+    gen = torch.Generator().manual_seed(7)
+    shape = (num_kv_heads, 8, block_size, head_dim)
+    k16 = torch.randn(shape, generator=gen).half()
+    v16 = torch.randn(shape, generator=gen).half()
+    # a decode at position 4 of blocks [0, 3]; a chunk at positions 6..8 of blocks [5, 2, 7]
+    q = torch.randn(4, num_kv_heads * group, head_dim, generator=gen)
+    k = torch.randn(4, num_kv_heads, head_dim, generator=gen)
+    v = torch.randn(4, num_kv_heads, head_dim, generator=gen)
+    chunk_blocks = np.array([5, 2, 7])
+    chunk = PrefillChunk(
+        1, 3, 9, block_ids=torch.from_numpy(head_block_rows(chunk_blocks, num_kv_heads, 8)),
+        mask=torch.arange(9)[None, :] <= torch.arange(6, 9)[:, None])
+    decode_table = torch.tensor([[0, 3]], dtype=torch.int32)
+    decode_lens = torch.tensor([5], dtype=torch.int32)
+    meta = AttentionMetadata(
+        cache_index=torch.tensor([3 * block_size, 2 * block_size + 2, 2 * block_size + 3,
+                                  7 * block_size]),
+        num_decode_tokens=1,
+        decode_block_ids=None if is_in_place else torch.from_numpy(
+            head_block_rows(decode_table.numpy().astype(np.int64), num_kv_heads, 8)),
+        decode_key_mask=None if is_in_place
+        else (torch.arange(2 * block_size) < 5)[None, None, None, :],
+        prefills=[chunk],
+        decode_block_table=decode_table if is_in_place else None,
+        decode_context_lens=decode_lens if is_in_place else None)
+    k32, v32 = k16.float(), v16.float()
+    ours = paged_attention(q, k, v, k16, v16, meta)
+    reference = paged_attention(q, k.half().float(), v.half().float(), k32, v32, meta)
+    assert k16.dtype == torch.float16 and ours.dtype == torch.float32
+    assert torch.equal(k16.float(), k32) and torch.equal(v16.float(), v32)
+    assert torch.equal(k16[:, 7, 0].float(), k[3].half().float())  # the chunk's last token
+    assert relative_error(ours, reference) < 1e-5
+
+
 def test_bad_block_id_is_refused() -> None:
     q, k_cache, v_cache, table, lens = random_case([20], num_kv_heads=1, group=1, head_dim=8)
     table[0, 1] = k_cache.shape[1]
@@ -158,8 +239,9 @@ def test_bad_block_id_is_refused() -> None:
         decode_attention(q, k_cache, v_cache, table, lens)
 
 
-def test_kernel_path_is_chosen_for_cpu_float32_only() -> None:
+def test_kernel_path_is_chosen_for_cpu_float32_and_float16_only() -> None:
     assert can_read_cache_in_place(torch.device("cpu"), torch.float32)
+    assert can_read_cache_in_place(torch.device("cpu"), torch.float16)
     assert not can_read_cache_in_place(torch.device("cpu"), torch.bfloat16)
     assert not can_read_cache_in_place(torch.device("cuda"), torch.float32)
 

@@ -1,0 +1,123 @@
+"""`--kv-cache-dtype`: which element type "auto" picks, that a float16 cache holds twice the
+blocks in the same memory, and that an engine on it follows the float32 cache's engine."""
+
+from __future__ import annotations
+
+import argparse
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from nanoserve.config import CacheConfig
+from nanoserve.engine.core import EngineCore
+from nanoserve.engine.model_runner import resolve_kv_cache_dtype
+from nanoserve.engine_args import EngineArgs
+from nanoserve.model.paged_decode import can_read_cache_in_place
+from nanoserve.sampling_params import SamplingParams
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+# Greedy decoding of the tiny models on float16 vs float32 caches, 6 prompts x 24 tokens:
+# every token equal, and each sampled or prompt token's logprob within 5e-4 nats (measured).
+LOGPROB_TOLERANCE = 5e-3
+
+
+def make_engine(path: Path, kv_cache_dtype: str, quantization: str = "none",
+                max_num_batched_tokens: int = 64) -> EngineCore:
+    """A CPU float32 engine with a 64 MiB cache; chunks of 64 tokens, so longer prompts read
+    their earlier chunks back from the cache."""
+    return EngineCore(EngineArgs(
+        model=str(path), device="cpu", dtype="float32", quantization=quantization,
+        kv_cache_dtype=kv_cache_dtype, kv_cache_memory_gb=1 / 16,
+        max_num_batched_tokens=max_num_batched_tokens).to_config())
+
+
+def test_auto_resolution() -> None:
+    """auto: float16 on the CPU with quantized weights (where the kernel reads it), else the
+    model's dtype; an explicit choice is taken as it is."""
+    half_if_kernel = torch.float16 if can_read_cache_in_place(CPU, torch.float16) \
+        else torch.float32
+    assert resolve_kv_cache_dtype("auto", "none", CPU, torch.float32) == torch.float32
+    for mode in ("gguf", "int8", "fp16"):
+        assert resolve_kv_cache_dtype("auto", mode, CPU, torch.float32) == half_if_kernel
+    assert resolve_kv_cache_dtype("auto", "none", CUDA, torch.bfloat16) == torch.bfloat16
+    assert resolve_kv_cache_dtype("float32", "gguf", CPU, torch.float32) == torch.float32
+    assert resolve_kv_cache_dtype("float16", "none", CPU, torch.float32) == torch.float16
+    assert resolve_kv_cache_dtype("float16", "none", CUDA, torch.bfloat16) == torch.float16
+
+
+def test_flag_and_validation() -> None:
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    args = EngineArgs.from_cli_args(parser.parse_args(["--kv-cache-dtype", "float16"]))
+    assert args.to_config().cache.kv_cache_dtype == "float16"
+    assert EngineArgs().to_config().cache.kv_cache_dtype == "auto"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--kv-cache-dtype", "int8"])
+    with pytest.raises(ValueError, match="kv_cache_dtype='bf16'"):
+        CacheConfig(kv_cache_dtype="bf16")
+
+
+def test_engine_allocates_the_resolved_dtype_and_twice_the_blocks(
+        tiny_model_dir: Callable[[str], Path]) -> None:
+    path = tiny_model_dir("llama")
+    exact = make_engine(path, "auto")  # weights "none": today's float32 cache
+    quantized = make_engine(path, "auto", quantization="int8")
+    assert exact.runner.kv_caches[0][0].dtype == torch.float32
+    if can_read_cache_in_place(CPU, torch.float16):
+        assert quantized.runner.kv_caches[0][0].dtype == torch.float16
+        assert quantized.kv_cache.num_blocks == 2 * exact.kv_cache.num_blocks
+    half = make_engine(path, "float16")
+    assert {t.dtype for pair in half.runner.kv_caches for t in pair} == {torch.float16}
+    assert half.kv_cache.num_blocks == 2 * exact.kv_cache.num_blocks
+    assert half.max_model_len == exact.max_model_len  # the model's 1,024, not the cache's
+
+
+def greedy_with_logprobs(engine: EngineCore, prompts: dict[str, list[int]]
+                         ) -> dict[str, tuple[list[int], list[float], list[float]]]:
+    """Per request: greedy tokens, their logprobs, and the prompt tokens' logprobs."""
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=0,
+                            prompt_logprobs=0)
+    for request_id, ids in prompts.items():
+        engine.add_request(request_id, ids, params)
+    out: dict[str, tuple[list[int], list[float], list[float]]] = {
+        request_id: ([], [], []) for request_id in prompts}
+    while engine.has_unfinished():
+        for o in engine.step():
+            tokens, logprobs, prompt_logprobs = out[o.request_id]
+            tokens.extend(o.new_token_ids)
+            logprobs.extend(lp.logprob for lp in o.new_logprobs or [])
+            prompt_logprobs.extend(lp.logprob for lp in o.prompt_logprobs or [])
+    return out
+
+
+@pytest.mark.slow  # ~10 s per family: 2 engines, prompt logprobs over a 49,152-token vocabulary
+@pytest.mark.parametrize("family", ["llama", "qwen3"])  # head_dim 16 and 32
+def test_float16_cache_follows_float32_cache(tiny_model_dir: Callable[[str], Path],
+                                             family: str) -> None:
+    """Same weights, float16 vs float32 cache, decodes through the kernel: the greedy tokens
+    agree (at least 90% of them before a first divergence) and, up to a divergence, every
+    token's logprob is within LOGPROB_TOLERANCE; prompts over 64 tokens are prefilled in chunks
+    that read the rounded cache."""
+    path = tiny_model_dir(family)
+    rng = random.Random(0)
+    prompts = {f"p{n}": [rng.randrange(3, 49152) for _ in range(n)]
+               for n in (1, 7, 16, 40, 100, 211)}
+    exact = greedy_with_logprobs(make_engine(path, "float32"), prompts)
+    half = greedy_with_logprobs(make_engine(path, "float16"), prompts)
+    num_before_divergence = 0
+    for request_id in prompts:
+        (tokens, logprobs, prompt_lps), (tokens16, logprobs16, prompt_lps16) = (
+            exact[request_id], half[request_id])
+        assert len(prompt_lps) == len(prompt_lps16) == len(prompts[request_id]) - 1
+        assert max((abs(a - b) for a, b in zip(prompt_lps, prompt_lps16, strict=True)),
+                   default=0.0) < LOGPROB_TOLERANCE
+        equal = [a == b for a, b in zip(tokens, tokens16, strict=True)]
+        prefix = equal.index(False) if False in equal else len(equal)
+        num_before_divergence += prefix
+        assert max((abs(a - b) for a, b in zip(logprobs[:prefix], logprobs16[:prefix],
+                                           strict=True)),
+                   default=0.0) < LOGPROB_TOLERANCE
+    assert num_before_divergence >= 0.9 * 24 * len(prompts)
