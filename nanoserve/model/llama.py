@@ -7,12 +7,15 @@ read the same input are fused at load time (q/k/v into one matmul, gate/up into 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.model.arch import ArchConfig
 from nanoserve.model.attention import AttentionMetadata, paged_attention
+from nanoserve.model.fused_ops import FusedOps, bind_matmul, fused_ops, kernels
 from nanoserve.model.linear import linear
 from nanoserve.model.rope import RotaryEmbedding, apply_rope
 
@@ -65,6 +68,65 @@ class DecoderLayer(nn.Module):
         return hidden + linear(F.silu(gate) * up, self.down_proj)
 
 
+@dataclass(frozen=True, slots=True)
+class FusedStep:
+    """What every layer's fused forward reads in one step."""
+
+    positions: torch.Tensor  # [T] int64, rows of the RoPE tables
+    cos_table: torch.Tensor  # [max_positions, head_dim], RotaryEmbedding's own
+    sin_table: torch.Tensor
+    meta: AttentionMetadata
+    has_prefills: bool
+    eps: float
+
+
+class FusedDecoderLayer:
+    """DecoderLayer's forward in nine calls (fused_ops.py), for quantized weights on the CPU:
+    norm, qkv matmul, rope_store, attention, o matmul, add_rms_norm, gate_up matmul, silu_mul,
+    down matmul. The residual add is folded into the next norm, so a layer returns its output
+    unadded and the next layer (or the final norm) adds it to `hidden` in place.
+
+    Weights and matmul calls are plain attributes, read without nn.Module's `__getattr__`.
+    """
+
+    __slots__ = ("down", "gate_up", "head_dim", "input_norm", "k_norm", "kv_size", "o", "ops",
+                 "post_norm", "q_norm", "q_size", "qkv", "qkv_bias")
+
+    def __init__(self, layer: DecoderLayer, ops: FusedOps) -> None:
+        arch, profiled = layer.arch, ops.is_profiled
+        self.ops = ops
+        self.input_norm = layer.input_layernorm
+        self.post_norm = layer.post_attention_layernorm
+        self.qkv_bias, self.q_norm, self.k_norm = layer.qkv_bias, layer.q_norm, layer.k_norm
+        self.qkv = bind_matmul(layer.qkv_proj, profiled)  # its bias goes to rope_store
+        self.o = bind_matmul(layer.o_proj, profiled)
+        self.gate_up = bind_matmul(layer.gate_up_proj, profiled)
+        self.down = bind_matmul(layer.down_proj, profiled)
+        self.q_size, self.kv_size, self.head_dim = arch.q_size, arch.kv_size, arch.head_dim
+
+    def forward(self, hidden: torch.Tensor, delta: torch.Tensor | None, step: FusedStep,
+                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """hidden [T, hidden_size] += delta (the previous layer's output; None before the
+        first layer), in place; returns this layer's output [T, hidden_size], not yet added."""
+        ops, eps = self.ops, step.eps
+        # 1) attention
+        x = (ops.rms_norm(hidden, self.input_norm, eps) if delta is None
+             else ops.add_rms_norm(hidden, delta, self.input_norm, eps))
+        qkv = self.qkv(x)  # [T, (H + 2 * Hkv) * D]
+        q = ops.rope_store(qkv, self.qkv_bias, self.q_norm, self.k_norm, eps, step.cos_table,
+                           step.sin_table, step.positions, k_cache, v_cache,
+                           step.meta.cache_index)  # [T, H, D]; k and v are in the cache
+        k = v = None
+        if step.has_prefills:  # chunks that attend to themselves read k, v (views: ~7 us)
+            num_tokens, kv_end = qkv.shape[0], self.q_size + self.kv_size
+            k = qkv[:, self.q_size : kv_end].view(num_tokens, -1, self.head_dim)
+            v = qkv[:, kv_end:].view(num_tokens, -1, self.head_dim)
+        attn = paged_attention(q, k, v, k_cache, v_cache, step.meta, stored=True)  # [T, H * D]
+        # 2) MLP, its norm taking the attention block's residual add
+        x = ops.add_rms_norm(hidden, self.o(attn), self.post_norm, eps)
+        return self.down(ops.silu_mul(self.gate_up(x)))
+
+
 class CausalLM(nn.Module):
     """Embedding, decoder layers, final norm, and the LM head applied only to rows that sample."""
 
@@ -77,6 +139,11 @@ class CausalLM(nn.Module):
         # Tied models reuse the embedding matrix: the loader points `lm_head` at the same tensor.
         self.lm_head = _param(arch.vocab_size, arch.hidden_size)
         self.rotary: RotaryEmbedding | None = None
+        # The fused path (FusedDecoderLayer) or the plain one: None decides at the first
+        # forward (quantized weights on the CPU in float32, with the kernel built); tests set
+        # it to run both on one model.
+        self.use_fused_ops: bool | None = None
+        self._fused_layers: dict[bool, list[FusedDecoderLayer]] = {}  # by is_profiled
 
     @property
     def decoder_layers(self) -> list[DecoderLayer]:
@@ -87,11 +154,46 @@ class CausalLM(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> final hidden states [num_tokens, hidden_size]."""
         assert self.rotary is not None, "weights not loaded: use nanoserve.model.loader.load_model"
+        if self.use_fused_ops is None:
+            self.use_fused_ops = self._can_fuse()
+        if self.use_fused_ops:
+            return self._forward_fused(input_ids, positions, kv_caches, meta)
         cos, sin = self.rotary.lookup(positions)  # [T, 1, D] each, shared by all layers
         hidden = self._embed(input_ids)  # [T, hidden]
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             hidden = layer(hidden, cos, sin, k_cache, v_cache, meta)
         return F.rms_norm(hidden, (self.arch.hidden_size,), self.norm, self.arch.rms_norm_eps)
+
+    def _forward_fused(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                       meta: AttentionMetadata) -> torch.Tensor:
+        """forward's result by FusedDecoderLayer: the same layers, ~9 calls each."""
+        assert self.rotary is not None
+        profiled = torch.autograd._profiler_enabled()  # once per step, not per call
+        layers = self._fused_layers.get(profiled)
+        if layers is None:
+            ops = fused_ops(profiled)
+            layers = self._fused_layers[profiled] = [FusedDecoderLayer(layer, ops)
+                                                     for layer in self.decoder_layers]
+        eps = self.arch.rms_norm_eps
+        step = FusedStep(positions, self.rotary.cos_table, self.rotary.sin_table, meta,
+                         bool(meta.prefills), eps)
+        hidden = self._embed(input_ids)  # [T, hidden], a fresh tensor: updated in place
+        delta = None
+        for layer, (k_cache, v_cache) in zip(layers, kv_caches, strict=True):
+            delta = layer.forward(hidden, delta, step, k_cache, v_cache)
+        assert delta is not None, "a model has at least one layer"
+        return layers[0].ops.add_rms_norm(hidden, delta, self.norm, eps)
+
+    def _can_fuse(self) -> bool:
+        """Quantized matmul weights (any mode but "none") on the CPU in float32, and the kernel
+        built: "none" stays the exact plain-PyTorch path."""
+        layer = self.decoder_layers[0]
+        weights = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+        return (self.norm.device.type == "cpu" and self.norm.dtype == torch.float32
+                and self.rotary is not None and self.rotary.cos_table.dtype == torch.float32
+                and any(not isinstance(w, torch.Tensor) for w in weights)
+                and kernels() is not None)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         table = self.embed_tokens

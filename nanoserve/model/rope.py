@@ -44,7 +44,10 @@ def _llama3_frequencies(inv_freq: torch.Tensor, factor: float, low_freq_factor: 
 
 
 class RotaryEmbedding:
-    """A [max_positions, head_dim] cos/sin table; one lookup per step serves every layer."""
+    """A [max_positions, head_dim] cos/sin table; one lookup per step serves every layer.
+
+    The fused path (fused_ops.py: rope_store) reads rows of `cos_table` and `sin_table` by
+    position itself, no lookup: each row holds the angles twice (halves equal), as here."""
 
     def __init__(self, inv_freq: torch.Tensor, max_positions: int, dtype: torch.dtype,
                  device: torch.device) -> None:

@@ -1,0 +1,358 @@
+// The decoder layer's element-wise work on the quantized CPU path, in three kinds of call:
+// RMSNorm (with the residual add folded in), RoPE with the KV cache write, and SiLU-and-mul.
+// What each computes, the PyTorch ops it replaces and the measured figures that chose it:
+// nanoserve/model/fused_ops.py. float32 activations; AVX2 + FMA + F16C.
+//
+// Rows are split over threads only above kParallelElements (a batch-1 decode stays on one
+// thread: OpenMP's fork and join would cost more than its few hundred floats).
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <immintrin.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+
+namespace {
+
+// Measured on 2 cores, min of 10 (us, 1 thread -> 2): add_rms_norm of 64 rows of 576
+// 9.5 -> 5.5, of 32 rows 5.0 -> 5.5 (a split there does not pay); silu_mul of 8 rows of
+// 1,536 5.9 -> 4.3. SiLU counts 4 per element (an exp and a division), norms and RoPE 1.
+constexpr int64_t kParallelElements = 1 << 15;
+
+int64_t grain_rows(int64_t row_elements) {
+  return std::max<int64_t>(1, kParallelElements / std::max<int64_t>(1, row_elements));
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// A lane mask for the last n < 8 elements of a row (masked loads and stores: no scalar tails).
+inline __m256i tail_mask(int64_t n) {
+  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), lanes);
+}
+
+// exp of 8 floats: Cephes' range reduction and degree-5 polynomial (~1 ulp on [-87, 88]), the
+// same as csrc/paged_attention.cpp's. Inputs are clamped, so +-inf never gives NaN.
+inline __m256 exp256(__m256 x) {
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.0f)),
+                    _mm256_set1_ps(-87.3365447505531f));
+  __m256 fx = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
+  fx = _mm256_round_ps(fx, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  const __m256 z = _mm256_mul_ps(x, x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, z, x);
+  y = _mm256_add_ps(y, _mm256_set1_ps(1.0f));
+  const __m256i n = _mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127));
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(n, 23)));
+}
+
+// silu(g) * u, silu(g) = g / (1 + exp(-g)) as PyTorch's CPU kernel computes it.
+inline __m256 silu_times(__m256 g, __m256 u) {
+  const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), g));
+  return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), u);
+}
+
+// ---- RMSNorm -------------------------------------------------------------------------------
+
+inline float sum_squares(const float* x, int64_t n) {
+  __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m256 a = _mm256_loadu_ps(x + i), b = _mm256_loadu_ps(x + i + 8);
+    even = _mm256_fmadd_ps(a, a, even);
+    odd = _mm256_fmadd_ps(b, b, odd);
+  }
+  for (; i + 8 <= n; i += 8) {
+    const __m256 a = _mm256_loadu_ps(x + i);
+    even = _mm256_fmadd_ps(a, a, even);
+  }
+  if (i < n) {
+    const __m256 a = _mm256_maskload_ps(x + i, tail_mask(n - i));
+    odd = _mm256_fmadd_ps(a, a, odd);
+  }
+  return hsum(_mm256_add_ps(even, odd));
+}
+
+// out = x / sqrt(mean(x^2) + eps) * weight, rounded as F.rms_norm does: (x * r) * w.
+// `out` may be `x` (the per-head q/k norm works in place).
+inline void norm_row(const float* x, const float* weight, float eps, int64_t n, float* out) {
+  const __m256 r = _mm256_set1_ps(1.0f / std::sqrt(sum_squares(x, n) / n + eps));
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), r),
+                                            _mm256_loadu_ps(weight + i)));
+  if (i < n) {
+    const __m256i m = tail_mask(n - i);
+    _mm256_maskstore_ps(out + i, m, _mm256_mul_ps(_mm256_mul_ps(_mm256_maskload_ps(x + i, m), r),
+                                                  _mm256_maskload_ps(weight + i, m)));
+  }
+}
+
+// hidden += delta, in place (the residual stream), before the norm reads it.
+inline void add_row(float* hidden, const float* delta, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(hidden + i,
+                     _mm256_add_ps(_mm256_loadu_ps(hidden + i), _mm256_loadu_ps(delta + i)));
+  if (i < n) {
+    const __m256i m = tail_mask(n - i);
+    _mm256_maskstore_ps(hidden + i, m, _mm256_add_ps(_mm256_maskload_ps(hidden + i, m),
+                                                     _mm256_maskload_ps(delta + i, m)));
+  }
+}
+
+void check_rows(const torch::Tensor& x, const char* name) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), name,
+              " must be a contiguous float32 [rows, features] tensor");
+}
+
+void check_weight(const torch::Tensor& w, int64_t n, const char* name) {
+  TORCH_CHECK(w.scalar_type() == torch::kFloat32 && w.dim() == 1 && w.numel() == n &&
+                  w.is_contiguous(),
+              name, " must be a contiguous float32 [", n, "] tensor");
+}
+
+// ---- RoPE and the KV cache write -----------------------------------------------------------
+
+// Rotate pairs (i, i + half) of one head: the rotate-half convention of transformers' Llama,
+// x * cos + rotate_half(x) * sin, with cos and sin the first half of a table row.
+inline void rotate_8(float* x, const float* cos, const float* sin, int64_t half, int64_t i,
+                     __m256i m) {
+  const __m256 a = _mm256_maskload_ps(x + i, m), b = _mm256_maskload_ps(x + half + i, m);
+  const __m256 c = _mm256_maskload_ps(cos + i, m), s = _mm256_maskload_ps(sin + i, m);
+  _mm256_maskstore_ps(x + i, m, _mm256_sub_ps(_mm256_mul_ps(a, c), _mm256_mul_ps(b, s)));
+  _mm256_maskstore_ps(x + half + i, m, _mm256_add_ps(_mm256_mul_ps(b, c), _mm256_mul_ps(a, s)));
+}
+
+inline void rotate_head(float* x, const float* cos, const float* sin, int64_t half) {
+  int64_t i = 0;
+  for (; i + 8 <= half; i += 8) {
+    const __m256 a = _mm256_loadu_ps(x + i), b = _mm256_loadu_ps(x + half + i);
+    const __m256 c = _mm256_loadu_ps(cos + i), s = _mm256_loadu_ps(sin + i);
+    _mm256_storeu_ps(x + i, _mm256_sub_ps(_mm256_mul_ps(a, c), _mm256_mul_ps(b, s)));
+    _mm256_storeu_ps(x + half + i, _mm256_add_ps(_mm256_mul_ps(b, c), _mm256_mul_ps(a, s)));
+  }
+  if (i < half) rotate_8(x, cos, sin, half, i, tail_mask(half - i));
+}
+
+template <typename T>
+void store_row(const float* src, T* dst, int64_t n);
+
+template <>
+void store_row<float>(const float* src, float* dst, int64_t n) {
+  std::memcpy(dst, src, n * sizeof(float));
+}
+
+// float16 by F16C, rounded to nearest even, as `tensor.to(torch.float16)` rounds.
+template <>
+void store_row<c10::Half>(const float* src, c10::Half* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+  for (; i < n; ++i) dst[i] = c10::Half(src[i]);
+}
+
+struct RopeProblem {
+  float* qkv;  // [T, (H + 2 Hkv) * D], updated in place: bias added, k normed and rotated
+  const float* bias;  // [(H + 2 Hkv) * D] or null
+  const float* q_norm;  // [D] or null
+  const float* k_norm;  // [D] or null
+  float eps;
+  const float* cos;  // [max_positions, D]
+  const float* sin;
+  const int64_t* positions;  // [T]
+  const int64_t* cache_index;  // [T]
+  int64_t num_heads, num_kv_heads, dim, plane;  // plane: num_blocks * block_size
+  float* q_out;  // [T, H, D]
+};
+
+template <typename T>
+void rope_store_rows(const RopeProblem& p, T* k_cache, T* v_cache, int64_t first, int64_t last) {
+  const int64_t dim = p.dim, half = dim / 2;
+  const int64_t q_size = p.num_heads * dim, kv_size = p.num_kv_heads * dim;
+  const int64_t row_size = q_size + 2 * kv_size;
+  for (int64_t t = first; t < last; ++t) {
+    float* row = p.qkv + t * row_size;
+    if (p.bias != nullptr) add_row(row, p.bias, row_size);
+    const float* cos = p.cos + p.positions[t] * dim;
+    const float* sin = p.sin + p.positions[t] * dim;
+    for (int64_t h = 0; h < p.num_heads; ++h) {
+      float* q = p.q_out + (t * p.num_heads + h) * dim;
+      if (p.q_norm != nullptr) norm_row(row + h * dim, p.q_norm, p.eps, dim, q);
+      else std::memcpy(q, row + h * dim, dim * sizeof(float));
+      rotate_head(q, cos, sin, half);
+    }
+    const int64_t slot = p.cache_index[t];
+    for (int64_t h = 0; h < p.num_kv_heads; ++h) {
+      float* k = row + q_size + h * dim;
+      if (p.k_norm != nullptr) norm_row(k, p.k_norm, p.eps, dim, k);
+      rotate_head(k, cos, sin, half);
+      store_row(k, k_cache + (h * p.plane + slot) * dim, dim);
+      store_row(row + q_size + kv_size + h * dim, v_cache + (h * p.plane + slot) * dim, dim);
+    }
+  }
+}
+
+}  // namespace
+
+// normed [T, N] = RMSNorm(x) * weight.
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  check_rows(x, "x");
+  const int64_t rows = x.size(0), n = x.size(1);
+  check_weight(weight, n, "weight");
+  auto out = torch::empty_like(x);
+  const float *src = x.data_ptr<float>(), *w = weight.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, rows, grain_rows(n), [&](int64_t first, int64_t last) {
+    for (int64_t r = first; r < last; ++r)
+      norm_row(src + r * n, w, static_cast<float>(eps), n, dst + r * n);
+  });
+  return out;
+}
+
+// hidden += delta (in place: the residual stream), then normed [T, N] = RMSNorm(hidden) * weight.
+torch::Tensor add_rms_norm(torch::Tensor hidden, torch::Tensor delta, torch::Tensor weight,
+                           double eps) {
+  check_rows(hidden, "hidden");
+  check_rows(delta, "delta");
+  TORCH_CHECK(delta.sizes() == hidden.sizes(), "delta ", delta.sizes(), " must match hidden ",
+              hidden.sizes());
+  const int64_t rows = hidden.size(0), n = hidden.size(1);
+  check_weight(weight, n, "weight");
+  auto out = torch::empty_like(hidden);
+  float* h = hidden.data_ptr<float>();
+  const float *d = delta.data_ptr<float>(), *w = weight.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, rows, grain_rows(n), [&](int64_t first, int64_t last) {
+    for (int64_t r = first; r < last; ++r) {
+      add_row(h + r * n, d + r * n, n);
+      norm_row(h + r * n, w, static_cast<float>(eps), n, dst + r * n);
+    }
+  });
+  return out;
+}
+
+// gate_up [T, 2I] (gate, then up) -> [T, I] = silu(gate) * up, silu(x) = x / (1 + exp(-x)).
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  check_rows(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up must have an even number of columns");
+  const int64_t rows = gate_up.size(0), n = gate_up.size(1) / 2;
+  auto out = torch::empty({rows, n}, gate_up.options());
+  const float* src = gate_up.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, rows, grain_rows(4 * n), [&](int64_t first, int64_t last) {
+    for (int64_t r = first; r < last; ++r) {
+      const float *gate = src + r * 2 * n, *up = gate + n;
+      float* o = dst + r * n;
+      int64_t i = 0;
+      for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(o + i, silu_times(_mm256_loadu_ps(gate + i), _mm256_loadu_ps(up + i)));
+      if (i < n) {
+        const __m256i m = tail_mask(n - i);
+        _mm256_maskstore_ps(o + i, m, silu_times(_mm256_maskload_ps(gate + i, m),
+                                                 _mm256_maskload_ps(up + i, m)));
+      }
+    }
+  });
+  return out;
+}
+
+// The attention block's element-wise work between the qkv matmul and attention, per token:
+// add the qkv bias (Qwen2), RMSNorm each q and k head (Qwen3), rotate q and k by the cos/sin
+// table rows of the token's position, and write k and v into the paged caches
+// [Hkv, num_blocks, block_size, D] (float32 or float16) at flat row `cache_index`.
+// Returns q [T, H, D]; qkv's k and v columns are left holding exactly what was stored (before
+// rounding to float16), for prefill chunks that attend to their own keys.
+torch::Tensor rope_store(torch::Tensor qkv, std::optional<torch::Tensor> bias,
+                         std::optional<torch::Tensor> q_norm,
+                         std::optional<torch::Tensor> k_norm, double eps,
+                         torch::Tensor cos_table, torch::Tensor sin_table,
+                         torch::Tensor positions, torch::Tensor k_cache, torch::Tensor v_cache,
+                         torch::Tensor cache_index) {
+  check_rows(qkv, "qkv");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  v_cache.sizes() == k_cache.sizes() &&
+                  v_cache.scalar_type() == k_cache.scalar_type(),
+              "k_cache and v_cache must be contiguous [Hkv, num_blocks, block_size, D] tensors "
+              "of one shape and dtype");
+  const int64_t tokens = qkv.size(0), num_kv_heads = k_cache.size(0), dim = k_cache.size(3);
+  const int64_t plane = k_cache.size(1) * k_cache.size(2);
+  TORCH_CHECK(dim % 2 == 0 && qkv.size(1) % dim == 0 && qkv.size(1) / dim > 2 * num_kv_heads,
+              "qkv's ", qkv.size(1), " columns are not (H + 2 * ", num_kv_heads, ") heads of ",
+              dim);
+  const int64_t num_heads = qkv.size(1) / dim - 2 * num_kv_heads;
+  check_rows(cos_table, "cos_table");
+  check_rows(sin_table, "sin_table");
+  TORCH_CHECK(cos_table.sizes() == sin_table.sizes() && cos_table.size(1) == dim,
+              "cos_table and sin_table must both be [max_positions, ", dim, "]");
+  for (const auto* index : {&positions, &cache_index})
+    TORCH_CHECK(index->scalar_type() == torch::kInt64 && index->dim() == 1 &&
+                    index->numel() == tokens && index->is_contiguous(),
+                "positions and cache_index must be contiguous int64 [", tokens, "]");
+  if (bias) check_weight(*bias, qkv.size(1), "bias");
+  if (q_norm) check_weight(*q_norm, dim, "q_norm");
+  if (k_norm) check_weight(*k_norm, dim, "k_norm");
+  // An index out of range would read or write outside the tables or the cache.
+  const int64_t *pos = positions.data_ptr<int64_t>(), *slots = cache_index.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < cos_table.size(0), "positions[", t, "] = ", pos[t],
+                " is outside the RoPE table's ", cos_table.size(0), " positions");
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < plane, "cache_index[", t, "] = ", slots[t],
+                " is outside the cache's ", plane, " rows");
+  }
+  auto q = torch::empty({tokens, num_heads, dim}, qkv.options());
+  const RopeProblem p{qkv.data_ptr<float>(),
+                      bias ? bias->data_ptr<float>() : nullptr,
+                      q_norm ? q_norm->data_ptr<float>() : nullptr,
+                      k_norm ? k_norm->data_ptr<float>() : nullptr,
+                      static_cast<float>(eps),
+                      cos_table.data_ptr<float>(),
+                      sin_table.data_ptr<float>(),
+                      pos,
+                      slots,
+                      num_heads,
+                      num_kv_heads,
+                      dim,
+                      plane,
+                      q.data_ptr<float>()};
+  const int64_t grain = grain_rows(qkv.size(1));
+  if (k_cache.scalar_type() == torch::kFloat32) {
+    float *kc = k_cache.data_ptr<float>(), *vc = v_cache.data_ptr<float>();
+    at::parallel_for(0, tokens, grain, [&](int64_t first, int64_t last) {
+      rope_store_rows(p, kc, vc, first, last);
+    });
+  } else {
+    TORCH_CHECK(k_cache.scalar_type() == torch::kFloat16,
+                "the KV cache must be float32 or float16, not ", k_cache.scalar_type());
+    c10::Half *kc = k_cache.data_ptr<c10::Half>(), *vc = v_cache.data_ptr<c10::Half>();
+    at::parallel_for(0, tokens, grain, [&](int64_t first, int64_t last) {
+      rope_store_rows(p, kc, vc, first, last);
+    });
+  }
+  return q;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm, "RMSNorm of each row of x (float32)");
+  m.def("add_rms_norm", &add_rms_norm, "hidden += delta in place, then RMSNorm of each row");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up for gate_up [T, 2I] -> [T, I]");
+  m.def("rope_store", &rope_store,
+        "qkv bias, q/k norm, RoPE of q and k, k/v written to the paged cache; returns q");
+}

@@ -1,0 +1,111 @@
+"""The decoder layer's element-wise work as a few C++ calls (`csrc/fused_ops.cpp`).
+
+What each computes, against the plain PyTorch ops it replaces (llama.py's `DecoderLayer`):
+
+  rms_norm(x, w, eps)             F.rms_norm(x, (N,), w, eps)                       [T, N]
+  add_rms_norm(h, delta, w, eps)  h += delta (in place), then F.rms_norm(h, ...)     [T, N]
+  silu_mul(gate_up)               gate, up = gate_up.chunk(2, -1); F.silu(gate) * up [T, I]
+  rope_store(qkv, bias, q_norm, k_norm, eps, cos_table, sin_table, positions,
+             k_cache, v_cache, cache_index) -> q [T, H, D]
+      qkv + bias (Qwen2); F.rms_norm of each q and k head (Qwen3); apply_rope on q and k with
+      rows `positions` of RotaryEmbedding's own cos/sin tables (so Llama 3 and linear scaling
+      come with the table); k and v written into the paged caches (float32 or float16,
+      rounded to nearest even) at `cache_index`, which attention.py's `write_kv_cache` did.
+      qkv's k and v columns are left holding the rotated k and biased v (prefill chunks that
+      attend to themselves read them there).
+
+tests/model/test_fused_ops.py holds each to the plain ops: norms and SiLU within 1e-5 relative
+(another summation order, another exp polynomial: measured ~4e-7), RoPE within 1e-6, v exactly
+and k in a float16 cache within one float16 step (a k that differs in its last float32 bit may
+round the other way). All four take float32 activations and run on one thread below ~32K
+elements (a decode of a few dozen rows), on both above.
+
+Why: the plain layer runs ~25 PyTorch ops between its four matmuls (llama.py lists them), each
+a few microseconds of dispatch, allocation and Python for a few hundred floats of work at
+batch 1; at batch 64 each op also makes its own pass over memory. The layer's element-wise
+work, default model shapes (hidden 576, 9 heads, 3 KV heads, D = 64, intermediate 1,536),
+float16 cache, min of 15 x 200 calls on the shared 2-core AVX2 machine:
+
+    rows  threads | plain ops   fused | per step (30 layers)
+       1     1    |   127 us   4.8 us |  3.8 ms -> 0.14 ms
+       1     2    |   123 us   4.8 us |  3.7 ms -> 0.15 ms
+      64     1    |   267 us    75 us |  8.0 ms -> 2.3 ms
+      64     2    |   380 us    56 us | 11.4 ms -> 1.7 ms
+
+Per call at 1 / 64 / 512 rows, 2 threads: add_rms_norm 1.1 / 5.7 / 41 us, rope_store
+1.4 / 7.4 / 81 us, silu_mul 1.4 / 29 / 229 us (SiLU's exp and division are most of it).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch.profiler import record_function
+
+from nanoserve.model.linear import linear
+from nanoserve.model.quant_linear import QuantizedWeight
+from nanoserve.native import load_kernels
+
+Matmul = Callable[[torch.Tensor], torch.Tensor]
+
+
+def kernels() -> ModuleType | None:
+    """The compiled `fused_ops` extension, or None where it cannot be built."""
+    return load_kernels("fused_ops")
+
+
+@dataclass(frozen=True)
+class FusedOps:
+    """The kernel's four calls, plain or each inside a profiler scope (`bench step` sees them
+    only that way; choosing once per step keeps the check off every call)."""
+
+    rms_norm: Callable[..., torch.Tensor]
+    add_rms_norm: Callable[..., torch.Tensor]
+    silu_mul: Callable[..., torch.Tensor]
+    rope_store: Callable[..., torch.Tensor]
+    is_profiled: bool
+
+
+@functools.cache
+def fused_ops(profiled: bool = False) -> FusedOps:
+    native = kernels()
+    assert native is not None, "check kernels() before choosing the fused path"
+    names = ("rms_norm", "add_rms_norm", "silu_mul", "rope_store")
+    calls = {name: getattr(native, name) for name in names}
+    if profiled:
+        calls = {name: _scoped(f"nanoserve::{name}", call) for name, call in calls.items()}
+    return FusedOps(**calls, is_profiled=profiled)
+
+
+def bind_matmul(weight: Any, profiled: bool = False) -> Matmul:
+    """x -> x @ weight.T for a weight held in any form (plain, packed or quantized); a packed
+    quantized weight calls its kernel directly (no dispatch or shape checks in Python: the
+    fused path's activations are always contiguous float32 [rows, in])."""
+    call: Matmul
+    if isinstance(weight, QuantizedWeight) and weight.is_packed:
+        native = load_kernels("quant_matmul")
+        assert native is not None, "a packed QuantizedWeight exists only where the kernel loads"
+        packed_matmul, data, ggml_type = native.packed_matmul, weight.data, weight.ggml_type
+        num_rows, in_features = weight.shape
+
+        def call(x: torch.Tensor) -> torch.Tensor:
+            return packed_matmul(x, data, ggml_type, num_rows, in_features)
+    elif isinstance(weight, torch.Tensor):
+        call = functools.partial(linear, weight=weight)
+    else:
+        call = weight.matmul
+    if profiled and not isinstance(weight, torch.Tensor):  # a tensor's oneDNN op is seen anyway
+        return _scoped("nanoserve::quant_matmul", call)
+    return call
+
+
+def _scoped(name: str, call: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    def scoped(*args: Any) -> torch.Tensor:
+        with record_function(name):
+            return call(*args)
+    return scoped
