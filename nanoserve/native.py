@@ -79,7 +79,7 @@ def _build(name: str) -> ModuleType:
                 build_directory=str(build_dir), verbose=False)
 
 
-KERNEL_NAMES: tuple[str, ...] = ("paged_attention", "quant_matmul")
+KERNEL_NAMES: tuple[str, ...] = ("fused_ops", "paged_attention", "quant_matmul", "sampling")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,11 @@
 
 Logits are real: the default model's next-token logits at every position of a text, so top-p
 and min-p keep as many tokens as they do in practice. Each row gets parameters from a realistic
-mix (greedy, nucleus, top-k, min-p, penalties, bias, logprobs). Peers:
+mix (greedy, nucleus, top-k, min-p, penalties, bias, logprobs). The timed call is
+`Sampler.sample` alone. Peers, timed in turn with it (A B C D A B C D ...) because the machines
+it runs on are shared:
+  * PyTorch path: the same sampler without its C++ kernels (fused.py), as it runs on a GPU or
+    where no compiler is found;
   * per-row loop: each request processed alone, full sort, torch.multinomial with its own
     seeded generator (what a simple server does);
   * multinomial batch: the whole batch at once, one full sort for top-k/top-p, one
@@ -16,14 +20,13 @@ import argparse
 import itertools
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 
 import numpy as np
 import torch
 
 from nanoserve.bench import LLMFactory, OfflineLLM
-from nanoserve.bench.timing import median_seconds
 from nanoserve.engine_args import EngineArgs
 from nanoserve.sample.sampler import Sampler
 from nanoserve.sample.sequence import SequenceData
@@ -77,9 +80,10 @@ def real_logits(llm: OfflineLLM, rows: int) -> torch.Tensor:
     return logits[torch.arange(rows) % logits.shape[0]].contiguous()
 
 
-def make_sampler(params: list[SamplingParams], vocab: int
+def make_sampler(params: list[SamplingParams], vocab: int, use_kernels: bool = True
                  ) -> tuple[Sampler, list[SequenceData]]:
-    sampler = Sampler(len(params), vocab, torch.device("cpu"), eos_token_ids=(2,))
+    sampler = Sampler(len(params), vocab, torch.device("cpu"), eos_token_ids=(2,),
+                      use_kernels=use_kernels)
     seqs = []
     for slot, p in enumerate(params):
         seq = SequenceData(slot, p, [5, 6, 7, 8, 9] * 20, list(range(10, 40)), p.seed or 0)
@@ -145,12 +149,35 @@ def multinomial_batch(logits: torch.Tensor, params: list[SamplingParams]) -> tor
     return torch.where(greedy, logits.argmax(-1), tokens)
 
 
-def _sample_copy(sampler: Sampler, logits: torch.Tensor, batch: SamplingBatch) -> object:
-    return sampler.sample(logits.clone(), batch)  # the engine hands the sampler fresh logits
+def _time_sample(sampler: Sampler, logits: torch.Tensor, buffer: torch.Tensor,
+                 batch: SamplingBatch) -> float:
+    """Seconds of one `sample` call on fresh logits (the copy is not timed: the sampler edits
+    its logits in place, and the engine hands it a new tensor each step)."""
+    buffer.copy_(logits)
+    start = time.perf_counter()
+    sampler.sample(buffer, batch)
+    return time.perf_counter() - start
 
 
-def _median_ms(fn: Callable[[], object], repeats: int) -> float:
-    return median_seconds(fn, repeats) * 1e3
+def _time_call(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def interleaved_medians_ms(timers: Sequence[Callable[[], float]],
+                           repeats: Sequence[int]) -> list[float]:
+    """Median ms of each timer (a call returning the seconds it measured), run in turn, A B C A
+    B C ..., so a shared machine's load falls on all of them alike; timer i runs repeats[i]
+    times (after one warm-up call)."""
+    times: list[list[float]] = [[] for _ in timers]
+    for timer in timers:
+        timer()
+    for turn in range(max(repeats)):
+        for timer, measured, count in zip(timers, times, repeats, strict=True):
+            if turn < count:
+                measured.append(timer())
+    return [statistics.median(measured) * 1e3 for measured in times]
 
 
 def run_sampler_bench(args: argparse.Namespace, build_llm: LLMFactory) -> int:
@@ -158,20 +185,26 @@ def run_sampler_bench(args: argparse.Namespace, build_llm: LLMFactory) -> int:
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     vocab = llm.engine.loaded.arch.vocab_size
     print(f"logits [B, {vocab}] from {llm.engine.loaded.name}, float32, "
-          f"threads={torch.get_num_threads()}; median of {args.repeats}\n")
-    print(f"{'B':>5} {'nanoserve ms':>13} {'per-row loop ms':>16} {'multinomial ms':>15}"
-          f" {'vs loop':>8} {'vs multinomial':>15}")
+          f"threads={torch.get_num_threads()}; medians of {args.repeats}, interleaved\n")
+    print(f"{'B':>5} {'nanoserve ms':>13} {'PyTorch path ms':>16} {'per-row loop ms':>16}"
+          f" {'multinomial ms':>15} {'vs PyTorch path':>16} {'vs loop':>8}"
+          f" {'vs multinomial':>15}")
     for batch in sizes:
         logits = real_logits(llm, batch)
         params = mixed_params(batch)
-        sampler, seqs = make_sampler(params, vocab)
-        rows = sampler.make_batch(np.arange(batch))
-        ours = _median_ms(partial(_sample_copy, sampler, logits, rows), args.repeats)
-        loop = _median_ms(partial(per_row_loop, logits, params, seqs),
-                          max(2, args.repeats // (1 + batch // 32)))
-        multi = _median_ms(partial(multinomial_batch, logits, params), args.repeats)
-        print(f"{batch:>5} {ours:13.2f} {loop:16.2f} {multi:15.2f} {loop / ours:7.1f}x "
-              f"{multi / ours:14.1f}x")
+        timers: list[Callable[[], float]] = []
+        repeats: list[int] = []
+        for use_kernels in (True, False):  # C++ path (fused.py) where it builds, then PyTorch
+            sampler, seqs = make_sampler(params, vocab, use_kernels)
+            rows = sampler.make_batch(np.arange(batch))
+            timers.append(partial(_time_sample, sampler, logits, torch.empty_like(logits), rows))
+            repeats.append(args.repeats)
+        timers.append(partial(_time_call, partial(per_row_loop, logits, params, seqs)))
+        timers.append(partial(_time_call, partial(multinomial_batch, logits, params)))
+        repeats += [max(2, args.repeats // (1 + batch // 32)), args.repeats]
+        ours, pytorch, loop, multi = interleaved_medians_ms(timers, repeats)
+        print(f"{batch:>5} {ours:13.2f} {pytorch:16.2f} {loop:16.2f} {multi:15.2f}"
+              f" {pytorch / ours:15.1f}x {loop / ours:7.1f}x {multi / ours:14.1f}x")
     if not args.skip_step_share:
         print()
         for context_len in (64, 128, 256):  # the step grows with the context; sampling does not

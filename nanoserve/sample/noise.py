@@ -9,7 +9,8 @@ Two levels: a 64-bit row key mixes (seed, position) with splitmix64 (R values pe
 does not matter); each token's noise then mixes (row key, token id) with murmur3's 32-bit
 finalizer, because int32 multiplies vectorize on AVX2 where int64 ones do not (~3x faster over
 [rows, vocab]). torch shifts signed integers arithmetically, so logical right shifts are
-emulated with masks.
+emulated with masks. csrc/sampling_simd.h computes the same keys, hashes and uniforms bit for
+bit, and the same noise within one float ulp (tests/sample/test_fused.py checks every uniform).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ _TOKEN_STRIDE32 = -0x61C88647  # 0x9E3779B9: odd, so token -> token * stride is 
 _FMIX32_1 = -0x7A143595  # 0x85EBCA6B
 _FMIX32_2 = -0x3D4D51CB  # 0xC2B2AE35
 _UNIFORM_SCALE = 1.0 / (1 << 24)
+_UNIFORM_MAX = 1.0 - 1.0 / (1 << 24)  # the largest float32 below 1
 
 
 def _shift_right(x: torch.Tensor, bits: int, width: int) -> torch.Tensor:
@@ -44,8 +46,8 @@ def row_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     return (key ^ _shift_right(key, 32, 64)).to(torch.int32)  # fold to 32 bits (wraps)
 
 
-def uniform_noise(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-    """Uniforms in (0, 1), float32, for each row key [R] and token id ([V] or [R, K])."""
+def token_hashes(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """int32 hashes of (row key [R], token id ([V] or [R, K])): murmur3's finalizer."""
     tokens = token_ids.to(torch.int32)
     h = (tokens if tokens.dim() == 2 else tokens[None, :]) * _TOKEN_STRIDE32
     h = h ^ keys[:, None]  # [R, V or K], a fresh tensor from here on: update in place
@@ -54,11 +56,28 @@ def uniform_noise(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     h ^= _shift_right(h, 13, 32)
     h *= _FMIX32_2
     h ^= _shift_right(h, 16, 32)
-    u = _shift_right(h, 8, 32).float()  # the top 24 bits
-    return u.add_(0.5).mul_(_UNIFORM_SCALE)  # centred in their interval: never 0 or 1
+    return h
+
+
+def uniform_from_hashes(h: torch.Tensor) -> torch.Tensor:
+    """Uniforms in (0, 1), float32, from the top 24 bits of each hash: (k + 0.5) / 2^24,
+    centred in their interval. Above 2^23, k + 0.5 rounds to an even integer in float32, and
+    k = 2^24 - 1 to 2^24, which would give u = 1 and infinite noise (that token would win
+    whatever its probability): the clamp keeps u below 1."""
+    u = _shift_right(h, 8, 32).float()
+    return u.add_(0.5).mul_(_UNIFORM_SCALE).clamp_(max=_UNIFORM_MAX)
+
+
+def gumbel_from_hashes(h: torch.Tensor) -> torch.Tensor:
+    """Gumbel(0, 1) noise, float32, from hashes: -log(-log(u))."""
+    return uniform_from_hashes(h).log_().neg_().log_().neg_()
+
+
+def uniform_noise(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """Uniforms in (0, 1), float32, for each row key [R] and token id ([V] or [R, K])."""
+    return uniform_from_hashes(token_hashes(keys, token_ids))
 
 
 def gumbel_noise(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     """Gumbel(0, 1) noise: argmax(logits + noise) samples from softmax(logits)."""
-    u = uniform_noise(keys, token_ids)
-    return u.log_().neg_().log_().neg_()
+    return gumbel_from_hashes(token_hashes(keys, token_ids))

@@ -2,11 +2,14 @@
 
 Every stage takes the step's logits [R, vocab] (float32, owned by the sampler) and edits the
 rows of its requests in place. Which rows: one numpy lookup of the stage's per-slot flags.
+Penalties take the C++ kernel when the sampler has it (one pass per row, the same bits as the
+PyTorch code here): on 3 rows of 49,152 they cost ~0.05 ms there against ~0.9 ms here.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 import numpy as np
 import torch
@@ -90,33 +93,45 @@ def apply_logit_bias(logits: torch.Tensor, state: SamplingState, batch: Sampling
     if len(rows):
         index = batch.rows_gpu(rows)
         slots = batch.slots_gpu[index]
-        sub = logits.index_select(0, index)
-        sub.scatter_add_(1, state.bias_ids.index_select(0, slots),
-                         state.bias_values.index_select(0, slots))
-        logits.index_copy_(0, index, sub)
+        # in place: the rows' [r, vocab] copy out and back cost 10x the few additions (padding
+        # entries add 0.0 to token 0, which changes nothing whatever the order)
+        logits.index_put_((index[:, None], state.bias_ids.index_select(0, slots)),
+                          state.bias_values.index_select(0, slots), accumulate=True)
 
 
-def apply_penalties(logits: torch.Tensor, state: SamplingState, batch: SamplingBatch) -> None:
+def apply_penalties(logits: torch.Tensor, state: SamplingState, batch: SamplingBatch,
+                    kernels: ModuleType | None = None) -> None:
     """vLLM/OpenAI penalties: repetition over prompt and output tokens (divide positive
     logits, multiply negative ones); frequency (per occurrence) and presence (once) over output
-    tokens, subtracted."""
+    tokens, subtracted. With `kernels` (the C++ sampling extension) and logits on the CPU, one
+    pass per row in place, the same float operations (~30x faster than the ~15 passes over
+    [r, V] copies below on 3 rows of 49,152)."""
     rows = batch.rows(state.uses["penalties"])
     if not len(rows):
+        return
+    # skip the kinds of penalty no row of the step asks for
+    params = [state.seq(slot).params for slot in batch.slots[rows]]
+    use_repetition = any(p.repetition_penalty != 1.0 for p in params)
+    use_frequency = any(p.frequency_penalty != 0.0 for p in params)
+    use_presence = any(p.presence_penalty != 0.0 for p in params)
+    if kernels is not None and logits.device.type == "cpu" and logits.stride(1) == 1:
+        kernels.apply_penalties(logits, torch.from_numpy(rows), batch.slots_gpu,
+                                state.output_counts, state.prompt_mask, state.repetition,
+                                state.frequency, state.presence, use_repetition, use_frequency,
+                                use_presence)
         return
     index = batch.rows_gpu(rows)
     slots = batch.slots_gpu[index]
     sub = logits.index_select(0, index)  # [r, V]
     counts = state.output_counts.index_select(0, slots)  # [r, V] int32
     in_output = counts > 0
-    # each pass is over [r, V]: skip the kinds of penalty no row of the step asks for
-    params = [state.seq(slot).params for slot in batch.slots[rows]]
-    if any(p.repetition_penalty != 1.0 for p in params):
+    if use_repetition:
         seen = in_output | state.prompt_mask.index_select(0, slots)
         repetition = state.repetition.index_select(0, slots)[:, None]
         sub = torch.where(seen, torch.where(sub > 0, sub / repetition, sub * repetition), sub)
-    if any(p.frequency_penalty != 0.0 for p in params):
+    if use_frequency:
         sub -= state.frequency.index_select(0, slots)[:, None] * counts
-    if any(p.presence_penalty != 0.0 for p in params):
+    if use_presence:
         sub -= state.presence.index_select(0, slots)[:, None] * in_output
     logits.index_copy_(0, index, sub)
 

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from nanoserve.sample.sequence import SequenceData
+from nanoserve.sample.truncation import NEG_INF, min_p_threshold
 from nanoserve.sampling_params import SamplingParams
 
 # stages whose rows are chosen per step
@@ -44,7 +45,8 @@ class SamplingState:
         self.top_k = torch.zeros(num_slots, dtype=torch.int64, device=device)
         self.top_k_cpu = np.zeros(num_slots, dtype=np.int64)  # sizes the partial sort, no sync
         self.top_p = torch.ones(num_slots, dtype=torch.float32, device=device)
-        self.min_p = torch.zeros(num_slots, dtype=torch.float32, device=device)
+        # min-p as its test's threshold, log(min_p), computed once so both draw paths read it
+        self.log_min_p = torch.full((num_slots,), NEG_INF, dtype=torch.float32, device=device)
         self.presence = torch.zeros(num_slots, dtype=torch.float32, device=device)
         self.frequency = torch.zeros(num_slots, dtype=torch.float32, device=device)
         self.repetition = torch.ones(num_slots, dtype=torch.float32, device=device)
@@ -88,7 +90,7 @@ class SamplingState:
         self.top_k[slot] = p.top_k
         self.top_k_cpu[slot] = p.top_k
         self.top_p[slot] = p.top_p
-        self.min_p[slot] = p.min_p
+        self.log_min_p[slot] = min_p_threshold(p.min_p)
         self.seed[slot] = seed - (1 << 64) if seed >= (1 << 63) else seed
         uses = self.uses
         uses["random"][slot] = not p.is_greedy

@@ -7,6 +7,7 @@ batched stages can be checked against them.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import Counter
 
 import numpy as np
@@ -17,6 +18,7 @@ from nanoserve.sample.sampler import Sampler
 from nanoserve.sample.sequence import SequenceData
 from nanoserve.sample.stages import SamplingBatch
 from nanoserve.sample.state import ReasoningTokens
+from nanoserve.sample.truncation import min_p_threshold
 from nanoserve.sampling_params import SamplingParams
 
 EOS = 0
@@ -91,21 +93,25 @@ def ref_penalties(row: torch.Tensor, p: SamplingParams, prompt: list[int],
 
 
 def ref_kept(scaled: torch.Tensor, p: SamplingParams) -> set[int]:
-    """Full-sort min-p, top-k, top-p on one row of temperature-scaled logits."""
+    """truncation.py's documented semantics, one row, the plain way: min-p in log space, top-k
+    with ties kept, then top-p keeping each token whose mass strictly above it is below top_p
+    (so tied tokens are kept or cut together)."""
     vals, ids = torch.sort(scaled, descending=True)
     keep = [bool(v > float("-inf")) for v in vals]
     if p.min_p > 0:
-        keep = [k and bool((v - vals[0]).exp() >= p.min_p) for k, v in zip(keep, vals, strict=True)]
+        threshold = torch.tensor(min_p_threshold(p.min_p), dtype=torch.float32)
+        keep = [k and bool(v - vals[0] >= threshold) for k, v in zip(keep, vals, strict=True)]
     if p.top_k > 0:
         kth = vals[min(p.top_k, len(vals)) - 1]
         keep = [k and bool(v >= kth) for k, v in zip(keep, vals, strict=True)]
     if p.top_p < 1.0:
-        survivors = vals.masked_fill(~torch.tensor(keep), float("-inf"))
+        weights = [math.exp(float(v - vals[0])) if k else 0.0 for k, v in zip(keep, vals,
+                                                                              strict=True)]
         cut = p.top_k > 0 or p.min_p > 0
-        lse = torch.logsumexp(survivors if cut else scaled, dim=0)
-        probs = (survivors - lse).exp()
-        above = probs.cumsum(0) - probs
-        keep = [k and bool(a < p.top_p) for k, a in zip(keep, above, strict=True)]
+        total = sum(weights) if cut else float((scaled.double() - vals[0]).exp().sum())
+        values = vals.tolist()
+        keep = [k and sum(w for w, u in zip(weights, values, strict=True) if u > v) / total
+                < p.top_p for k, v in zip(keep, values, strict=True)]
     return {int(i) for i, k in zip(ids, keep, strict=True) if k}
 
 

@@ -17,7 +17,7 @@ from nanoserve.sample.stages import (
     apply_min_tokens,
     apply_penalties,
 )
-from nanoserve.sample.truncation import truncate
+from nanoserve.sample.truncation import min_p_threshold, truncate
 from nanoserve.sampling_params import SamplingParams
 
 VOCAB = 500
@@ -46,12 +46,12 @@ def test_truncation_agrees_with_transformers_warpers(seed: int) -> None:
             ("min_p", 0, 1.0, 0.1, hf.MinPLogitsWarper(0.1)),
         ]:
             ids, vals = truncate(scaled, torch.full((ROWS,), k), torch.full((ROWS,), p),
-                                 torch.full((ROWS,), m))
+                                 torch.full((ROWS,), min_p_threshold(m)))
             theirs = warper(None, scaled.clone()) > float("-inf")
             assert torch.equal(kept_mask(ids, vals), theirs), name
         # top-k then top-p on the renormalized survivors, as transformers chains them
         ids, vals = truncate(scaled, torch.full((ROWS,), 50), torch.full((ROWS,), 0.8),
-                             torch.zeros(ROWS))
+                             torch.full((ROWS,), min_p_threshold(0.0)))
         chained = hf.TopPLogitsWarper(0.8)(None, hf.TopKLogitsWarper(50)(None, scaled.clone()))
         assert torch.equal(kept_mask(ids, vals), chained > float("-inf"))
 
@@ -143,7 +143,7 @@ def test_draw_frequencies_pass_chi_squared_in_a_mixed_batch() -> None:
             continue
         scaled = base / p.temperature
         ids, vals = truncate(scaled[None], torch.tensor([p.top_k]), torch.tensor([p.top_p]),
-                             torch.tensor([p.min_p]))
+                             torch.tensor([min_p_threshold(p.min_p)]))
         probs = torch.zeros(vocab, dtype=torch.float64).scatter_(
             0, ids[0], vals[0].double().softmax(-1)).numpy()
         support = probs > 0

@@ -29,7 +29,7 @@ from nanoserve.sample.stages import (
     apply_min_tokens,
     apply_penalties,
 )
-from nanoserve.sample.truncation import truncate
+from nanoserve.sample.truncation import min_p_threshold, truncate
 from nanoserve.sampling_params import SamplingParams
 
 VOCAB = 40
@@ -112,7 +112,7 @@ def test_truncation_keeps_what_a_full_sort_keeps(batch_data: tuple,
     scaled = logits / torch.tensor([p.temperature or 1.0 for p in ps])[:, None]
     ids, vals = truncate(scaled, torch.tensor([p.top_k for p in ps]),
                          torch.tensor([p.top_p for p in ps]),
-                         torch.tensor([p.min_p for p in ps]), widths=widths)
+                         torch.tensor([min_p_threshold(p.min_p) for p in ps]), widths=widths)
     for row, p in enumerate(ps):
         finite = vals[row] > float("-inf")
         assert set(ids[row][finite].tolist()) == ref_kept(scaled[row], p)
