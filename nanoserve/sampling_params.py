@@ -22,6 +22,59 @@ GENERATION_CONFIG_FIELDS = {
 }
 
 
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """What the output must match (vLLM's `StructuredOutputsParams`): exactly one kind is set.
+
+    The grammar itself is compiled in the engine (`nanoserve/structured/`); here only
+    the shape of the request is checked, so a bad schema or regex is refused there, by name.
+    """
+
+    json: dict[str, Any] | str | None = None  # a JSON schema, as an object or its JSON text
+    regex: str | None = None  # the whole output matches it
+    choice: list[str] | None = None  # the whole output is one of these strings
+    grammar: str | None = None  # a context-free grammar: GBNF (llama.cpp's EBNF) or Lark
+    json_object: bool | None = None  # any JSON object (OpenAI's response_format json_object)
+    disable_any_whitespace: bool = False  # JSON without whitespace between tokens
+    whitespace_pattern: str | None = None  # JSON's whitespace as this regex (vLLM)
+
+    def __post_init__(self) -> None:
+        kinds = self.kinds_set
+        _check(len(kinds) == 1, "structured_outputs", kinds,
+               "exactly one of " + ", ".join(STRUCTURED_OUTPUT_KINDS))
+        if self.json is not None:
+            _check(isinstance(self.json, dict | str), "structured_outputs.json",
+                   type(self.json).__name__, "a JSON schema (an object or its JSON text)")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None:
+                _check(isinstance(value, str) and value != "", f"structured_outputs.{name}",
+                       value, "a non-empty string")
+        if self.choice is not None:
+            _check(isinstance(self.choice, list) and len(self.choice) > 0
+                   and all(isinstance(c, str) and c != "" for c in self.choice),
+                   "structured_outputs.choice", self.choice,
+                   "a non-empty list of non-empty strings")
+        if self.whitespace_pattern is not None:
+            _check(isinstance(self.whitespace_pattern, str),
+                   "structured_outputs.whitespace_pattern", self.whitespace_pattern,
+                   "a regular expression string")
+
+    @property
+    def kinds_set(self) -> list[str]:
+        """The names of the constraint fields that are set (one, once validated)."""
+        return [name for name in STRUCTURED_OUTPUT_KINDS
+                if getattr(self, name) is not None and getattr(self, name) is not False]
+
+    @property
+    def kind(self) -> str:
+        """'json', 'regex', 'choice', 'grammar' or 'json_object'."""
+        return self.kinds_set[0]
+
+
 class RequestOutputKind(enum.IntEnum):
     """What each update of a request carries (vLLM's output_kind)."""
 
@@ -60,6 +113,7 @@ class SamplingParams:
     thinking_token_budget: int | None = None
     extra_args: dict[str, Any] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None  # grammar the output must match
     # filled by update_from_tokenizer (the frontend), read by the sampler
     bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
@@ -67,6 +121,8 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self._validate()
         if 0 < self.temperature < MIN_TEMPERATURE and self.temperature >= SAMPLING_EPS:
             self.temperature = MIN_TEMPERATURE

@@ -19,6 +19,11 @@ PACKAGE_DIR = Path(__file__).resolve().parent.parent / "nanoserve"
 FORBIDDEN = {
     ("sample", "engine"), ("output", "engine"), ("model", "engine"), ("model", "sample"),
     ("engine", "entrypoints"), ("engine", "output"),
+    # structured outputs sit beside sample/ and model/: the engine and the entry points use
+    # them; they use neither, nor each other
+    ("structured", "engine"), ("structured", "entrypoints"), ("structured", "output"),
+    ("structured", "sample"), ("sample", "structured"),
+    ("structured", "model"), ("model", "structured"),
 }
 
 

@@ -15,8 +15,8 @@ from nanoserve.engine_args import EngineArgs
 
 
 def add_bench_commands(bench: argparse.ArgumentParser, build_llm: LLMFactory) -> None:
-    """Add throughput, sampler, step, quality, detokenize and serve under `bench`; each sets
-    `func`."""
+    """Add throughput, sampler, step, quality, structured, detokenize and serve under
+    `bench`; each sets `func`."""
     sub = bench.add_subparsers(dest="bench", required=True)
 
     tput = sub.add_parser("throughput", help="offline batch throughput vs transformers generate")
@@ -67,6 +67,22 @@ def add_bench_commands(bench: argparse.ArgumentParser, build_llm: LLMFactory) ->
     detok.add_argument("--lengths", default="10,1000,4000")
     detok.add_argument("--model", default=None)
     detok.set_defaults(func=_run_detokenize)
+
+    structured = sub.add_parser(
+        "structured", help="structured outputs: a half-constrained batch's tok/s beside an "
+        "unconstrained one, grammar compile times, free requests' ITL while a schema compiles")
+    structured.add_argument("--batch", type=int, default=32,
+                            help="requests in the throughput batch (default: %(default)s)")
+    structured.add_argument("--input-len", type=int, default=64)
+    structured.add_argument("--output-len", type=int, default=128)
+    structured.add_argument("--itl-batch", type=int, default=8,
+                            help="free requests decoding in the ITL test (default: %(default)s)")
+    structured.add_argument("--itl-steps", type=int, default=200,
+                            help="decode steps timed per ITL run (default: %(default)s)")
+    structured.add_argument("--repeats", type=int, default=3,
+                            help="alternating runs of each variant (default: %(default)s)")
+    EngineArgs.add_cli_args(structured)
+    structured.set_defaults(func=partial(_run_structured, build_llm=build_llm))
 
     serve = sub.add_parser(
         "serve", help="streaming load against a server (ours, or any OpenAI-compatible URL)")
@@ -120,6 +136,12 @@ def _run_quality(args: argparse.Namespace, build_llm: LLMFactory) -> int:
     from nanoserve.bench.quality import run_quality_bench
 
     return run_quality_bench(args, build_llm)
+
+
+def _run_structured(args: argparse.Namespace, build_llm: LLMFactory) -> int:
+    from nanoserve.bench.structured import run_structured_bench
+
+    return run_structured_bench(args, build_llm)
 
 
 def _run_detokenize(args: argparse.Namespace) -> int:

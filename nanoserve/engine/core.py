@@ -1,10 +1,14 @@
 """EngineCore: schedule -> run -> sample -> update, one step at a time, with no I/O.
 
 It runs in-process under tests and in `LLM`; the server wraps it in its own process.
+Structured outputs (`nanoserve/structured/`) add three things, each in its own method: a
+grammar compile started at `add_request`, compiles that failed finished before scheduling, and
+the grammar bitmask on the constrained logits rows right before the sampler.
 """
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from typing import Any
@@ -16,8 +20,12 @@ from torch.profiler import record_function
 from nanoserve.config import EngineConfig, GiB
 from nanoserve.engine.kv_cache import KVCacheManager
 from nanoserve.engine.memory import keep_freed_memory_in_heap
-from nanoserve.engine.model_runner import ModelRunner, kv_bytes_per_block
-from nanoserve.engine.request import Request
+from nanoserve.engine.model_runner import (
+    ModelRunner,
+    kv_bytes_per_block,
+    resolve_kv_cache_dtype,
+)
+from nanoserve.engine.request import Request, RequestStatus
 from nanoserve.engine.scheduler import ScheduledRequest, Scheduler
 from nanoserve.engine.zero_cost_runner import ZeroCostRunner
 from nanoserve.model.loader import LoadedModel, load_model
@@ -28,11 +36,17 @@ from nanoserve.sample.sampler import Sampler
 from nanoserve.sample.sequence import SequenceData
 from nanoserve.sample.state import ReasoningTokens
 from nanoserve.sampling_params import SamplingParams
+from nanoserve.structured.manager import StructuredOutputManager
 
+logger = logging.getLogger(__name__)
 # Touching the cache's pages at start-up costs ~1.5 s per GiB on a small VM; 1 GiB holds
-# ~23,000 tokens of the default model, more than a CPU serves at once.
+# ~23,000 tokens of the default model in float32 (~46,000 in the float16 cache that quantized
+# weights get), more than a CPU serves at once.
 DEFAULT_CPU_KV_CACHE_BYTES = 1 * GiB
 GPU_MEMORY_FRACTION = 0.9
+# With only compiling requests left, how long a step waits for a compile to finish: short, so
+# new inputs are not held up, and not a spin that takes the core the compile runs on.
+GRAMMAR_WAIT_S = 0.005
 
 
 class EngineCore:
@@ -47,12 +61,16 @@ class EngineCore:
                                 config.model.quantization)
         self.loaded = loaded
         block_size = config.cache.block_size
-        num_blocks = config.cache.num_blocks or self._blocks_for_budget(block_size, dtype, device)
+        kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, loaded.quantization,
+                                          device, dtype)
+        num_blocks = config.cache.num_blocks or self._blocks_for_budget(block_size, kv_dtype,
+                                                                         device)
         self.max_model_len = self._max_model_len(num_blocks * block_size)
         self.kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
         self.runner: ModelRunner | ZeroCostRunner = ModelRunner(
-            loaded.model, num_blocks, block_size, device, dtype)
+            loaded.model, num_blocks, block_size, device, kv_dtype,
+            num_slots=config.scheduler.max_num_seqs, max_model_len=self.max_model_len)
         if config.model.zero_cost_runner:
             self.runner = ZeroCostRunner(self.runner, config.scheduler.max_num_seqs)
         self.sampler = Sampler(
@@ -60,6 +78,10 @@ class EngineCore:
             reasoning_tokens(loaded.tokenizer),
             load_processor_classes(config.sampler.logits_processors))
         self.seed_rng = random.Random(config.model.seed)
+        self.structured = StructuredOutputManager(
+            loaded.tokenizer, loaded.arch.vocab_size, loaded.eos_token_ids,
+            config.scheduler.max_num_seqs, device)
+        self.compiling: dict[str, Request] = {}  # requests whose grammar is compiling
         self.stats = SchedulerStats()  # brought up to date by every step and abort
 
     def _blocks_for_budget(self, block_size: int, dtype: torch.dtype,
@@ -114,7 +136,11 @@ class EngineCore:
         self.sampler.validate(params)
         request.sampling_seed = (params.seed if params.seed is not None
                                  else self.seed_rng.getrandbits(64))
+        if params.structured_outputs is not None:
+            request.grammar = self.structured.grammar_for(params.structured_outputs)
         self.scheduler.add_request(request)
+        if request.grammar is not None and not request.grammar.is_ready:
+            self.compiling[request_id] = request
         return request
 
     def abort(self, request_id: str) -> bool:
@@ -134,33 +160,37 @@ class EngineCore:
 
     def _step(self) -> list[EngineCoreOutput]:
         # 1) schedule; slots freed since the last step are cleared before new ones are written
+        failed = self._finish_failed_grammars()
         sched = self.scheduler.schedule()
         for slot in self.scheduler.released_slots:
             self.sampler.remove_request(slot)
+            self.runner.release_slot(slot)
         self.scheduler.released_slots.clear()
         if not sched.scheduled:
-            return []
+            self._wait_for_grammars()
+            return failed
         for request in sched.admitted:
             assert request.slot is not None
             self.sampler.add_request(SequenceData(
                 request.slot, request.params, request.prompt_token_ids,
                 request.output_token_ids, request.sampling_seed))
         # 2) run the model
-        block_tables = [self.kv_cache.block_ids(s.request.request_id) for s in sched.scheduled]
+        block_ids = [self.kv_cache.block_ids(s.request.request_id) for s in sched.scheduled]
         with record_function("nanoserve.model"):
-            logits, prompt_logits = self.runner.execute(sched.scheduled, block_tables)
+            logits, prompt_logits = self.runner.execute(sched.scheduled, block_ids)
         self._collect_prompt_logprobs(sched.scheduled, prompt_logits)
         # 3) sample
         sampling = [s.request for s in sched.scheduled if s.samples]
         start = time.perf_counter()
         slots = np.fromiter((r.slot for r in sampling), dtype=np.int64, count=len(sampling))
+        self._apply_grammars(logits, sampling)
         with record_function("nanoserve.sample"):
             sampled = self.sampler.sample(logits, self.sampler.make_batch(slots))
         self.stats.sample_seconds += time.perf_counter() - start
         # 4) update requests, finish those that stop
         self.scheduler.update_after_step(sched, sampled.token_ids)
         self._update_stats(sched.num_tokens)
-        outputs = []
+        outputs = failed
         for request, logprobs in zip(sampling, sampled.logprobs, strict=True):
             first = request.num_output_tokens == 1
             outputs.append(EngineCoreOutput(
@@ -170,6 +200,40 @@ class EngineCore:
                 request.prompt_logprobs if first and request.params.prompt_logprobs is not None
                 else None))
         return outputs
+
+    # -- structured outputs ---------------------------------------------------------------------
+    def _apply_grammars(self, logits: torch.Tensor, sampling: list[Request]) -> None:
+        """The grammar bitmask on the rows of requests with a grammar (logits: [R, vocab], one
+        row per sampling request); free rows are untouched."""
+        grammars = [request.grammar for request in sampling]
+        if any(grammar is not None for grammar in grammars):
+            with record_function("nanoserve.grammar"):
+                self.structured.apply_bitmask(logits, grammars)
+
+    def _finish_failed_grammars(self) -> list[EngineCoreOutput]:
+        """Forget finished compiles; finish (with "error") the requests whose compile failed.
+        The entry points check grammars before adding them, so this is rare."""
+        outputs = []
+        for request_id, request in list(self.compiling.items()):
+            grammar = request.grammar
+            if grammar is None or request.is_finished:  # aborted while compiling
+                del self.compiling[request_id]
+            elif not grammar.is_compiling:
+                del self.compiling[request_id]
+                if grammar.failure is not None:
+                    logger.warning("request %s: %s", request_id, grammar.failure)
+                    self.scheduler.finish(request, RequestStatus.FINISHED_ERROR)
+                    outputs.append(EngineCoreOutput(request_id, [], "error"))
+        if outputs:
+            self._update_stats()
+        return outputs
+
+    def _wait_for_grammars(self) -> None:
+        """Nothing could run: if compiles are what the waiting requests wait for, sleep until
+        one is done (or a few ms) instead of spinning."""
+        grammars = [r.grammar for r in self.compiling.values() if r.grammar is not None]
+        if grammars:
+            self.structured.wait_for_any(grammars, GRAMMAR_WAIT_S)
 
     def _collect_prompt_logprobs(self, scheduled: list[ScheduledRequest],
                                  prompt_logits: dict[int, torch.Tensor]) -> None:

@@ -6,6 +6,7 @@ import enum
 
 from nanoserve.protocol import TokenLogprobs
 from nanoserve.sampling_params import SamplingParams
+from nanoserve.structured.manager import SequenceGrammar
 
 
 class RequestStatus(enum.IntEnum):
@@ -15,6 +16,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 3
     FINISHED_LENGTH = 4
     FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6  # the engine could not go on (a grammar that failed or refused a token)
 
     @property
     def is_finished(self) -> bool:
@@ -22,7 +24,7 @@ class RequestStatus(enum.IntEnum):
 
     @property
     def finish_reason(self) -> str | None:
-        return {3: "stop", 4: "length", 5: "abort"}.get(int(self))
+        return {3: "stop", 4: "length", 5: "abort", 6: "error"}.get(int(self))
 
 
 class Request:
@@ -48,6 +50,8 @@ class Request:
         self.prefill_leader: Request | None = None
         # prompt logprobs computed so far (positions 1..), handed out with the first token
         self.prompt_logprobs: list[TokenLogprobs] = []
+        # structured outputs: the grammar this sequence's tokens must follow (None: free)
+        self.grammar: SequenceGrammar | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -71,6 +75,12 @@ class Request:
         leader = self.prefill_leader
         return (leader is not None and leader.status == RequestStatus.RUNNING
                 and leader.num_computed_tokens < leader.num_prompt_tokens)
+
+    @property
+    def waits_for_grammar(self) -> bool:
+        """True until its grammar has compiled (a failed compile keeps it waiting until the
+        engine finishes it with an error)."""
+        return self.grammar is not None and not self.grammar.is_ready
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

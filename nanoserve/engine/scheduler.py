@@ -6,16 +6,22 @@ prefilled takes the next chunk), then waiting requests are admitted in arrival o
 prompts chunked to fit what is left of the budget. When the KV cache runs out of blocks the
 newest running request is preempted: its blocks are freed and it waits to be recomputed from
 the start (its full blocks usually survive in the prefix cache, so the recompute is cheap).
+
+Structured outputs: a request waits while its grammar compiles (the others are scheduled past
+it); after each step its matcher accepts the drawn token (`_advance_grammar`).
 """
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 
 from nanoserve.config import SchedulerConfig
 from nanoserve.engine.kv_cache import KVCacheManager
 from nanoserve.engine.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -96,12 +102,13 @@ class Scheduler:
             break  # the request itself was preempted; everything after it is gone too
         # 2) waiting requests, in order, while budget, slots and blocks last (not in a step
         #    that had to preempt: the cache is full). A sample of an n > 1 request waits for
-        #    its leader's prompt blocks, so it reuses them instead of computing them again.
+        #    its leader's prompt blocks, so it reuses them instead of computing them again;
+        #    a request whose grammar is still compiling waits for it.
         skipped: list[Request] = []
         while (self.waiting and budget > 0 and not out.preempted
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
-            if request.waits_for_leader:
+            if request.waits_for_leader or request.waits_for_grammar:
                 skipped.append(self.waiting.popleft())
                 continue
             computed_blocks, num_cached = self.kv_cache.get_computed_blocks(request)
@@ -146,6 +153,8 @@ class Scheduler:
             request.append_output_token(next(sampled))
             sampling.append(request)
             status = self._stop_status(request)
+            if request.grammar is not None:
+                status = self._advance_grammar(request, status)
             if status is not None:
                 self.finish(request, status)
         return sampling
@@ -165,6 +174,31 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH
         return None
 
+    def _advance_grammar(self, request: Request,
+                         status: RequestStatus | None) -> RequestStatus | None:
+        """Feed the drawn token to the request's matcher; the request's status after it.
+
+        A grammar that completes on a text token does not finish the request: its mask then
+        allows only EOS, which the next step draws, so the output ends as a natural stop does
+        (and the output path's removal of the stop token removes the EOS, not the text's last
+        token). With ignore_eos that EOS does not stop the request; the complete grammar does.
+        """
+        assert request.grammar is not None
+        token = request.output_token_ids[-1]
+        if not request.grammar.accept(token):
+            # the bitmask allowed it, so this is a bug (in the mask, or a stage after it that
+            # left no allowed token, e.g. min_tokens banning the EOS a complete grammar needs)
+            logger.error("request %s: its grammar refused token %d after %d output tokens: %s",
+                         request.request_id, token, request.num_output_tokens,
+                         request.grammar.matcher.error.split("\n", 1)[0])
+            request.stop_reason = None
+            return RequestStatus.FINISHED_ERROR
+        if (status != RequestStatus.FINISHED_STOPPED and token in request.eos_token_ids
+                and request.grammar.is_terminated()):
+            request.stop_reason = None
+            return RequestStatus.FINISHED_STOPPED
+        return status
+
     def finish(self, request: Request, status: RequestStatus) -> None:
         """Take the request out of the queues and free its blocks and slot (also for aborts)."""
         if request.status == RequestStatus.RUNNING:
@@ -173,6 +207,7 @@ class Scheduler:
         elif not request.is_finished:
             self.waiting.remove(request)
         request.status = status
+        request.grammar = None  # its matcher goes with it
         self.kv_cache.free(request)
         self.requests.pop(request.request_id, None)
 

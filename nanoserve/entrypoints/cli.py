@@ -11,12 +11,14 @@ import argparse
 import json
 import sys
 from dataclasses import replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from nanoserve.bench.cli import add_bench_commands
 from nanoserve.config import ServerConfig, api_key_from_env
 from nanoserve.engine_args import EngineArgs
 from nanoserve.output.reasoning import REASONING_PARSERS
+from nanoserve.output.tool_calls import TOOL_CALL_PARSERS
 from nanoserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -96,6 +98,28 @@ def cmd_chat(args: argparse.Namespace) -> int:
         history.append({"role": "assistant", "content": "".join(reply)})
 
 
+def read_chat_template(value: str) -> str:
+    """`--chat-template`: the template text itself (anything with `{{` or `{%`, as vLLM tells
+    them apart) or the path of a file holding it; its Jinja syntax is checked here, at start-up."""
+    import jinja2
+    import jinja2.ext
+
+    if "{{" in value or "{%" in value:
+        text = value
+    else:
+        path = Path(value)
+        if not path.is_file():
+            raise ValueError(f"chat template file '{value}' does not exist (--chat-template "
+                             "takes a file's path or the Jinja template itself)")
+        text = path.read_text()
+    try:  # transformers renders with the loop-control extension; so parse with it too
+        jinja2.Environment(extensions=[jinja2.ext.loopcontrols]).parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"--chat-template is not a valid Jinja template: {e.message} "
+                         f"(line {e.lineno})") from None
+    return text
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from nanoserve.entrypoints.serve import run_serve
 
@@ -105,6 +129,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     server = ServerConfig(
         host=args.host, port=args.port, api_key=args.api_key or api_key_from_env(),
         served_model_name=args.served_model_name, reasoning_parser=args.reasoning_parser,
+        tool_call_parser=args.tool_call_parser,
+        chat_template=None if args.chat_template is None else read_chat_template(
+            args.chat_template),
         api_server_count=args.api_server_count, shutdown_timeout=args.shutdown_timeout,
         max_in_flight=args.max_in_flight, generation_config=args.generation_config,
         log_level=args.log_level)
@@ -135,6 +162,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--served-model-name", default=ServerConfig.served_model_name)
     g.add_argument("--reasoning-parser", choices=REASONING_PARSERS,
                    default=ServerConfig.reasoning_parser)
+    g.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS,
+                   default=ServerConfig.tool_call_parser,
+                   help='the model\'s tool-call format, read when tool_choice is "auto"')
+    g.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                   help="a Jinja chat template (a file, or the text) replacing the model's")
     g.add_argument("--api-server-count", type=int, default=ServerConfig.api_server_count)
     g.add_argument("--shutdown-timeout", type=float, default=ServerConfig.shutdown_timeout,
                    help="seconds in-flight requests may take to finish on SIGTERM")

@@ -4,6 +4,9 @@
     llm = LLM()  # the default model, SmolLM2-135M-Instruct
     outs = llm.generate(["Hello, my name is"], SamplingParams(temperature=0, max_tokens=20))
     print(outs[0].outputs[0].text)
+
+Structured outputs: `SamplingParams(structured_outputs=StructuredOutputsParams(json=schema))`
+(or `regex=`, `choice=`, `grammar=`, `json_object=True`) makes every output match.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from nanoserve.engine_args import EngineArgs
 from nanoserve.output.processor import OutputProcessor
 from nanoserve.outputs import RequestOutput
 from nanoserve.sampling_params import RequestOutputKind, SamplingParams
+from nanoserve.structured.grammar import check_grammar
 
 # A prompt is text, or a dict with "prompt" (text) or "prompt_token_ids" (pre-tokenized).
 Prompt = str | dict[str, Any]
@@ -58,6 +62,10 @@ class LLM:
         """Register a request with the output path and its sample(s) with the engine."""
         if params.bad_words and not params.bad_words_token_ids:
             params.update_from_tokenizer(self.tokenizer)
+        if params.structured_outputs is not None:
+            # a bad grammar is a ValueError naming the field now, not a request that the
+            # engine finishes with "error" once its compile fails on the worker
+            check_grammar(params.structured_outputs)
         request_id = str(next(self._request_ids))
         added: list[str] = []
         try:

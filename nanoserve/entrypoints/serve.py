@@ -142,6 +142,8 @@ async def serve_api(engine_config: EngineConfig, server_config: ServerConfig,
         generation_defaults=frontend.generation_config
         if server_config.generation_config == "auto" else {},
         reasoning_parser=server_config.reasoning_parser,
+        tool_call_parser=server_config.tool_call_parser,
+        chat_template=server_config.chat_template,
         processor_classes=load_processor_classes(engine_config.sampler.logits_processors),
         has_reasoning_tokens=reasoning_tokens(frontend.tokenizer) is not None,
         max_logprobs=engine_config.sampler.max_logprobs,

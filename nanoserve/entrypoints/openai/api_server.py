@@ -76,7 +76,8 @@ def build_app(ctx: ServerContext, api_key: str | None = None) -> FastAPI:
             chat = ChatCompletionRequest(messages=req.messages,
                                          add_generation_prompt=req.add_generation_prompt,
                                          continue_final_message=req.continue_final_message,
-                                         chat_template_kwargs=req.chat_template_kwargs)
+                                         chat_template_kwargs=req.chat_template_kwargs,
+                                         tools=req.tools)
             ids = ctx.tokenizer.encode(render_prompt(ctx, chat), add_special_tokens=False)
         elif req.prompt is not None:
             ids = ctx.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)

@@ -6,9 +6,14 @@ Unknown fields are accepted and ignored, as OpenAI-compatible servers do.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+# OpenAI's rule for function names (letters, digits, `_`, `-`; at most 64), plus `.`, which
+# namespaced tool names use and vLLM accepts.
+_FUNCTION_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 
 
 class OpenAIModel(BaseModel):
@@ -51,6 +56,16 @@ class SamplingFields(OpenAIModel):
     thinking_token_budget: int | None = None
     logprobs_mode: Literal["raw", "processed"] = "raw"
     extra_args: dict[str, Any] | None = None
+    # structured outputs, every shape vLLM takes (read by structured_outputs.py, which names
+    # the field in its errors): OpenAI's, vLLM's object, and vLLM's older top-level names
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: str | None = None  # ignored: llguidance is the one backend
 
 
 class CompletionRequest(SamplingFields):
@@ -67,10 +82,42 @@ class TextPart(OpenAIModel):
     text: str | None = None
 
 
+class FunctionDefinition(OpenAIModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, name: str) -> str:
+        if not _FUNCTION_NAME.fullmatch(name):
+            raise ValueError(f"must be 1 to 64 letters, digits, '_', '-' or '.', got {name!r}")
+        return name
+
+
+class ChatTool(OpenAIModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class FunctionCall(OpenAIModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class MessageToolCall(OpenAIModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(OpenAIModel):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a `tool` message: the call it answers
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -84,9 +131,9 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     include_reasoning: bool = True
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Any = None  # checked in serving_tools.py, for errors that name the field
+    parallel_tool_calls: bool = True
 
 
 class TokenizeRequest(OpenAIModel):
@@ -97,6 +144,7 @@ class TokenizeRequest(OpenAIModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
     return_token_strs: bool = False
 
 

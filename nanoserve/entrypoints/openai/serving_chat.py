@@ -1,5 +1,6 @@
-"""POST /v1/chat/completions: messages through the model's chat template, n samples, optional
-reasoning split (`reasoning` and `reasoning_content`), streamed or at once."""
+"""POST /v1/chat/completions: messages (and tools) through the chat template, n samples,
+optional reasoning split (`reasoning` and `reasoning_content`) and tool calls
+(`serving_tools.py`), streamed or at once."""
 
 from __future__ import annotations
 
@@ -26,11 +27,16 @@ from nanoserve.entrypoints.openai.serving_common import (
     until_disconnect,
     usage,
 )
-from nanoserve.output.reasoning import (
-    ReasoningParser,
-    make_reasoning_parser,
-    prompt_ends_in_reasoning,
+from nanoserve.entrypoints.openai.serving_tools import (
+    ChoiceParser,
+    ToolPlan,
+    plan_tools,
+    template_tools,
+    tool_call_parser_for,
+    tool_message_fields,
 )
+from nanoserve.entrypoints.openai.structured_outputs import structured_outputs
+from nanoserve.output.reasoning import make_reasoning_parser, prompt_ends_in_reasoning
 from nanoserve.outputs import PositionLogprobs
 from nanoserve.sampling_params import RequestOutputKind
 
@@ -50,6 +56,7 @@ def _message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         entry: dict[str, Any] = {"role": message.role, "content": content or ""}
         if message.name is not None:
             entry["name"] = message.name
+        entry.update(tool_message_fields(message, i))
         out.append(entry)
     return out
 
@@ -67,6 +74,10 @@ def render_prompt(ctx: ServerContext, req: ChatCompletionRequest) -> str:
     if req.continue_final_message and messages[-1]["role"] != "assistant":
         raise bad_request("continue_final_message needs a final assistant message",
                           "continue_final_message")
+    if req.tools is not None:
+        kwargs["tools"] = template_tools(req.tools)
+    if ctx.chat_template is not None:
+        kwargs["chat_template"] = ctx.chat_template
     try:
         return str(ctx.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=req.add_generation_prompt,
@@ -77,12 +88,6 @@ def render_prompt(ctx: ServerContext, req: ChatCompletionRequest) -> str:
 
 
 def _check_unsupported(req: ChatCompletionRequest) -> None:
-    if req.tools is not None:
-        raise bad_request("tools must not be an empty array" if not req.tools else
-                          "tool calling is not supported by this server", "tools")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise bad_request("response_format other than text is not supported",
-                          "response_format")
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("when using top_logprobs, logprobs must be set to true",
                           "top_logprobs")
@@ -92,6 +97,8 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
                                  raw: Request) -> Response:
     ctx.check_model(req.model)
     _check_unsupported(req)
+    plan = plan_tools(req, ctx.tool_call_parser)
+    structured = await structured_outputs(req, has_tool_grammar=plan.structured is not None)
     ctx.check_capacity()
     prompt = render_prompt(ctx, req)
     ids = ctx.tokenizer.encode(prompt, add_special_tokens=False)
@@ -102,26 +109,28 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     params = sampling_params(ctx, req, max_tokens=max_tokens,
                              logprobs=(req.top_logprobs or 0) if req.logprobs else None,
                              output_kind=kind)
+    params.structured_outputs = structured
+    if plan.structured is not None:
+        params.structured_outputs = plan.structured
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
-    parsers = _parsers(ctx, req, prompt)
+    parsers = _parsers(ctx, req, prompt, plan)
     if req.stream:
         return StreamingResponse(sse_with_errors(_stream(ctx, req, request_id, created, prompt,
-                                                         ids, params, parsers)),
+                                                         ids, params, parsers, plan)),
                                  media_type="text/event-stream")
     out = await until_disconnect(raw, collect(ctx.engine.generate(request_id, prompt, ids,
                                                                  params)))
     choices = []
     for sample in out.outputs:
-        message: dict[str, Any] = {"role": "assistant", "content": sample.text}
-        if parsers:
-            reasoning, content = parsers[sample.index].parse(sample.text)
-            message.update(content=content, reasoning=reasoning, reasoning_content=reasoning)
+        parser = parsers[sample.index]
+        message = {"role": "assistant", **parser.message(sample.text)}
         choices.append({"index": sample.index, "message": message,
                         "logprobs": _chat_logprobs(ctx, sample.token_ids, sample.logprobs,
                                                    req.top_logprobs or 0)
                         if req.logprobs else None,
-                        "finish_reason": sample.finish_reason,
+                        "finish_reason": plan.finish_reason(parser.has_calls,
+                                                            sample.finish_reason),
                         "stop_reason": sample.stop_reason})
     num_output = sum(len(s.token_ids) for s in out.outputs)
     return JSONResponse({"id": request_id, "object": "chat.completion", "created": created,
@@ -129,12 +138,16 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
                          "usage": usage(len(ids), num_output)})
 
 
-def _parsers(ctx: ServerContext, req: ChatCompletionRequest,
-             prompt: str) -> list[ReasoningParser]:
-    if ctx.reasoning_parser is None or not req.include_reasoning:
-        return []
-    inside = prompt_ends_in_reasoning(prompt)
-    return [make_reasoning_parser(ctx.reasoning_parser, inside) for _ in range(req.n)]
+def _parsers(ctx: ServerContext, req: ChatCompletionRequest, prompt: str,
+             plan: ToolPlan) -> list[ChoiceParser]:
+    """One per sample. Grammar-forced tool output (required / named) has no reasoning."""
+    is_reasoning_split = (ctx.reasoning_parser is not None and req.include_reasoning
+                          and plan.structured is None)
+    inside = is_reasoning_split and prompt_ends_in_reasoning(prompt)
+    return [ChoiceParser(make_reasoning_parser(ctx.reasoning_parser, inside)
+                         if is_reasoning_split and ctx.reasoning_parser else None,
+                         tool_call_parser_for(plan, ctx.tool_call_parser), plan.is_parallel_allowed)
+            for _ in range(req.n)]
 
 
 def _chat_logprobs(ctx: ServerContext, token_ids: list[int],
@@ -157,7 +170,7 @@ def _chat_logprobs(ctx: ServerContext, token_ids: list[int],
 
 async def _stream(ctx: ServerContext, req: ChatCompletionRequest, request_id: str,
                   created: int, prompt: str, ids: list[int], params: Any,
-                  parsers: list[ReasoningParser]) -> AsyncGenerator[str, None]:
+                  parsers: list[ChoiceParser], plan: ToolPlan) -> AsyncGenerator[str, None]:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     continuous = include_usage and bool(req.stream_options and
                                         req.stream_options.continuous_usage_stats)
@@ -171,34 +184,26 @@ async def _stream(ctx: ServerContext, req: ChatCompletionRequest, request_id: st
             body["usage"] = usage(len(ids), num_output)
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
-    def delta(text: str, index: int, final: bool) -> dict[str, Any]:
-        if not parsers:
-            return {"content": text} if text else {}
-        parser = parsers[index]
-        reasoning, content = parser.feed(text)
-        if final:
-            more_reasoning, more_content = parser.finish()
-            reasoning, content = reasoning + more_reasoning, content + more_content
-        out: dict[str, Any] = {}
-        if reasoning:
-            out.update(reasoning=reasoning, reasoning_content=reasoning)
-        if content:
-            out["content"] = content
-        return out
-
     for i in range(req.n):  # the role comes first, once per choice
         yield event([{"index": i, "delta": {"role": "assistant", "content": ""},
                       "logprobs": None, "finish_reason": None}])
     async for out in ctx.engine.generate(request_id, prompt, ids, params):
         for sample in out.outputs:
             num_output += len(sample.token_ids)
-            body = delta(sample.text, sample.index, sample.finished)
+            parser = parsers[sample.index]
+            # one chunk per delta: a call's first delta (id, name) goes alone, as OpenAI's do
+            deltas = parser.deltas(sample.text, sample.finished)
             logprobs = _chat_logprobs(ctx, sample.token_ids, sample.logprobs,
                                       req.top_logprobs or 0) if req.logprobs else None
-            if not body and not sample.finished and not (logprobs and logprobs["content"]):
-                continue
-            yield event([{"index": sample.index, "delta": body, "logprobs": logprobs,
-                          "finish_reason": sample.finish_reason,
-                          "stop_reason": sample.stop_reason}])
+            if not deltas and (sample.finished or (logprobs and logprobs["content"])):
+                deltas = [{}]
+            for k, delta in enumerate(deltas):
+                is_last = k == len(deltas) - 1
+                finish_reason = plan.finish_reason(parser.has_calls, sample.finish_reason) \
+                    if is_last else None
+                yield event([{"index": sample.index, "delta": delta,
+                              "logprobs": logprobs if k == 0 else None,
+                              "finish_reason": finish_reason,
+                              "stop_reason": sample.stop_reason if is_last else None}])
     if include_usage:
         yield event([], with_usage=True)

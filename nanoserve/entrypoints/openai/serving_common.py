@@ -38,6 +38,8 @@ class ServerContext:
     max_in_flight: int  # past this many requests in flight, new ones get 429
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     reasoning_parser: str | None = None
+    tool_call_parser: str | None = None  # --tool-call-parser: what `tool_choice="auto"` reads
+    chat_template: str | None = None  # --chat-template: replaces the tokenizer's own
     processor_classes: list[type[LogitsProcessor]] = field(default_factory=list)
     has_reasoning_tokens: bool = False
     shutting_down: bool = False

@@ -27,6 +27,7 @@ from nanoserve.entrypoints.openai.serving_common import (
     until_disconnect,
     usage,
 )
+from nanoserve.entrypoints.openai.structured_outputs import structured_outputs
 from nanoserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from nanoserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -60,6 +61,7 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest,
         raise bad_request("suffix is not supported", "suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request("best_of is not supported (use n)", "best_of")
+    structured = await structured_outputs(req)
     ctx.check_capacity()
     prompts = _prompts(ctx, req.prompt)
     echo_only = req.echo and req.max_tokens == 0
@@ -69,6 +71,7 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest,
         max_tokens = resolve_max_tokens(ctx, len(ids), 1 if echo_only else req.max_tokens)
         params = sampling_params(ctx, req, max_tokens=max_tokens, logprobs=req.logprobs,
                                  output_kind=kind)
+        params.structured_outputs = structured
         if req.echo and req.logprobs is not None and params.prompt_logprobs is None:
             params.prompt_logprobs = req.logprobs
         shown = text if text is not None else ctx.tokenizer.decode(ids)
