@@ -133,19 +133,19 @@ int64_t draw_truncated(const Row& row, Workspace& ws) {
     for (Candidate& c : ws.candidates) c.value /= row.temperature;
     int64_t num_kept = 0;
     const Cut cut = find_cut(ws.candidates, is_sorted, all_inside, row, whole, num_kept);
-    return cut != Cut::kFound ? (cut == Cut::kWiden ? kWiden : kUndecided)
+    return cut != Cut::kFound ? (cut == Cut::kWiden && !all_inside ? kWiden : kUndecided)
                               : draw_among(ws.candidates.data(), num_kept, row.key);
   };
   // 1) the largest logits: 64, or a power of two above top_k, from the chunk maxima
   int64_t width = kFirstWidth;
-  while (width <= row.top_k) width *= 2;
+  while (width <= row.top_k && width < row.vocab) width *= 2;
   const int64_t num_chunks = static_cast<int64_t>(ws.chunk_max.size());
   for (bool first = true;; first = false) {
     width = std::min(width, row.vocab);
     select_top(row, width, ws, width < num_chunks);
     const int64_t token = cut_and_draw(
         true, static_cast<int64_t>(ws.candidates.size()) < width || width == row.vocab);
-    if (token != kWiden || width == row.vocab) return token == kWiden ? kUndecided : token;
+    if (token != kWiden) return token;
     // 2) the cut lies further: min-p's survivors, or top-p's tokens above a floor holding its
     // mass, collected exactly in one pass; else 8x wider, up to the whole vocabulary
     const float floor = row.log_min_p > kNegInf ? row.log_min_p

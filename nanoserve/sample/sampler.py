@@ -13,8 +13,9 @@ csrc/sampling.cpp), one row per task, reading each row in place once or twice; t
 stages stay for GPUs, machines without a compiler, rows that ask for processed logprobs (they
 need the final logits) and rows the C++ path leaves undecided, and both draw the same tokens.
 Measured at batch 32 with `nanoserve bench sampler`'s mix on the default model's logits (one
-thread, shared 2-core machine, interleaved medians): 16 ms -> 1.9 ms; the PyTorch path's ~20
-passes over [rows, 49,152] and their page-faulting temporaries were most of the 16 ms.
+thread, shared 2-core machine, interleaved medians): 16-17 ms before, 2-4 ms after, of which the
+C++ draw is ~1.4 ms; the PyTorch path's ~20 passes over [rows, 49,152] and their page-faulting
+temporaries were most of the 16 ms (docs/benchmarks.md).
 """
 
 from __future__ import annotations
