@@ -32,8 +32,10 @@ float16 cache, min of 15 x 200 calls on the shared 2-core AVX2 machine:
       64     1    |   267 us    75 us |  8.0 ms -> 2.3 ms
       64     2    |   380 us    56 us | 11.4 ms -> 1.7 ms
 
-Per call at 1 / 64 / 512 rows, 2 threads: add_rms_norm 1.1 / 5.7 / 41 us, rope_store
-1.4 / 7.4 / 81 us, silu_mul 1.4 / 29 / 229 us (SiLU's exp and division are most of it).
+(The calmest of three runs; under more load the 64-row figures rose to 400-440 us plain and
+75-119 us fused on one thread, and the plain ops' to 2.2-2.8 ms on two.) Per call at 1 / 64 /
+512 rows, 2 threads: add_rms_norm 1.1 / 5.7 / 41 us, rope_store 1.4 / 7.4 / 81 us, silu_mul
+1.4 / 29 / 229 us (SiLU's exp and division are most of it).
 """
 
 from __future__ import annotations
