@@ -6,6 +6,7 @@ one output socket bound by each API server), so nothing listens on the network b
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import shutil
@@ -20,6 +21,8 @@ import zmq.asyncio
 from nanoserve.config import EngineConfig
 from nanoserve.engine.core_proc import run_engine_core
 from nanoserve.protocol import EngineInput, EngineMessage, decode_message, encode
+
+logger = logging.getLogger("nanoserve")
 
 
 @dataclass
@@ -89,8 +92,9 @@ class EngineCoreClient:
             data = await self.output.recv()
             try:
                 return decode_message(data)
-            except msgspec.DecodeError:
-                continue  # never act on what does not decode
+            except msgspec.DecodeError as e:  # never act on what does not decode
+                logger.warning("dropped an undecodable message from the engine core "
+                               "(%d bytes): %s", len(data), e)
 
     def close(self) -> None:
         self.input.close(linger=0)

@@ -13,6 +13,7 @@ every API server first: EngineDead).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import queue
 import signal
@@ -40,6 +41,8 @@ from nanoserve.protocol import (
     decode_input,
     encode,
 )
+
+logger = logging.getLogger("nanoserve")
 
 _IDLE_WAIT_S = 0.5  # how long an idle loop blocks for input before checking its parent
 
@@ -75,7 +78,8 @@ class EngineCoreProc:
             data = sock.recv()
             try:
                 message = decode_input(data)
-            except msgspec.DecodeError:  # never trust the wire: drop what does not decode
+            except msgspec.DecodeError as e:  # never trust the wire: drop what does not decode
+                logger.warning("dropped an undecodable message (%d bytes): %s", len(data), e)
                 continue
             self.inputs.put(message)
             if isinstance(message, Shutdown):
@@ -108,11 +112,13 @@ class EngineCoreProc:
                                          name="engine-output")
         output_thread.start()
         self._broadcast(self.ready_message())
+        orphaned = False
         try:
             while self.running:
                 # 1) inputs: block only when there is nothing to step
                 changed = self._take_inputs(block=not self.core.has_unfinished())
                 if os.getppid() != parent:
+                    orphaned = True
                     break  # the launcher is gone: do not outlive it
                 # 2) one step; or, idle, let the API servers see what the inputs changed
                 if self.core.has_unfinished():
@@ -124,7 +130,9 @@ class EngineCoreProc:
             raise
         finally:
             self.outputs.put(None)
-            output_thread.join(timeout=5)
+            # Orphaned, the output thread may be stuck sending to a dead API process (a PUSH
+            # socket blocks once its queue is full): nobody is left to read what it holds.
+            output_thread.join(timeout=0 if orphaned else 5)
 
     def _take_inputs(self, block: bool) -> bool:
         changed = False

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +89,29 @@ class RunningServer:
                 self.proc.wait()
         self.log.close()
         return int(self.proc.returncode)
+
+
+def wait_until(condition: Callable[[], Any], what: str, timeout: float = 30.0,
+               interval: float = 0.05) -> Any:
+    """Poll `condition` until it returns something truthy (and return that): tests wait on a
+    state, never for a fixed time. Raises AssertionError naming `what` after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(interval)
+
+
+def process_gone(pid: int) -> bool:
+    """True once process `pid` has exited (a zombie awaiting its parent counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().split(b") ", 1)[1][:1] in (b"Z", b"X")
+    except (FileNotFoundError, ProcessLookupError):
+        return True
 
 
 def sse_events(response: httpx.Response) -> list[str]:

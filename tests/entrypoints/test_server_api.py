@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
-from server_harness import API_KEY, RunningServer, sse_events
+from server_harness import API_KEY, RunningServer, sse_events, wait_until
 
 MODEL = "SmolLM2-135M-Instruct"
 pytestmark = pytest.mark.slow
@@ -223,8 +222,21 @@ def test_metrics_move(server: RunningServer, client: openai.OpenAI) -> None:
     assert server.metric("nanoserve:generation_tokens_total") == before + 5
     assert server.metric("nanoserve:time_to_first_token_seconds_count") == ttft + 1
     assert server.metric("nanoserve:prefix_cache_queries_total") > 0
-    for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
-        assert server.metric(f"nanoserve:{gauge}") >= 0
+    # the gauges follow a request in flight, and come back when it ends
+    wait_until(lambda: server.metric("nanoserve:num_requests_running") == 0,
+               "earlier tests' requests to end")
+    idle_usage = server.metric("nanoserve:kv_cache_usage_perc")
+    body = {"model": MODEL, "prompt": "Gauges", "max_tokens": 3000, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body,
+                      headers=server.headers, timeout=60) as response:
+        lines = response.iter_lines()
+        next(line for line in lines if line.startswith("data: "))  # it is running now
+        assert server.metric("nanoserve:num_requests_running") == 1
+        assert server.metric("nanoserve:num_requests_waiting") == 0
+        assert server.metric("nanoserve:kv_cache_usage_perc") > idle_usage
+    wait_until(lambda: server.metric("nanoserve:num_requests_running") == 0,
+               "the disconnected request to stop")
 
 
 def test_disconnect_mid_stream_frees_everything(server: RunningServer) -> None:
@@ -240,14 +252,9 @@ def test_disconnect_mid_stream_frees_everything(server: RunningServer) -> None:
                 if seen == 3:
                     break
     assert server.metric("nanoserve:num_requests_running") <= 1
-    deadline = time.monotonic() + 2.0
-    while time.monotonic() < deadline:
-        if (server.metric("nanoserve:num_requests_running") == 0
-                and server.metric("nanoserve:kv_cache_usage_perc") == idle_usage):
-            break
-        time.sleep(0.05)
-    assert server.metric("nanoserve:num_requests_running") == 0
-    assert server.metric("nanoserve:kv_cache_usage_perc") == idle_usage
+    wait_until(lambda: (server.metric("nanoserve:num_requests_running") == 0
+                        and server.metric("nanoserve:kv_cache_usage_perc") == idle_usage),
+               "the aborted request's blocks to come back")
     follow = server.client().completions.create(model=MODEL, prompt="After", max_tokens=3)
     assert follow.choices[0].finish_reason == "length"
 
@@ -256,7 +263,5 @@ def test_disconnect_while_waiting_aborts(server: RunningServer) -> None:
     with pytest.raises(httpx.ReadTimeout):
         server.post("/v1/completions", {"model": MODEL, "prompt": "Wait", "max_tokens": 3000,
                                         "ignore_eos": True}, timeout=1.0)
-    deadline = time.monotonic() + 2.0
-    while time.monotonic() < deadline and server.metric("nanoserve:num_requests_running"):
-        time.sleep(0.05)
-    assert server.metric("nanoserve:num_requests_running") == 0
+    wait_until(lambda: server.metric("nanoserve:num_requests_running") == 0,
+               "the timed-out request to be aborted")
