@@ -49,6 +49,7 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     num_preemptions: int = 0
     num_computed_tokens: int = 0  # tokens run through the model (prefill and decode)
     sample_seconds: float = 0.0  # time inside the sampler
+    kv_blocks_in_use: int = 0  # blocks held by requests (the usage gauge, counted)
 
 
 # -- API server -> engine core ------------------------------------------------------------------

@@ -81,6 +81,8 @@ def add_bench_commands(bench: argparse.ArgumentParser, build_llm: LLMFactory) ->
                             help="decode steps timed per ITL run (default: %(default)s)")
     structured.add_argument("--repeats", type=int, default=3,
                             help="alternating runs of each variant (default: %(default)s)")
+    structured.add_argument("--parts", default="compile,throughput,itl",
+                            help="comma-separated parts to run (default: %(default)s)")
     EngineArgs.add_cli_args(structured)
     structured.set_defaults(func=partial(_run_structured, build_llm=build_llm))
 
@@ -88,6 +90,12 @@ def add_bench_commands(bench: argparse.ArgumentParser, build_llm: LLMFactory) ->
         "serve", help="streaming load against a server (ours, or any OpenAI-compatible URL)")
     _add_serve_args(serve)
     serve.set_defaults(func=_run_serve)
+
+    chaos = sub.add_parser(
+        "chaos", help="misbehaving clients under load (disconnects, timeouts, slow readers), "
+                      "then check that nothing leaked")
+    _add_chaos_args(chaos)
+    chaos.set_defaults(func=_run_chaos)
 
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -111,6 +119,35 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--llama-server-threads", type=int, default=None,
                    help="llama-server --threads (default: the number of CPUs)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+
+
+def _add_chaos_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", default=None,
+                   help="base URL of a running nanoserve (default: start `nanoserve serve` on "
+                        "a free port; only then is its resident memory read)")
+    p.add_argument("--model", default=None, help="the model to serve, or to name")
+    p.add_argument("--server-args", default="",
+                   help="extra flags for the self-started server, one string")
+    p.add_argument("--num-requests", type=int, default=200)
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--disconnect-share", type=float, default=1 / 3,
+                   help="streams closed after 1-8 chunks (default: a third)")
+    p.add_argument("--timeout-share", type=float, default=1 / 6,
+                   help="non-streamed requests whose client gives up after 0.2-2 s")
+    p.add_argument("--slow-share", type=float, default=0.1,
+                   help="streams that stop reading for 1-4 s after the first chunk")
+    p.add_argument("--input-len", type=int, default=128, help="prompt tokens (about)")
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--rss-bound", type=float, default=0.05,
+                   help="allowed growth of the server's resident memory (default: 5%%)")
+    p.add_argument("--api-key", default=None, help="sent as `Authorization: Bearer KEY`")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _run_chaos(args: argparse.Namespace) -> int:
+    from nanoserve.bench.chaos import run_chaos_bench
+
+    return run_chaos_bench(args)
 
 
 def _run_throughput(args: argparse.Namespace, build_llm: LLMFactory) -> int:

@@ -83,11 +83,14 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def nanoserve_server(model: str | None) -> Iterator[str]:
-    """`nanoserve serve` on a free port until the block ends (SIGTERM); yields its base URL."""
+def nanoserve_server(model: str | None, extra_args: Sequence[str] = ()
+                     ) -> Iterator[tuple[str, int]]:
+    """`nanoserve serve` on a free port until the block ends (SIGTERM); yields its base URL
+    and the launcher's pid (the engine and API processes are its children)."""
     port = free_port()
     cmd = [sys.executable, "-m", "nanoserve.entrypoints.cli", "serve", "--port", str(port)]
     cmd += ["--model", model] if model else []
+    cmd += list(extra_args)
     # The log goes to a file (to read after a failure), never to a pipe nobody reads, which
     # would block the server once full.
     fd, log_name = tempfile.mkstemp(prefix="nanoserve-serve-", suffix=".log")
@@ -96,7 +99,7 @@ def nanoserve_server(model: str | None) -> Iterator[str]:
         process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                    stdin=subprocess.DEVNULL)
     with _ready(process, port, "nanoserve serve") as url:
-        yield url
+        yield url, process.pid
 
 
 @contextlib.contextmanager
@@ -180,5 +183,5 @@ def _bench_target(args: argparse.Namespace, levels: Sequence[int]) -> ServerRun:
     if args.url:
         # an explicit --model names what the server serves; else ask the server
         return asyncio.run(bench_server(args.url, args.url, args.model, args, levels))
-    with nanoserve_server(args.model) as url:
+    with nanoserve_server(args.model) as (url, _):
         return asyncio.run(bench_server("nanoserve", url, None, args, levels))

@@ -253,6 +253,7 @@ class EngineCore:
         stats, scheduler, kv_cache = self.stats, self.scheduler, self.kv_cache
         stats.num_running, stats.num_waiting = len(scheduler.running), len(scheduler.waiting)
         stats.kv_cache_usage = kv_cache.usage
+        stats.kv_blocks_in_use = kv_cache.num_blocks - kv_cache.num_free_blocks
         stats.prefix_cache_queries = kv_cache.prefix_cache_queries
         stats.prefix_cache_hits = kv_cache.prefix_cache_hits
         stats.num_preemptions = scheduler.num_preemptions

@@ -35,7 +35,9 @@ class _EngineCollector(Collector):
                 ("num_requests_running", "Requests in the running batch.", s.num_running),
                 ("num_requests_waiting", "Requests waiting to run.", s.num_waiting),
                 ("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).",
-                 s.kv_cache_usage)):
+                 s.kv_cache_usage),
+                ("kv_cache_blocks_in_use", "KV-cache blocks held by requests.",
+                 s.kv_blocks_in_use)):
             gauge = GaugeMetricFamily(PREFIX + name, doc, labels=label)
             gauge.add_metric([self.model], value)
             yield gauge
