@@ -30,8 +30,9 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 # the edit-run loop: everything but the tests marked slow (they load the real default model)
+# and those marked server (they start `nanoserve serve` subprocesses)
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -x -m "not slow"
+	$(BIN)/python -m pytest -q -x -m "not slow and not server"
 
 bench: $(STAMP)
 	$(BIN)/nanoserve bench throughput

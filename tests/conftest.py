@@ -18,6 +18,16 @@ from nanoserve.model.gguf_file import GGUFFile
 from nanoserve.model.loader import default_model_path
 from nanoserve.model.tokenizer import load_tokenizer_from_gguf
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark `server` the tests of a module that starts `nanoserve serve` subprocesses (it uses
+    tests/entrypoints/server_harness.py): seconds each, so `make test-fast` leaves them out."""
+    for item in items:
+        module = getattr(item, "module", None)
+        if module is not None and any(getattr(value, "__module__", None) == "server_harness"
+                                      for value in vars(module).values()):
+            item.add_marker(pytest.mark.server)
+
+
 TINY_FAMILIES = ("llama", "qwen2", "qwen3")
 # Qwen3's switch: with enable_thinking (the default) the generation prompt opens a reasoning
 # section; without it, an empty one is written and closed.
