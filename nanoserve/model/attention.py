@@ -9,7 +9,9 @@ on (measured: about a third less time per decode step's attention than token-maj
 
 The cache may hold float16 while the model computes in float32 (`--kv-cache-dtype`, chosen by
 the engine): new keys and values are rounded as they are written, and whatever is gathered from
-the cache is widened to the queries' dtype before SDPA.
+the cache is widened to the queries' dtype before SDPA. A prefill chunk attending to itself uses
+its keys and values rounded the same way, so a prompt's result does not depend on how it was
+split into chunks or how much of it the prefix cache held.
 
 Decodes (one query each) are attended all together. On the CPU, over a float32 or float16
 cache, a C++ kernel reads their blocks where they lie (paged_decode.py: 2-10x faster than the
@@ -148,6 +150,11 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cach
     """Causal attention of one chunk. q: [n, H, D], k/v: [n, Hkv, D] -> [n, H * D]."""
     num_tokens, num_heads, head_dim = q.shape
     if chunk.block_ids is None:  # the chunk is the whole context
+        if k_cache.dtype != k.dtype:
+            # Attend to what the cache holds (rounded to its dtype), as a later chunk or a
+            # prefix-cache hit reads it: the prompt's result then does not depend on how it
+            # was split or whether part of it was cached (greedy text would, at near-ties).
+            k, v = k.to(k_cache.dtype).to(q.dtype), v.to(v_cache.dtype).to(q.dtype)
         keys, values = k.transpose(0, 1), v.transpose(0, 1)  # [Hkv, n, D]
         mask, is_causal = None, True
     else:
