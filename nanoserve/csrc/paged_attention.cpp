@@ -10,8 +10,10 @@
 // row once and uses it for the G = H / Hkv query heads that share it. The context is walked in
 // tiles of kTileTokens: scores for the tile (G dot products per key), one max/exp/sum per tile
 // (online softmax: the running sums are rescaled once per tile, not per token), then P·V.
-// When there are too few (request, KV head) items to keep every thread busy, long contexts are
-// split into partitions whose partial results are merged by log-sum-exp.
+// Contexts longer than kPartitionTokens are split into partitions of that many tokens, attended
+// in parallel and merged by log-sum-exp. The split depends only on a context's own length, never
+// on the batch or the thread count, so a request's result is the same alone or batched (and a
+// prompt token's, whatever chunk it was prefilled in: prefill queries come here too).
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/extension.h>
@@ -31,9 +33,8 @@ namespace {
 // request's context over both threads takes 7-15% off batch 1. A float16 cache halves the bytes
 // per row for one F16C widening per 8 elements: ~1.9x less time per step at batch 16-64 from
 // DRAM, one thread (figures in paged_decode.py).
-constexpr int64_t kTileTokens = 32;     // keys scored per tile
-constexpr int64_t kMinPartition = 256;  // never split a context finer than this
-constexpr int64_t kItemsPerThread = 4;  // split until there are this many items per thread
+constexpr int64_t kTileTokens = 32;        // keys scored per tile
+constexpr int64_t kPartitionTokens = 512;  // a multiple of kTileTokens
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // exp of 8 floats: Cephes' range reduction and degree-5 polynomial (~1 ulp on [-87, 88]).
@@ -343,13 +344,10 @@ void attend_batch(const torch::Tensor& q, const torch::Tensor& k_cache,
   int64_t max_len = 0;
   for (int64_t b = 0; b < batch; ++b) max_len = std::max<int64_t>(max_len, pb.context_lens[b]);
 
-  // Partitions: enough work items for every thread, none shorter than kMinPartition tokens.
-  const int64_t wanted = kItemsPerThread * at::get_num_threads();
-  int64_t parts = std::min((wanted + items - 1) / items,
-                           std::max<int64_t>(1, max_len / kMinPartition));
-  const int64_t part_len = parts > 1
-      ? ((max_len + parts - 1) / parts + kTileTokens - 1) / kTileTokens * kTileTokens : max_len;
-  parts = parts > 1 ? (max_len + part_len - 1) / part_len : 1;
+  // Fixed-length partitions (an item's empty ones, past its context, are skipped in the merge;
+  // one non-empty partition merges to exactly the unsplit result).
+  const int64_t part_len = kPartitionTokens;
+  const int64_t parts = std::max<int64_t>(1, (max_len + part_len - 1) / part_len);
 
   if (parts == 1) {  // each item writes its G output rows directly
     at::parallel_for(0, items, 1, [&](int64_t first, int64_t last) {

@@ -73,8 +73,19 @@ class BothPaths:
              / theirs.float().abs().max().clamp_min(1e-30)).item()
             for pair, plain_pair in zip(kv_caches, plain_caches, strict=True)
             for ours, theirs in zip(pair, plain_pair, strict=True)))
-        self.num_mixed_steps += bool(meta.prefills) and meta.num_decode_tokens > 0
+        self.num_mixed_steps += mixes_decodes_and_prefills(meta)
         return fused
+
+
+def mixes_decodes_and_prefills(meta: AttentionMetadata) -> bool:
+    """Whether a step holds decodes and a prefill chunk. Where the kernel attends every token,
+    a chunk's tokens share one block-table row and a decode has a row of its own."""
+    if meta.prefills:
+        return meta.num_decode_tokens > 0
+    if meta.decode_block_table is None:
+        return False
+    _, counts = torch.unique(meta.decode_block_table, dim=0, return_counts=True)
+    return bool((counts > 1).any() and (counts == 1).any())
 
 
 @needs_kernel

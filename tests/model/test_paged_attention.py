@@ -248,8 +248,9 @@ def test_kernel_path_is_chosen_for_cpu_float32_and_float16_only() -> None:
 
 def test_engine_decodes_through_the_kernel(tiny_model_dir: Callable[[str], Path],
                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    """On CPU float32 the runner hands decodes to the kernel, and the greedy tokens equal those
-    of the gather path (the runner told the kernel is unavailable)."""
+    """On CPU float32 the runner hands decodes, and prefill tokens as queries of their own, to
+    the kernel, and the greedy tokens equal those of the gather + SDPA path (the runner told the
+    kernel is unavailable)."""
     path = tiny_model_dir("qwen3")
     rng = random.Random(0)
     prompts = {f"p{n}": [rng.randrange(3, 49152) for _ in range(n)] for n in (1, 15, 16, 17, 40)}
@@ -263,7 +264,8 @@ def test_engine_decodes_through_the_kernel(tiny_model_dir: Callable[[str], Path]
 
     monkeypatch.setattr(paged_decode, "decode_attention", counted)
     in_place = run_to_completion(make_engine(path), prompts, params)
-    assert max(calls) == len(prompts), "all five requests should have decoded in one batch"
+    assert len(prompts) in calls, "all five requests should have decoded in one batch"
+    assert max(calls) >= 40, "the prompts' tokens should have been attended by the kernel too"
     calls.clear()
     monkeypatch.setattr(model_runner, "can_read_cache_in_place", lambda *_: False)
     gathered = run_to_completion(make_engine(path), prompts, params)
