@@ -7,11 +7,11 @@ unconstrained peer measured in the same run.
    and the medians are compared.
 2. Compile time per schema: cold (a compiler that caches nothing, its tokenizer already built)
    and cached (the future handed back by the cache), medians over --repeats.
-3. Inter-token latency of free requests while a large schema compiles: a free decoding batch is
-   stepped alone, and with a compile of a new 1,200-property schema always in flight (submitted
-   the way `add_request` does, but never added, so the batch stays the same), once on the
-   engine's grammar worker (nice WORKER_NICE) and once on a worker at the step loop's priority;
-   per-step p50 and p99, medians over alternating runs.
+3. Inter-token latency of free requests while a large schema compiles: one free batch decodes,
+   its steps dealt in turns of 10 to three variants: nothing else, a compile of a new
+   1,200-property schema always in flight on the engine's grammar worker (submitted the way
+   `add_request` does, but never added, so the batch stays the same), and the same on a worker
+   at the step loop's priority (nice 0); each variant's per-step p50 and p99.
 """
 
 from __future__ import annotations
@@ -73,9 +73,13 @@ def run_structured_bench(args: argparse.Namespace, build_llm: LLMFactory) -> int
     print(f"loaded {engine.loaded.name} in {time.perf_counter() - start:.1f} s "
           f"(quantization {engine.loaded.quantization}); medians of {args.repeats} "
           "alternating runs")
-    _report_compile_times(engine, args.repeats)
-    _report_throughput(engine, args)
-    _report_itl(engine, args)
+    parts = args.parts.split(",")
+    if "compile" in parts:
+        _report_compile_times(engine, args.repeats)
+    if "throughput" in parts:
+        _report_throughput(engine, args)
+    if "itl" in parts:
+        _report_itl(engine, args)
     return 0
 
 
@@ -155,7 +159,8 @@ def _tokens_per_second(engine: EngineCore, prompts: list[list[int]],
 
 
 # -- 3) inter-token latency while a large schema compiles ---------------------------------------
-Submit = Callable[[int], "Future[Any]"]  # a fresh large schema's compile, by tag
+Submit = Callable[[StructuredOutputsParams], "Future[Any]"]  # starts a compile
+BLOCK_STEPS = 10  # steps per block; blocks of the variants take turns
 
 
 def _report_itl(engine: EngineCore, args: argparse.Namespace) -> None:
@@ -164,62 +169,59 @@ def _report_itl(engine: EngineCore, args: argparse.Namespace) -> None:
                                 worker_nice=0)
     at_nice_0.compile(StructuredOutputsParams(regex="a"))  # its tokenizer, before timing
 
-    def engine_compile(tag: int) -> Future[Any]:  # what add_request does, with the worker's nice
-        return engine.structured.grammar_for(
-            StructuredOutputsParams(json=large_schema(tag))).compiled
-
-    def nice_0_compile(tag: int) -> Future[Any]:
-        return at_nice_0.submit(StructuredOutputsParams(json=large_schema(tag)))
+    def engine_compile(params: StructuredOutputsParams) -> Future[Any]:  # as add_request does
+        return engine.structured.grammar_for(params).compiled
 
     variants: dict[str, Submit | None] = {
         "free only": None, f"compiling (worker nice {WORKER_NICE})": engine_compile,
-        "compiling (nice 0)": nice_0_compile}
-    results: dict[str, list[tuple[float, float]]] = {name: [] for name in variants}
-    compiles: dict[str, list[int]] = {name: [] for name in variants}
-    for repeat in range(args.repeats):
-        for name, submit in variants.items():
-            step_seconds, num_compiles = _decode_step_times(engine, args, submit,
-                                                            first_tag=(repeat + 1) * 10_000)
-            results[name].append((float(np.percentile(step_seconds, 50)),
-                                  float(np.percentile(step_seconds, 99))))
-            compiles[name].append(num_compiles)
+        "compiling (nice 0)": at_nice_0.submit}
+    times, compiles = _interleaved_step_times(engine, args, variants)
     at_nice_0.close()
-    print(f"\n{args.itl_batch} free requests decoding ({args.itl_steps} steps per run), alone "
-          "and with a new 1,200-property schema compiling on a grammar worker all along")
-    base_p99 = statistics.median(p99 for _, p99 in results["free only"])
-    print(f"{'':<28} {'ITL p50 ms':>11} {'ITL p99 ms':>11} {'p99 ratio':>10} "
-          f"{'compiles/run':>13}")
-    for name, values in results.items():
-        p50 = statistics.median(p for p, _ in values) * 1e3
-        p99 = statistics.median(p for _, p in values)
+    print(f"\n{args.itl_batch} free requests decoding, {args.itl_steps} steps per variant in "
+          f"alternating blocks of {BLOCK_STEPS}: alone, and with a new 1,200-property schema "
+          "always compiling on a grammar worker")
+    base_p99 = float(np.percentile(times["free only"], 99))
+    print(f"{'':<28} {'ITL p50 ms':>11} {'ITL p99 ms':>11} {'p99 ratio':>10} {'compiles':>9}")
+    for name, seconds in times.items():
+        p50, p99 = np.percentile(seconds, 50) * 1e3, float(np.percentile(seconds, 99))
         print(f"{name:<28} {p50:11.1f} {p99 * 1e3:11.1f} {p99 / base_p99:9.2f}x "
-              f"{statistics.median(compiles[name]):13.0f}")
+              f"{compiles[name]:9d}")
 
 
-def _decode_step_times(engine: EngineCore, args: argparse.Namespace, submit: Submit | None,
-                       first_tag: int) -> tuple[list[float], int]:
-    """Per-step seconds of a free batch's decode steps; with `submit`, a compile of a schema
-    never seen before is always in flight. Also the number of compiles that finished."""
+def _interleaved_step_times(engine: EngineCore, args: argparse.Namespace,
+                            variants: dict[str, Submit | None]
+                            ) -> tuple[dict[str, list[float]], dict[str, int]]:
+    """One free batch decodes; its steps go to the variants in turn, BLOCK_STEPS at a time (so
+    the machine's other load falls on all alike). In a variant's block a compile of a schema
+    never seen before is always in flight; it is finished, untimed, before the next block."""
     vocab = engine.loaded.arch.vocab_size
     rng = np.random.default_rng(0)
-    params = SamplingParams(temperature=0.0, max_tokens=args.itl_steps + 2, ignore_eos=True)
+    num_steps = args.itl_steps * len(variants)
+    free = SamplingParams(temperature=0.0, max_tokens=num_steps + 2, ignore_eos=True)
     ids = [f"itl-{i}" for i in range(args.itl_batch)]
     for request_id in ids:
-        engine.add_request(request_id, rng.integers(3, vocab, args.input_len).tolist(), params)
+        engine.add_request(request_id, rng.integers(3, vocab, args.input_len).tolist(), free)
     while any(r.num_output_tokens == 0 for r in engine.scheduler.requests.values()):
         engine.step()  # prefill first: only decode steps are timed
-    future: Future[Any] | None = None
-    num_compiles = 0
-    times = []
-    for _ in range(args.itl_steps):
-        if submit is not None and (future is None or future.done()):
-            num_compiles += future is not None
-            future = submit(first_tag + num_compiles)
-        start = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - start)
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    compiles = dict.fromkeys(variants, 0)
+    tag = 0
+    for block in range(num_steps // BLOCK_STEPS):
+        name = list(variants)[block % len(variants)]
+        submit, future = variants[name], None
+        for _ in range(BLOCK_STEPS):
+            grammar = None
+            if submit is not None and (future is None or future.done()):
+                compiles[name] += future is not None
+                tag += 1  # a new schema each time: a cold compile
+                grammar = StructuredOutputsParams(json=large_schema(tag))
+            start = time.perf_counter()  # the submit is timed: add_request runs it in the loop
+            if submit is not None and grammar is not None:
+                future = submit(grammar)
+            engine.step()
+            times[name].append(time.perf_counter() - start)
+        if future is not None:
+            future.result()
     for request_id in ids:
         engine.abort(request_id)
-    if future is not None:
-        future.result()  # leave the worker idle for the next run
-    return times, num_compiles
+    return times, compiles

@@ -65,7 +65,7 @@ class LLM:
         if params.structured_outputs is not None:
             # a bad grammar is a ValueError naming the field now, not a request that the
             # engine finishes with "error" once its compile fails on the worker
-            check_grammar(params.structured_outputs)
+            check_grammar(params.structured_outputs, self.engine.structured.compiler.tokenizer)
         request_id = str(next(self._request_ids))
         added: list[str] = []
         try:

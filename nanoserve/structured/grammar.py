@@ -57,8 +57,12 @@ from nanoserve.sampling_params import StructuredOutputsParams
 WORKER_THREAD_PREFIX = "nanoserve-grammar"
 # The grammar worker's nice value (the step loop's is 0): where the cores are all busy, the
 # kernel gives a compile what the step loop leaves, so a large schema compiling does not slow
-# the other requests' steps; the request waiting for it waits longer instead. Figures:
-# `nanoserve bench structured` (its ITL table runs the worker at this value and at 0).
+# the other requests' steps; the request waiting for it waits longer instead. Measured with
+# `OMP_NUM_THREADS=1 nanoserve bench structured --parts itl` (8 free requests decoding while a
+# new 1,200-property schema compiles all along), 2-core dev machine: with a core to spare the
+# nice value changes nothing (p99 1.09x the free-only steps' either way); with one other busy
+# process (or another engineer's load), nice 10 kept ITL p50 at 1.09x and p99 at 1.15-1.81x,
+# nice 0 let them go to 1.41x and 2.0-2.1x, while its compiles ran 17-80x as often.
 WORKER_NICE = 10
 # Shown in llguidance's errors but ours, not the user's: source echoes and caret lines.
 _ERROR_NOISE = re.compile(r"^\s*(\d+ \||\^+\s*$)")
@@ -91,17 +95,21 @@ def _readable(message: str) -> str:
     return _REGEX_POSITION.sub("", text)  # a position in our wrapper grammar, not the user's
 
 
-def grammar_spec(params: StructuredOutputsParams) -> str:
+def grammar_spec(params: StructuredOutputsParams, value_text: str | None = None) -> str:
     """The llguidance grammar text for `params` (vLLM's guidance backend's choices).
 
     JSON allows any whitespace between tokens (in runs of at most 20: `JSON_WHITESPACE`)
     unless `disable_any_whitespace`, or the whitespace that `whitespace_pattern` matches; the
-    GBNF-to-Lark conversion is Python and raises here.
+    GBNF-to-Lark conversion is Python and raises here. `value_text`: the JSON text of a dict
+    schema when the caller has it (`content_key` made it), so it is not serialized again.
     """
     kind, field = params.kind, _field(params)
     if kind in ("json", "json_object"):
         schema: Any = {"type": "object"} if kind == "json_object" else params.json
-        if isinstance(schema, str):
+        if kind == "json_object":
+            value_text = None
+        elif isinstance(schema, str):
+            value_text = schema
             try:
                 schema = json.loads(schema)
             except json.JSONDecodeError as e:
@@ -114,7 +122,9 @@ def grammar_spec(params: StructuredOutputsParams) -> str:
         if params.whitespace_pattern is not None:
             _check_regex(params.whitespace_pattern, "structured_outputs.whitespace_pattern")
             options = {"whitespace_pattern": params.whitespace_pattern}
-        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)  # type: ignore[arg-type]
+        if "x-guidance" in schema:  # the schema's own options win: let llguidance merge them
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)  # type: ignore[arg-type]
+        return json_schema_spec(value_text or json.dumps(schema), options)
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(params.regex or "")
     if kind == "choice":
@@ -125,6 +135,18 @@ def grammar_spec(params: StructuredOutputsParams) -> str:
         raise GrammarError(field, _readable(str(e))) from None
 
 
+def json_schema_spec(schema_text: str, options: dict[str, Any]) -> str:
+    """What `LLMatcher.grammar_from_json_schema(schema, defaults=options)` returns, written
+    around the schema's JSON text (an object without "x-guidance") instead of walking the
+    Python dict: that walk holds the GIL (5 ms for a 1,200-property schema, the step loop
+    waiting on it), the string join takes microseconds."""
+    body = schema_text.strip()
+    assert body.startswith("{") and body.endswith("}"), "the JSON text of an object"
+    rest = body[1:].strip()
+    schema = '{"x-guidance":' + json.dumps(options) + ("," if rest != "}" else "") + rest
+    return '{"grammars":[{"name":"json_schema","json_schema":' + schema + "}]}"
+
+
 def _check_regex(pattern: str, field: str) -> None:
     message = llguidance.LLMatcher.validate_grammar(
         llguidance.LLMatcher.grammar_from_regex(pattern))
@@ -132,19 +154,27 @@ def _check_regex(pattern: str, field: str) -> None:
         raise GrammarError(field, _readable(message))
 
 
-def check_grammar(params: StructuredOutputsParams) -> None:
-    """Refuse a grammar that cannot compile, without a tokenizer (fast: for the API server)."""
-    message = llguidance.LLMatcher.validate_grammar(grammar_spec(params))
+def check_grammar(params: StructuredOutputsParams,
+                  tokenizer: GrammarTokenizer | None = None) -> None:
+    """Refuse a grammar that cannot compile, without compiling it (for the API server). Only
+    a check with the model's `tokenizer` refuses a GBNF/Lark grammar that names a token the
+    model lacks (`<|no_such_token|>`, `<[99999999]>`), which would otherwise fail in the engine;
+    it costs what the check without one costs (0.5 ms for a small grammar, 45-55 ms for a
+    1,200-property schema on the dev machine)."""
+    ll_tokenizer = None if tokenizer is None else tokenizer.get()
+    message = llguidance.LLMatcher.validate_grammar(grammar_spec(params), ll_tokenizer)
     if message:
         raise GrammarError(_field(params), _readable(message))
 
 
 def content_key(params: StructuredOutputsParams) -> str:
     """Equal for requests whose grammars are equal (the JSON schema's key order counts: it is
-    the order the properties are written in)."""
+    the order the properties are written in): the kind and options as JSON, a newline, then
+    the value's text (a dict or list as JSON, which the compile reuses)."""
     value = getattr(params, params.kind)
-    return json.dumps([params.kind, value, params.disable_any_whitespace,
-                       params.whitespace_pattern])
+    value_text = value if isinstance(value, str) else json.dumps(value)
+    options = json.dumps([params.kind, params.disable_any_whitespace, params.whitespace_pattern])
+    return options + "\n" + value_text
 
 
 class GrammarMatcher:
@@ -226,24 +256,43 @@ def _lower_priority(nice: int) -> None:
                        min(19, os.getpriority(os.PRIO_PROCESS, thread) + nice))
 
 
+class GrammarTokenizer:
+    """llguidance's tokenizer for a Hugging Face one, built by the first `get` (0.3-1 s, once),
+    so start-up does not wait for it. `vocab_size` is the width of the model's logits rows
+    (may exceed the tokenizer's); no `eos_token_ids`: the tokenizer's own EOS."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+        self._hf_tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self._built: llguidance.LLTokenizer | None = None
+        self._lock = threading.Lock()
+
+    def get(self) -> llguidance.LLTokenizer:
+        """The llguidance tokenizer (thread-safe; built on the caller's thread if need be)."""
+        with self._lock:
+            if self._built is None:
+                import llguidance.hf
+
+                self._built = llguidance.hf.from_tokenizer(
+                    self._hf_tokenizer, n_vocab=self.vocab_size,
+                    eos_token=self.eos_token_ids or None)
+            return self._built
+
+
 class GrammarCompiler:
     """Compiles grammars on a worker thread, cached by content (LRU over `max_cached`).
 
-    Built from the tokenizer once; llguidance's own tokenizer (~1 s to build from the
-    Hugging Face one) is made by the first compile, on the worker, so start-up does not wait
-    for it. `vocab_size` is the width of the model's logits rows (may exceed the tokenizer's).
-    The worker runs at a lower priority (`worker_nice`, see `WORKER_NICE`).
+    Built from the tokenizer once; llguidance's own (`GrammarTokenizer`) is made by the first
+    compile, on the worker. The worker runs at a lower priority (`worker_nice`, see
+    `WORKER_NICE`).
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int],
                  max_workers: int = 1, max_cached: int = 256,
                  worker_nice: int = WORKER_NICE) -> None:
-        self._hf_tokenizer = tokenizer
-        self.vocab_size = vocab_size
-        self.eos_token_ids = list(eos_token_ids)
+        self.tokenizer = GrammarTokenizer(tokenizer, vocab_size, eos_token_ids)
         self.max_cached = max_cached
-        self._ll_tokenizer: llguidance.LLTokenizer | None = None
-        self._tokenizer_lock = threading.Lock()
         self._cache: OrderedDict[str, Future[CompiledGrammar]] = OrderedDict()
         self._cache_lock = threading.Lock()
         self._executor = ThreadPoolExecutor(max_workers, thread_name_prefix=WORKER_THREAD_PREFIX,
@@ -272,20 +321,12 @@ class GrammarCompiler:
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
-    def _tokenizer(self) -> llguidance.LLTokenizer:
-        with self._tokenizer_lock:
-            if self._ll_tokenizer is None:
-                import llguidance.hf
-
-                self._ll_tokenizer = llguidance.hf.from_tokenizer(
-                    self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_ids)
-            return self._ll_tokenizer
-
     def _compile(self, key: str, params: StructuredOutputsParams) -> CompiledGrammar:
         start = time.perf_counter()
-        spec = grammar_spec(params)
-        # building the matcher is the compile (llguidance drops the GIL while it works)
-        template = llguidance.LLMatcher(self._tokenizer(), spec, log_level=0)
+        spec = grammar_spec(params, value_text=key.split("\n", 1)[1])
+        # building the matcher is the compile (llguidance drops the GIL for most of it: a
+        # thread beside it was kept waiting 5% of the time, at most 3 ms at once)
+        template = llguidance.LLMatcher(self.tokenizer.get(), spec, log_level=0)
         if template.is_error():
             raise GrammarError(_field(params), _readable(template.get_error()))
         return CompiledGrammar(key, template, time.perf_counter() - start,

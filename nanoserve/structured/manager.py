@@ -12,9 +12,10 @@ Each step `apply_bitmask` fills one bitmask row per constrained logits row and s
 forbidden tokens' logits to -inf, before the sampler's pipeline (vLLM's order: the mask comes
 before logprobs, bias, penalties and the draw), so a forbidden token can never be drawn. Rows
 without a grammar are not touched, so a free request's tokens, and any seeded request's, are the
-same as without the constrained ones beside them. Measured on the 2-core dev machine (shared,
-medians): filling a mask is 10-20 µs per row and applying [16, 49152] masks 0.4-0.6 ms, beside a
-50-90 ms decode step (`nanoserve bench structured` gives the whole batch's ratio).
+same as without the constrained ones beside them. Measured on the 2-core dev machine (one
+torch thread, a batch of 32 with 16 constrained rows, default model): filling the 16 rows takes
+~1.0 ms per step and applying them ~0.7 ms, beside a 75 ms step; `nanoserve bench structured`
+puts that batch at 0.96-0.99x the unconstrained one's tokens/s.
 """
 
 from __future__ import annotations

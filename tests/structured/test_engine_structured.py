@@ -226,3 +226,5 @@ def test_offline_generate_with_n_samples(llama_dir: str) -> None:
         jsonschema.validate(json.loads(sample.text), PERSON)
     with pytest.raises(ValueError, match=r"structured_outputs\.json is not valid: .*strnig"):
         llm.generate("x", SamplingParams(structured_outputs=Params(json={"type": "strnig"})))
+    with pytest.raises(ValueError, match="unknown special token"):  # the tokenizer knows
+        llm.generate("x", SamplingParams(structured_outputs=Params(grammar="start: <|nope|>")))

@@ -11,6 +11,7 @@ import threading
 from typing import Any
 
 import jsonschema
+import llguidance
 import pytest
 import torch
 
@@ -28,6 +29,8 @@ from nanoserve.structured.grammar import (
     GrammarError,
     GrammarMatcher,
     check_grammar,
+    content_key,
+    grammar_spec,
 )
 
 VOCAB = 49152
@@ -194,12 +197,19 @@ def test_drawn_text_is_in_the_grammars_language(compiler: GrammarCompiler,
     (Params(regex="(ab"), "structured_outputs.regex", "unclosed group"),
     (Params(grammar="root ::= missing"), "structured_outputs.grammar", "missing"),
     (Params(grammar="start: x"), "structured_outputs.grammar", "unknown name"),
+    # tokens the model lacks: refused only by a check with its tokenizer
+    (Params(grammar="start: <|no_such_token|>"), "structured_outputs.grammar",
+     "unknown special token"),
+    (Params(grammar="start: <[1-99999999]>"), "structured_outputs.grammar", "too large"),
     (Params(json_object=True, whitespace_pattern="(["), "structured_outputs.whitespace_pattern",
      "unclosed"),
 ])
 def test_bad_grammars_are_refused_naming_the_field(compiler: GrammarCompiler, params: Params,
                                                    field: str, problem: str) -> None:
-    for check in (check_grammar, compiler.compile):  # in the API server, and in the engine
+    def api_check(params: Params) -> None:  # the API server's, with the model's tokenizer
+        check_grammar(params, compiler.tokenizer)
+
+    for check in (api_check, compiler.compile):  # in the API server, and in the engine
         with pytest.raises(GrammarError) as info:
             check(params)
         assert isinstance(info.value, ValueError) and info.value.field == field
@@ -367,3 +377,18 @@ def test_the_worker_runs_below_the_step_loop(default_tokenizer: Any) -> None:
         assert worker.native_id is not None
         assert os.getpriority(os.PRIO_PROCESS, worker.native_id) >= min(19, here + 5)
     compiler.close()
+
+
+@pytest.mark.parametrize("params", [
+    Params(json=BOUNDED_SCHEMAS[1]), Params(json=json.dumps(BOUNDED_SCHEMAS[2], indent=2)),
+    Params(json={"type": "object"}, disable_any_whitespace=True), Params(json_object=True),
+    Params(json={"properties": {}}, whitespace_pattern=" ?"),
+])
+def test_json_spec_equals_llguidances_own(params: Params) -> None:
+    """The spec written around the schema's text is what llguidance's builder makes."""
+    ours = json.loads(grammar_spec(params, content_key(params).split("\n", 1)[1]))
+    schema = json.loads(params.json) if isinstance(params.json, str) else params.json
+    options = json.loads(grammar_spec(params))["grammars"][0]["json_schema"]["x-guidance"]
+    theirs = json.loads(llguidance.LLMatcher.grammar_from_json_schema(
+        schema or {"type": "object"}, defaults=options))
+    assert ours["grammars"][0]["json_schema"] == theirs["grammars"][0]["json_schema"]
