@@ -5,6 +5,10 @@ PORT ?= 8000
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# the chat page's browser tests drive Debian's chromium through Playwright, which never
+# downloads a browser of its own; apt-get runs as is for root, else through sudo
+CHROMIUM := /usr/bin/chromium
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
 .PHONY: install serve chat test test-fast bench lint clean
 
@@ -20,13 +24,19 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# a fresh machine's package lists may be missing or stale: update them only if needed
+$(CHROMIUM):
+	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y chromium || \
+	  ($(SUDO) apt-get update && \
+	   $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y chromium)
+
 serve: $(STAMP)
 	$(BIN)/nanoserve serve --host $(HOST) --port $(PORT)
 
 chat: $(STAMP)
 	$(BIN)/nanoserve chat
 
-test: $(STAMP)
+test: $(STAMP) $(CHROMIUM)
 	$(BIN)/python -m pytest -q
 
 # the edit-run loop: everything but the tests marked slow (they load the real default model)

@@ -15,6 +15,10 @@ SAMPLING_EPS = 1e-5  # temperatures below this are greedy (vLLM)
 MIN_TEMPERATURE = 1e-2  # smaller positive temperatures are raised to this (vLLM)
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range; larger biases are clamped
 MAX_LOGPROBS = 20  # the server's default cap on top-N logprobs
+# The sampler keeps per-slot parameters in float32 and int64 tensors: a larger value (JSON
+# allows 1e308) would fail in the engine's step and stop the engine for every request.
+MAX_FLOAT32 = 3.4028234663852886e38
+MAX_INT64 = 2**63 - 1
 # generation_config.json keys that give request defaults (vLLM's `--generation-config auto`)
 GENERATION_CONFIG_FIELDS = {
     "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
@@ -137,15 +141,20 @@ class SamplingParams:
 
     def _validate(self) -> None:
         _check(self.n >= 1, "n", self.n, "an integer >= 1")
-        _check(self.temperature >= 0.0, "temperature", self.temperature, ">= 0 (0 means greedy)")
+        _check(0.0 <= self.temperature <= MAX_FLOAT32, "temperature", self.temperature,
+               ">= 0 (0 means greedy) and finite (at most 3.4e38)")
         _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "in (0, 1]")
         _check(self.top_k >= -1, "top_k", self.top_k, "-1, 0 (off) or a positive integer")
         _check(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "in [0, 1]")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check(-2.0 <= value <= 2.0, name, value, "in [-2, 2]")
-        _check(self.repetition_penalty > 0.0, "repetition_penalty", self.repetition_penalty,
-               "> 0 (1 means off)")
+        _check(0.0 < self.repetition_penalty <= MAX_FLOAT32, "repetition_penalty",
+               self.repetition_penalty, "> 0 (1 means off) and finite (at most 3.4e38)")
+        for name in ("n", "top_k", "min_tokens", "max_tokens", "logprobs", "prompt_logprobs",
+                     "thinking_token_budget"):
+            value = getattr(self, name)
+            _check(value is None or value <= MAX_INT64, name, value, "a 64-bit integer")
         if self.seed is not None:
             _check(-(2**63) <= self.seed < 2**64, "seed", self.seed, "a 64-bit integer")
         _check(self.min_tokens >= 0, "min_tokens", self.min_tokens, ">= 0")

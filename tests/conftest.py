@@ -18,6 +18,7 @@ from nanoserve.model.gguf_file import GGUFFile
 from nanoserve.model.loader import default_model_path
 from nanoserve.model.tokenizer import load_tokenizer_from_gguf
 
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Mark `server` the tests of a module that starts `nanoserve serve` subprocesses (it uses
     tests/entrypoints/server_harness.py): seconds each, so `make test-fast` leaves them out."""
@@ -26,6 +27,16 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if module is not None and any(getattr(value, "__module__", None) == "server_harness"
                                       for value in vars(module).values()):
             item.add_marker(pytest.mark.server)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    """Keep each phase's report on the test (`item.rep_setup`, `item.rep_call`), so that a
+    fixture can tell at teardown whether its test failed (the browser tests then save a
+    screenshot: tests/entrypoints/web_browser.py)."""
+    report = yield
+    setattr(item, f"rep_{report.when}", report)
+    return report
 
 
 TINY_FAMILIES = ("llama", "qwen2", "qwen3")

@@ -21,6 +21,7 @@ import threading
 import time
 import traceback
 from collections import defaultdict
+from typing import Any
 
 import msgspec
 import torch
@@ -204,7 +205,14 @@ def run_engine_core(config_bytes: bytes, input_address: str,
         status = 1
     finally:
         # Leave now: a ZMQ context still holding the input thread's socket would make the
-        # interpreter's exit wait on it forever.
-        with contextlib.suppress(Exception):
-            proc.context.destroy(linger=0)
+        # interpreter's exit wait on it forever. Tearing the context down can itself block
+        # (a thread stuck sending to a dead API process): it gets two seconds, then we go.
+        closer = threading.Thread(target=_destroy_quietly, args=(proc.context,), daemon=True)
+        closer.start()
+        closer.join(timeout=2.0)
         os._exit(status)
+
+
+def _destroy_quietly(context: zmq.Context[Any]) -> None:
+    with contextlib.suppress(Exception):
+        context.destroy(linger=0)

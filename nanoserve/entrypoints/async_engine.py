@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from nanoserve.engine.core_client import EngineCoreClient
+from nanoserve.entrypoints.request_logger import RequestLogger
 from nanoserve.output.processor import OutputProcessor, TimingObserver
 from nanoserve.outputs import RequestOutput
 from nanoserve.protocol import (
@@ -37,12 +38,23 @@ class EngineDeadError(RuntimeError):
     """The engine core is gone; no request can complete."""
 
 
+class RequestTimeoutError(TimeoutError):
+    """A request passed the server's deadline (--request-timeout) and was aborted."""
+
+
+class SlowReaderError(RequestTimeoutError):
+    """The client left its stream unread too long (--slow-reader-timeout) or let too many
+    updates pile up (--max-unread-updates): the request was aborted."""
+
+
 class AsyncEngine:
     """Requests in, RequestOutputs out, over the engine-core sockets."""
 
     def __init__(self, client: EngineCoreClient, tokenizer: Any, ready: EngineReady,
                  engine_alive: Callable[[], bool],
-                 observer: TimingObserver | None = None) -> None:
+                 observer: TimingObserver | None = None, request_timeout: float | None = None,
+                 request_logger: RequestLogger | None = None,
+                 slow_reader_timeout: float = 30.0, max_unread_updates: int = 4096) -> None:
         self.client = client
         self.tokenizer = tokenizer
         self.ready = ready
@@ -52,6 +64,14 @@ class AsyncEngine:
         self.stats = SchedulerStats()
         self.dead_reason: str | None = None
         self.on_dead: Callable[[], None] | None = None
+        self.request_timeout = request_timeout  # seconds from admission; None = no deadline
+        self.slow_reader_timeout = slow_reader_timeout
+        self.max_unread_updates = max_unread_updates
+        # when each request's consumer last took an update (or began): a consumer that stops
+        # (its client does not read, so the HTTP send waits) lets its queue grow
+        self.last_read: dict[str, float] = {}
+        self.stalled: set[str] = set()  # aborted for that: their later updates are dropped
+        self.request_logger = request_logger
         self._tasks: list[asyncio.Task[None]] = []
 
     @property
@@ -83,20 +103,27 @@ class AsyncEngine:
 
     async def generate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        """Updates for one request (shaped by params.output_kind) until it finishes."""
+        """Updates for one request (shaped by params.output_kind) until it finishes, or until
+        its deadline: then it is aborted in the engine and RequestTimeoutError raised."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
+        if self.request_logger is not None:
+            self.request_logger.log(request_id, prompt, prompt_token_ids, params)
+        deadline = None if self.request_timeout is None \
+            else asyncio.get_running_loop().time() + self.request_timeout
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         engine_requests = self.processor.add_request(request_id, prompt, prompt_token_ids,
                                                      params)
         self.queues[request_id] = queue
+        self.last_read[request_id] = asyncio.get_running_loop().time()
         finished = False
         try:
             for engine_id, sample_params, leader in engine_requests:
                 await self.client.send(EngineRequest(engine_id, prompt_token_ids, sample_params,
                                                      self.client.client_index, leader))
             while True:
-                item = await queue.get()
+                item = await self._next(queue, deadline)
+                self.last_read[request_id] = asyncio.get_running_loop().time()
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
@@ -106,15 +133,37 @@ class AsyncEngine:
                     return
         finally:
             self.queues.pop(request_id, None)
+            self.last_read.pop(request_id, None)
+            self.stalled.discard(request_id)
             if not finished:  # cancelled, disconnected, or an error on our side: stop it
                 self._abort_nowait(request_id)
+
+    async def _next(self, queue: asyncio.Queue[RequestOutput | BaseException],
+                    deadline: float | None) -> RequestOutput | BaseException:
+        """The request's next update; past its deadline, RequestTimeoutError (checked before
+        taking a queued update too, so a slow reader cannot outrun it)."""
+        if deadline is None:
+            return await queue.get()
+        try:
+            if asyncio.get_running_loop().time() >= deadline:
+                raise TimeoutError
+            async with asyncio.timeout_at(deadline):
+                return await queue.get()
+        except TimeoutError:
+            raise RequestTimeoutError(
+                f"the request ran past the server's deadline of {self.request_timeout:g} s "
+                "(--request-timeout) and was stopped") from None
 
     def _abort_nowait(self, request_id: str) -> None:
         engine_ids = self.processor.engine_ids(request_id)
         self.processor.abort(request_id)
         if engine_ids and self.dead_reason is None:
-            with contextlib.suppress(Exception):
+            try:
                 self.client.send_nowait(AbortRequests(engine_ids))
+            except Exception as e:  # zmq.Again (queue full) or a closed socket
+                # the engine keeps running the request until it ends by itself: say so
+                logger.warning("could not send the abort of %s to the engine core: %r",
+                               request_id, e)
 
     async def _receive_loop(self) -> None:
         while True:
@@ -124,7 +173,7 @@ class AsyncEngine:
                 result = self.processor.process(message.outputs)
                 for output in result.outputs:
                     queue = self.queues.get(output.request_id)
-                    if queue is not None:
+                    if queue is not None and not self._reader_stalled(output.request_id, queue):
                         queue.put_nowait(output)
                 if result.to_abort:  # stop strings: free the blocks now
                     await self.client.send(AbortRequests(result.to_abort))
@@ -132,6 +181,30 @@ class AsyncEngine:
                 self._fail_engine_request(message)
             elif isinstance(message, EngineDead):
                 self._die(f"the engine core failed: {message.message.splitlines()[-1]}")
+
+    def _reader_stalled(self, request_id: str,
+                        queue: asyncio.Queue[RequestOutput | BaseException]) -> bool:
+        """Whether the consumer of `request_id` has stopped taking its updates (a client that
+        does not read its stream); if so, its request is aborted, its queued updates dropped and
+        SlowReaderError left for it, should it ever read again."""
+        if request_id in self.stalled:
+            return True
+        if queue.empty():
+            return False
+        unread_for = asyncio.get_running_loop().time() - self.last_read.get(request_id, 0.0)
+        if unread_for < self.slow_reader_timeout and queue.qsize() < self.max_unread_updates:
+            return False
+        logger.warning("request %s: its client left %d updates unread for %.1f s; aborted",
+                       request_id, queue.qsize(), unread_for)
+        self.stalled.add(request_id)
+        while not queue.empty():
+            queue.get_nowait()
+        queue.put_nowait(SlowReaderError(
+            f"the client read its stream too slowly ({unread_for:.1f} s without reading, "
+            f"{self.max_unread_updates} updates at most: --slow-reader-timeout, "
+            "--max-unread-updates); the request was stopped"))
+        self._abort_nowait(request_id)
+        return True
 
     def _fail_engine_request(self, message: RequestError) -> None:
         sample = self.processor.samples.get(message.request_id)

@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from nanoserve.bench.cli import add_bench_commands
-from nanoserve.config import ServerConfig, api_key_from_env
+from nanoserve.config import RequestLimits, ServerConfig, api_key_from_env
 from nanoserve.engine_args import EngineArgs
+from nanoserve.entrypoints.chat_defaults import chat_defaults, describe
 from nanoserve.output.reasoning import REASONING_PARSERS
 from nanoserve.output.tool_calls import TOOL_CALL_PARSERS
 from nanoserve.sampling_params import SamplingParams
@@ -71,11 +72,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_chat(args: argparse.Namespace) -> int:
     """A terminal chat: the history grows turn by turn; Ctrl-C stops a reply, Ctrl-D quits."""
     llm = build_llm(EngineArgs.from_cli_args(args))
+    # settings for a person: the model's own, else a tail-cutting preset; flags given win
+    defaults = chat_defaults(llm.engine.loaded.generation_config, llm.engine.max_model_len)
+    for name, value in defaults.sampling().items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     params = sampling_params(args)
     history: list[dict[str, str]] = []
     if args.system:
         history.append({"role": "system", "content": args.system})
     print(f"nanoserve chat with {llm.engine.loaded.name} (Ctrl-D or /quit to leave)")
+    print(describe(vars(args), defaults.source))
     while True:
         try:
             line = input("> ")
@@ -134,8 +141,42 @@ def cmd_serve(args: argparse.Namespace) -> int:
             args.chat_template),
         api_server_count=args.api_server_count, shutdown_timeout=args.shutdown_timeout,
         max_in_flight=args.max_in_flight, generation_config=args.generation_config,
-        log_level=args.log_level)
+        log_level=args.log_level, limits=RequestLimits(
+            max_request_body_bytes=args.max_request_body_bytes, max_n=args.max_n,
+            max_stop_strings=args.max_stop_strings,
+            max_stop_string_length=args.max_stop_string_length,
+            request_timeout=args.request_timeout,
+            slow_reader_timeout=args.slow_reader_timeout,
+            max_unread_updates=args.max_unread_updates),
+        allowed_origins=tuple(args.allowed_origins), log_requests=args.log_requests,
+        web_ui=not args.no_web_ui)
     return run_serve(engine_args.to_config(), server)
+
+
+def add_limit_args(parser: argparse.ArgumentParser) -> None:
+    """Limits that protect the server from one request (defaults and reasons: RequestLimits)."""
+    g = parser.add_argument_group("limits")
+    g.add_argument("--max-request-body-bytes", type=int,
+                   default=RequestLimits.max_request_body_bytes,
+                   help="larger request bodies get HTTP 413 (default: %(default)s)")
+    g.add_argument("--max-n", type=int, default=RequestLimits.max_n,
+                   help="the most samples (n) one request may ask for (default: %(default)s)")
+    g.add_argument("--max-stop-strings", type=int, default=RequestLimits.max_stop_strings,
+                   help="the most stop strings one request may give (default: %(default)s)")
+    g.add_argument("--max-stop-string-length", type=int,
+                   default=RequestLimits.max_stop_string_length,
+                   help="the longest stop string, in characters (default: %(default)s)")
+    g.add_argument("--request-timeout", type=float, default=RequestLimits.request_timeout,
+                   metavar="SECONDS",
+                   help="abort a request this long after admission and answer HTTP 408 "
+                        "(default: no deadline)")
+    g.add_argument("--slow-reader-timeout", type=float,
+                   default=RequestLimits.slow_reader_timeout, metavar="SECONDS",
+                   help="abort a stream whose client has left updates unread this long "
+                        "(default: %(default)s)")
+    g.add_argument("--max-unread-updates", type=int, default=RequestLimits.max_unread_updates,
+                   help="abort a stream once this many updates wait unread (default: "
+                        "%(default)s)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -176,6 +217,16 @@ def build_parser() -> argparse.ArgumentParser:
                    default=ServerConfig.generation_config,
                    help="auto: the model's generation_config sampling defaults; vllm: vLLM's")
     g.add_argument("--log-level", default=ServerConfig.log_level)
+    g.add_argument("--log-requests", action="store_true",
+                   help="log each request's prompt and sampling parameters (default: only its "
+                        "id and sizes)")
+    g.add_argument("--allowed-origins", nargs="+", default=list(ServerConfig.allowed_origins),
+                   metavar="ORIGIN",
+                   help="browser origins allowed to call the API (CORS), e.g. "
+                        "http://localhost:3000, or '*' (default: none, no CORS headers)")
+    g.add_argument("--no-web-ui", action="store_true",
+                   help="serve neither the chat page (/) nor the dashboard (/dashboard)")
+    add_limit_args(serve)
     EngineArgs.add_cli_args(serve)
     serve.set_defaults(func=cmd_serve)
 
@@ -183,7 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="a system message")
     EngineArgs.add_cli_args(chat)
     add_sampling_args(chat, max_tokens=512)
-    chat.set_defaults(func=cmd_chat)
+    # unset: cmd_chat fills them from the model's defaults or the chat preset
+    chat.set_defaults(func=cmd_chat, temperature=None, top_p=None, top_k=None, min_p=None,
+                      repetition_penalty=None, max_tokens=None)
 
     bench = sub.add_parser("bench", help="benchmarks that print figures beside a peer's")
     add_bench_commands(bench, build_llm)

@@ -40,9 +40,12 @@ from nanoserve.entrypoints.async_engine import AsyncEngine
 from nanoserve.entrypoints.openai.api_server import build_app, drain
 from nanoserve.entrypoints.openai.metrics import Metrics
 from nanoserve.entrypoints.openai.serving_common import ServerContext
+from nanoserve.entrypoints.request_logger import RequestLogger
+from nanoserve.entrypoints.web.router import page_banner
 from nanoserve.model.loader import load_frontend
 from nanoserve.protocol import EngineDead, EngineReady, Shutdown
 from nanoserve.sample.logits_processor import load_processor_classes
+from nanoserve.structured.grammar import GrammarTokenizer
 
 logger = logging.getLogger("nanoserve")
 _ENGINE_START_TIMEOUT_S = 900.0
@@ -135,7 +138,11 @@ async def serve_api(engine_config: EngineConfig, server_config: ServerConfig,
     name = server_config.served_model_name or ready.model_name
     ctx_holder: list[ServerContext] = []
     metrics = Metrics(name, lambda: ctx_holder[0].engine.stats)
-    engine = AsyncEngine(client, frontend.tokenizer, ready, engine_alive, observer=metrics)
+    engine = AsyncEngine(client, frontend.tokenizer, ready, engine_alive, observer=metrics,
+                         request_timeout=server_config.limits.request_timeout,
+                         slow_reader_timeout=server_config.limits.slow_reader_timeout,
+                         max_unread_updates=server_config.limits.max_unread_updates,
+                         request_logger=RequestLogger(server_config.log_requests))
     ctx = ServerContext(
         engine=engine, tokenizer=frontend.tokenizer, model_name=name,
         max_model_len=ready.max_model_len, vocab_size=ready.vocab_size, metrics=metrics,
@@ -146,10 +153,11 @@ async def serve_api(engine_config: EngineConfig, server_config: ServerConfig,
         chat_template=server_config.chat_template,
         processor_classes=load_processor_classes(engine_config.sampler.logits_processors),
         has_reasoning_tokens=reasoning_tokens(frontend.tokenizer) is not None,
+        grammar_tokenizer=GrammarTokenizer(frontend.tokenizer, ready.vocab_size, ()),
         max_logprobs=engine_config.sampler.max_logprobs,
-        max_in_flight=server_config.max_in_flight)
+        max_in_flight=server_config.max_in_flight, limits=server_config.limits)
     ctx_holder.append(ctx)
-    app = build_app(ctx, server_config.api_key)
+    app = build_app(ctx, server_config)
     server = DrainingServer(uvicorn.Config(
         app, log_level=server_config.log_level, access_log=False,
         timeout_graceful_shutdown=max(1, int(server_config.shutdown_timeout)),
@@ -168,6 +176,10 @@ async def serve_api(engine_config: EngineConfig, server_config: ServerConfig,
     sock = listening_socket(server_config.host, server_config.port)
     logger.info("serving %s on http://%s:%d (API server %d)", name, server_config.host,
                 server_config.port, index)
+    if server_config.web_ui and index == 0:
+        # printed, not logged, so that it shows at any --log-level; the engine is ready and the
+        # socket listens, so the page answers as soon as this line is read
+        print(page_banner(server_config.host, server_config.port, name), flush=True)
     try:
         await server.serve(sockets=[sock])
     finally:

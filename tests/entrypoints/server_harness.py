@@ -34,6 +34,7 @@ class RunningServer:
                str(self.port), "--log-level", "warning", *args]
         if api_key:
             cmd += ["--api-key", api_key]
+        self.log_path = log  # the server's output, when asked for
         self.log = open(log or os.devnull, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
         self.url = f"http://127.0.0.1:{self.port}"

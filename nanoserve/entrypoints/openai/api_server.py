@@ -8,68 +8,127 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import nanoserve
-from nanoserve.entrypoints.async_engine import EngineDeadError
-from nanoserve.entrypoints.openai.auth import APIKeyMiddleware
+from nanoserve.config import ServerConfig
+from nanoserve.entrypoints.async_engine import EngineDeadError, RequestTimeoutError
+from nanoserve.entrypoints.openai.auth import PUBLIC_PATHS, APIKeyMiddleware
 from nanoserve.entrypoints.openai.errors import (
     APIError,
     api_error_handler,
     bad_request,
     error_body,
+    http_error_handler,
     validation_error_handler,
 )
+from nanoserve.entrypoints.openai.limits import BodyLimitMiddleware
+from nanoserve.entrypoints.openai.openapi import GENERATE_ERRORS, install_openapi, responses
 from nanoserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
 )
+from nanoserve.entrypoints.openai.response_models import (
+    ChatCompletionResponse,
+    CompletionResponse,
+    DetokenizeResponse,
+    ModelList,
+    TokenizeResponse,
+    VersionResponse,
+)
 from nanoserve.entrypoints.openai.serving_chat import create_chat_completion, render_prompt
 from nanoserve.entrypoints.openai.serving_common import ServerContext, check_prompt_ids
 from nanoserve.entrypoints.openai.serving_completion import create_completion
+from nanoserve.entrypoints.web.router import PUBLIC_PATHS as WEB_PUBLIC_PATHS
+from nanoserve.entrypoints.web.router import WebPageInfo, web_router
 
 logger = logging.getLogger("nanoserve")
 
 
-def build_app(ctx: ServerContext, api_key: str | None = None) -> FastAPI:
+def build_app(ctx: ServerContext, config: ServerConfig | None = None) -> FastAPI:
+    """The routes, with errors in OpenAI's shape and the middleware `config` asks for."""
+    config = config or ServerConfig()
     app = FastAPI(title="nanoserve", version=nanoserve.__version__, docs_url=None,
                   redoc_url=None)
+    add_error_handlers(app)
+    add_routes(app, ctx)
+    public_paths = PUBLIC_PATHS
+    if config.web_ui:  # the chat page and dashboard: public files, keyed calls
+        app.include_router(web_router(WebPageInfo(
+            ctx.model_name, ctx.max_model_len, ctx.reasoning_parser, ctx.generation_defaults)))
+        public_paths = public_paths | WEB_PUBLIC_PATHS
+    install_openapi(app)
+    # the last added runs first: CORS answers browsers' preflights before the key is asked
+    # for, and the key is checked before a large body is read
+    app.add_middleware(BodyLimitMiddleware, limit=config.limits.max_request_body_bytes)
+    if config.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=config.api_key, public_paths=public_paths)
+    if config.allowed_origins:  # off by default: no page elsewhere may call the API
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
+                           allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
+    return app
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """Every error the app answers is OpenAI's error object, never `{"detail": ...}`."""
     app.add_exception_handler(APIError, api_error_handler)
     app.add_exception_handler(RequestValidationError, validation_error_handler)
+    app.add_exception_handler(StarletteHTTPException, http_error_handler)
 
     @app.exception_handler(EngineDeadError)
     async def engine_dead(_: Request, exc: Exception) -> JSONResponse:
         return JSONResponse(error_body(503, f"the engine stopped: {exc}"), status_code=503)
 
+    @app.exception_handler(RequestTimeoutError)
+    async def timed_out(_: Request, exc: Exception) -> JSONResponse:
+        # 408, as LiteLLM answers a timed-out call; the OpenAI SDK retries it like a 5xx
+        return JSONResponse(error_body(408, str(exc)), status_code=408)
+
     @app.exception_handler(ValueError)
     async def value_error(_: Request, exc: Exception) -> JSONResponse:
         return JSONResponse(error_body(400, str(exc)), status_code=400)
 
-    @app.get("/health")
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
+        # a bug, not the client's fault: the shape clients parse, without internals (the
+        # traceback goes to the log, re-raised by Starlette after this answer)
+        return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}"),
+                            status_code=500)
+
+
+def add_routes(app: FastAPI, ctx: ServerContext) -> None:
+    @app.get("/health", response_class=Response, responses={
+        200: {"description": "the engine is running"},
+        503: {"description": "the engine is dead or the server is shutting down"}})
     async def health() -> Response:
         return Response(status_code=503 if ctx.engine.is_dead or ctx.shutting_down else 200)
 
-    @app.get("/version")
+    @app.get("/version", responses=responses(VersionResponse, 401))
     async def version() -> dict[str, str]:
         return {"version": nanoserve.__version__}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=responses(ModelList, 401))
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{
             "id": ctx.model_name, "object": "model", "created": 0, "owned_by": "nanoserve",
             "root": ctx.model_name, "max_model_len": ctx.max_model_len}]}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", response_model=None,
+              responses=responses(CompletionResponse, *GENERATE_ERRORS, streams=True))
     async def completions(req: CompletionRequest, raw: Request) -> Response:
         return await create_completion(ctx, req, raw)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", response_model=None,
+              responses=responses(ChatCompletionResponse, *GENERATE_ERRORS, streams=True))
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
         return await create_chat_completion(ctx, req, raw)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", responses=responses(TokenizeResponse, 400, 401, 404, 413))
     async def tokenize(req: TokenizeRequest) -> dict[str, Any]:
         ctx.check_model(req.model)
         if req.messages is not None:
@@ -89,20 +148,18 @@ def build_app(ctx: ServerContext, api_key: str | None = None) -> FastAPI:
             body["token_strs"] = ctx.tokenizer.convert_ids_to_tokens(ids)
         return body
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses=responses(DetokenizeResponse, 400, 401, 404, 413))
     async def detokenize(req: DetokenizeRequest) -> dict[str, str]:
         ctx.check_model(req.model)
         if req.tokens:
             check_prompt_ids(ctx, req.tokens)
         return {"prompt": ctx.tokenizer.decode(req.tokens)}
 
-    @app.get("/metrics")
+    # (Response, not PlainTextResponse: its 401 is JSON like every other error)
+    @app.get("/metrics", response_class=Response,
+             responses=responses(None, 401, media_type="text/plain"))
     async def metrics() -> Response:
         return Response(ctx.metrics.render(), media_type="text/plain; version=0.0.4")
-
-    if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)
-    return app
 
 
 async def drain(ctx: ServerContext, timeout: float) -> None:

@@ -18,12 +18,16 @@ PUBLIC_PATHS = frozenset({"/health"})
 
 
 class APIKeyMiddleware:
-    def __init__(self, app: Any, api_key: str) -> None:
+    """`public_paths` need no key: /health, and the web UI's static files when it is on."""
+
+    def __init__(self, app: Any, api_key: str,
+                 public_paths: frozenset[str] = PUBLIC_PATHS) -> None:
         self.app = app
         self.digest = hashlib.sha256(api_key.encode()).digest()
+        self.public_paths = public_paths
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS or self._allowed(scope):
+        if scope["type"] != "http" or scope["path"] in self.public_paths or self._allowed(scope):
             await self.app(scope, receive, send)
             return
         body = json.dumps(error_body(401, "missing or invalid API key: send "

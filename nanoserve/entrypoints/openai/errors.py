@@ -13,10 +13,12 @@ from typing import Any
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 _TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-          413: "PayloadTooLargeError", 429: "RateLimitError", 500: "InternalServerError",
-          503: "ServiceUnavailableError"}
+          405: "MethodNotAllowedError", 408: "TimeoutError", 413: "PayloadTooLargeError",
+          429: "RateLimitError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+_MAX_SHOWN_INPUT = 80  # characters of an offending value quoted back in a validation error
 
 
 class APIError(Exception):
@@ -60,15 +62,49 @@ async def api_error_handler(_: Request, exc: Exception) -> JSONResponse:
 
 
 async def validation_error_handler(_: Request, exc: Exception) -> JSONResponse:
-    """Pydantic's complaints as a 400 naming the field (not a 422)."""
+    """Pydantic's complaints as a 400 naming the field and the value sent (not a 422)."""
     assert isinstance(exc, RequestValidationError)
     errors = exc.errors()
-    parts = []
-    for err in errors:
-        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
-        parts.append(f"{loc or 'body'}: {err.get('msg', 'invalid')}")
-    first = errors[0] if errors else {}
-    param = ".".join(str(x) for x in first.get("loc", ()) if x != "body") or None
+    if errors and errors[0].get("type") == "json_invalid":
+        detail = errors[0].get("ctx", {}).get("error", "invalid JSON")
+        return JSONResponse(error_body(400, f"the request body is not valid JSON: {detail} "
+                                            f"(at character {errors[0]['loc'][-1]})"),
+                            status_code=400)
+    parts = [f"{_loc(err) or 'body'}: {err.get('msg', 'invalid')}{_shown_input(err)}"
+             for err in errors]
+    param = _loc(errors[0]) if errors else None
     message = f"{len(errors)} validation error{'s' if len(errors) != 1 else ''}: " + \
         "; ".join(parts)
-    return JSONResponse(error_body(400, message, param), status_code=400)
+    return JSONResponse(error_body(400, message, param or None), status_code=400)
+
+
+def _loc(err: Any) -> str:
+    return ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+
+
+def _shown_input(err: Any) -> str:
+    """`, got 'wizard'`: the value that failed, cut short (bodies can be megabytes)."""
+    if "input" not in err or err.get("type") == "missing":
+        return ""
+    shown = repr(err["input"])
+    if len(shown) > _MAX_SHOWN_INPUT:
+        shown = shown[:_MAX_SHOWN_INPUT] + "..."
+    return f", got {shown}"
+
+
+async def http_error_handler(request: Request, exc: Exception) -> JSONResponse:
+    """Starlette's own errors (no such route, wrong method, a body it cannot parse) in OpenAI's
+    shape instead of `{"detail": ...}`."""
+    assert isinstance(exc, StarletteHTTPException)
+    if exc.status_code == 404 and exc.detail == "Not Found":  # Starlette's own: no route
+        message = f"no route {request.method} {request.url.path}"
+    elif exc.status_code == 405 and exc.detail == "Method Not Allowed":
+        allowed = (exc.headers or {}).get("Allow", "")
+        message = f"method {request.method} is not allowed on {request.url.path}; " \
+                  f"allowed: {allowed}"
+    elif exc.status_code == 400 and exc.detail == "There was an error parsing the body":
+        message = "the request body could not be parsed as JSON (malformed, or nested too deeply)"
+    else:
+        message = str(exc.detail)
+    return JSONResponse(error_body(exc.status_code, message), status_code=exc.status_code,
+                        headers=exc.headers)

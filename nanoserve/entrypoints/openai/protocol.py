@@ -1,6 +1,8 @@
 """Request bodies of the OpenAI-compatible API (OpenAI's fields plus vLLM's extra ones).
 
-Only shapes and types here; value ranges are SamplingParams' job, so the two can't disagree.
+Only shapes and types are checked here; value ranges are SamplingParams' job (its messages
+name the field, the value and the range). The ranges are also *documented* here (`documented`)
+so /openapi.json states them; tests/entrypoints/test_openapi_schema.py checks that the two agree.
 Unknown fields are accepted and ignored, as OpenAI-compatible servers do.
 """
 
@@ -11,9 +13,26 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from nanoserve.sampling_params import MAX_FLOAT32, MAX_INT64
+
 # OpenAI's rule for function names (letters, digits, `_`, `-`; at most 64), plus `.`, which
 # namespaced tool names use and vLLM accepts.
 _FUNCTION_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+
+
+def documented(default: Any, **schema: Any) -> Any:
+    """A field whose /openapi.json entry gets `schema` (bounds, an enum, a shape) while the
+    check stays where its error message is written (SamplingParams, the serving modules)."""
+    return Field(default, json_schema_extra=schema)
+
+
+_TOKEN_IDS = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
+_TEXT = {"type": "string", "minLength": 1}
+# documented shapes of union fields (their checks: serving_completion.py, SamplingParams)
+_PROMPT_SCHEMA: dict[str, Any] = {"anyOf": [
+    _TEXT, {"type": "array", "minItems": 1, "items": _TEXT}, _TOKEN_IDS,
+    {"type": "array", "minItems": 1, "items": _TOKEN_IDS}]}
+_STOP_SCHEMA = {"anyOf": [_TEXT, {"type": "array", "items": _TEXT}, {"type": "null"}]}
 
 
 class OpenAIModel(BaseModel):
@@ -29,22 +48,22 @@ class SamplingFields(OpenAIModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    n: int = documented(1, minimum=1)  # at most --max-n (limits.py)
+    temperature: float | None = documented(None, minimum=0, maximum=MAX_FLOAT32)
+    top_p: float | None = documented(None, exclusiveMinimum=0, maximum=1)
+    seed: int | None = documented(None, minimum=-(2**63), maximum=2**64 - 1)
+    stop: str | list[str] | None = documented(None, **_STOP_SCHEMA)  # at most --max-stop-strings
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: float | None = documented(None, minimum=-2, maximum=2)
+    frequency_penalty: float | None = documented(None, minimum=-2, maximum=2)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # vLLM's extras
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int = 0
+    top_k: int | None = documented(None, minimum=-1, maximum=MAX_INT64)
+    min_p: float | None = documented(None, minimum=0, maximum=1)
+    repetition_penalty: float | None = documented(None, exclusiveMinimum=0, maximum=MAX_FLOAT32)
+    min_tokens: int = documented(0, minimum=0, maximum=MAX_INT64)
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
@@ -52,8 +71,8 @@ class SamplingFields(OpenAIModel):
     include_stop_str_in_output: bool = False
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
-    prompt_logprobs: int | None = None
-    thinking_token_budget: int | None = None
+    prompt_logprobs: int | None = documented(None, minimum=0)  # at most --max-logprobs
+    thinking_token_budget: int | None = documented(None, minimum=0, maximum=MAX_INT64)
     logprobs_mode: Literal["raw", "processed"] = "raw"
     extra_args: dict[str, Any] | None = None
     # structured outputs, every shape vLLM takes (read by structured_outputs.py, which names
@@ -61,29 +80,31 @@ class SamplingFields(OpenAIModel):
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = None
+    guided_regex: str | None = documented(None, anyOf=[_TEXT, {"type": "null"}])
+    guided_choice: list[str] | None = documented(
+        None, anyOf=[{"type": "array", "minItems": 1, "items": _TEXT}, {"type": "null"}])
     guided_grammar: str | None = None
     guided_whitespace_pattern: str | None = None
     guided_decoding_backend: str | None = None  # ignored: llguidance is the one backend
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        json_schema_extra=_PROMPT_SCHEMA)
+    max_tokens: int | None = documented(16, minimum=0)  # 0 only with echo
+    logprobs: int | None = documented(None, minimum=0)  # at most --max-logprobs
     echo: bool = False
-    suffix: str | None = None
+    suffix: str | None = documented(None, anyOf=[{"type": "null"}])  # not supported: a 400
     best_of: int | None = None
 
 
 class TextPart(OpenAIModel):
-    type: str
+    type: str = documented(..., enum=["text"])  # others get a 400 naming the part's type
     text: str | None = None
 
 
 class FunctionDefinition(OpenAIModel):
-    name: str
+    name: str = documented(..., pattern=f"^{_FUNCTION_NAME.pattern}$")
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
     strict: bool | None = None
@@ -113,7 +134,18 @@ class MessageToolCall(OpenAIModel):
 
 
 class ChatMessage(OpenAIModel):
-    role: str
+    # documented rules checked in serving_tools.py: a tool message names the call it answers;
+    # only an assistant's message carries tool calls
+    model_config = ConfigDict(extra="allow", json_schema_extra={"allOf": [
+        {"if": {"properties": {"role": {"const": "tool"}}},
+         "then": {"required": ["tool_call_id"],
+                  "properties": {"tool_call_id": {"type": "string"}}}},
+        {"if": {"required": ["tool_calls"], "properties": {"tool_calls": {"type": "array"}}},
+         "then": {"properties": {"role": {"const": "assistant"}}}}]})
+
+    # OpenAI's roles ("developer" is its newer name for "system"; "function" its deprecated
+    # "tool"); anything else is a 400 naming messages.<i>.role and these
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls
@@ -122,10 +154,10 @@ class ChatMessage(OpenAIModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: int | None = documented(None, minimum=1)
+    max_completion_tokens: int | None = documented(None, minimum=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = documented(None, minimum=0)  # at most --max-logprobs
     echo: bool = False
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -137,9 +169,12 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class TokenizeRequest(OpenAIModel):
+    model_config = ConfigDict(extra="allow", json_schema_extra={
+        "anyOf": [{"required": ["prompt"]}, {"required": ["messages"]}]})
+
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False

@@ -98,7 +98,8 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     ctx.check_model(req.model)
     _check_unsupported(req)
     plan = plan_tools(req, ctx.tool_call_parser)
-    structured = await structured_outputs(req, has_tool_grammar=plan.structured is not None)
+    structured = await structured_outputs(req, has_tool_grammar=plan.structured is not None,
+                                          tokenizer=ctx.grammar_tokenizer)
     ctx.check_capacity()
     prompt = render_prompt(ctx, req)
     ids = ctx.tokenizer.encode(prompt, add_special_tokens=False)

@@ -11,17 +11,19 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 
-from nanoserve.entrypoints.async_engine import AsyncEngine, EngineDeadError
+from nanoserve.config import RequestLimits
+from nanoserve.entrypoints.async_engine import AsyncEngine, EngineDeadError, RequestTimeoutError
 from nanoserve.entrypoints.openai.errors import APIError, bad_request, from_value_error, sse_error
+from nanoserve.entrypoints.openai.limits import check_n, check_stops
 from nanoserve.entrypoints.openai.metrics import Metrics
 from nanoserve.entrypoints.openai.protocol import SamplingFields
 from nanoserve.outputs import Logprob, PositionLogprobs, RequestOutput
 from nanoserve.sample.logits_processor import LogitsProcessor
 from nanoserve.sampling_params import RequestOutputKind, SamplingParams
+from nanoserve.structured.grammar import GrammarTokenizer
 
 T = TypeVar("T")
 MIN_LOGPROB = -9999.0  # OpenAI's stand-in for -inf
-MAX_STOP_STRINGS = 4
 
 
 @dataclass
@@ -42,19 +44,26 @@ class ServerContext:
     chat_template: str | None = None  # --chat-template: replaces the tokenizer's own
     processor_classes: list[type[LogitsProcessor]] = field(default_factory=list)
     has_reasoning_tokens: bool = False
+    # the model's tokenizer as llguidance's, for the grammar checks (built on first use)
+    grammar_tokenizer: GrammarTokenizer | None = None
+    limits: RequestLimits = field(default_factory=RequestLimits)
     shutting_down: bool = False
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise APIError(404, f"The model `{model}` does not exist.", "model")
 
-    def check_capacity(self) -> None:
-        """429 past the in-flight cap (the SDK backs off and retries); 503 while stopping."""
+    def check_capacity(self, num_requests: int = 1) -> None:
+        """429 past the in-flight cap (the SDK backs off and retries); 503 while stopping.
+        A /v1/completions batch is `num_requests` requests: one per prompt."""
         if self.engine.is_dead:
             raise APIError(503, "the engine is not running")
         if self.shutting_down:
             raise APIError(503, "the server is shutting down")
-        if self.engine.num_in_flight >= self.max_in_flight:
+        if num_requests > self.max_in_flight:
+            raise bad_request(f"prompt must be a batch of at most {self.max_in_flight} prompts "
+                              f"(--max-in-flight), got {num_requests}", "prompt")
+        if self.engine.num_in_flight + num_requests > self.max_in_flight:
             raise APIError(429, f"the server is at capacity ({self.max_in_flight} requests in "
                                 "flight); retry later")
 
@@ -67,10 +76,9 @@ def sampling_params(ctx: ServerContext, req: SamplingFields, *, max_tokens: int,
                           "stream_options")
     if req.stream and req.prompt_logprobs is not None:
         raise bad_request("prompt_logprobs is not available when streaming", "prompt_logprobs")
+    check_n(ctx.limits, req.n)
     stops = [req.stop] if isinstance(req.stop, str) else req.stop
-    if stops and len(stops) > MAX_STOP_STRINGS:
-        raise bad_request(f"stop must be at most {MAX_STOP_STRINGS} strings, got {len(stops)}",
-                          "stop")
+    check_stops(ctx.limits, stops)
     try:
         bias = None if req.logit_bias is None else {int(k): v for k, v in req.logit_bias.items()}
     except ValueError:
@@ -97,11 +105,14 @@ def sampling_params(ctx: ServerContext, req: SamplingFields, *, max_tokens: int,
             cls.validate_params(params)
     except ValueError as e:
         raise from_value_error(e) from None
-    for name in ("logprobs", "prompt_logprobs"):
+    # the request's own name for the count: chat's top_logprobs, completions' logprobs
+    field_of = {"logprobs": "top_logprobs" if hasattr(req, "top_logprobs") else "logprobs",
+                "prompt_logprobs": "prompt_logprobs"}
+    for name, field_name in field_of.items():
         asked = getattr(params, name)
         if asked is not None and asked > ctx.max_logprobs:
-            raise bad_request(f"{name} must be <= {ctx.max_logprobs}, got {asked}",
-                              "top_logprobs" if name == "logprobs" else name)
+            raise bad_request(f"{field_name} must be <= {ctx.max_logprobs} (--max-logprobs), "
+                              f"got {asked}", field_name)
     if params.thinking_token_budget is not None and not ctx.has_reasoning_tokens:
         raise bad_request("thinking_token_budget needs a model with reasoning tags "
                           "(<think> and </think> tokens); this model has none",
@@ -214,6 +225,8 @@ async def sse_with_errors(events: AsyncGenerator[str, None]) -> AsyncIterator[st
         yield sse_error(e)
     except EngineDeadError as e:
         yield sse_error(APIError(503, f"the engine stopped: {e}"))
+    except RequestTimeoutError as e:
+        yield sse_error(APIError(408, str(e)))
     except ValueError as e:
         yield sse_error(bad_request(str(e)))
     finally:

@@ -32,7 +32,8 @@ from nanoserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from nanoserve.sampling_params import RequestOutputKind, SamplingParams
 
 
-def _prompts(ctx: ServerContext, prompt: Any) -> list[tuple[str | None, list[int]]]:
+def _batch(prompt: Any) -> list[Any]:
+    """The prompts of a request: one text or id list, or a batch of them."""
     if isinstance(prompt, str):
         prompts: list[Any] = [prompt]
     elif prompt and isinstance(prompt[0], int):
@@ -41,6 +42,10 @@ def _prompts(ctx: ServerContext, prompt: Any) -> list[tuple[str | None, list[int
         prompts = list(prompt)
     if not prompts:
         raise bad_request("prompt must not be empty", "prompt")
+    return prompts
+
+
+def _prompts(ctx: ServerContext, prompts: list[Any]) -> list[tuple[str | None, list[int]]]:
     out: list[tuple[str | None, list[int]]] = []
     for p in prompts:
         if isinstance(p, str):
@@ -61,9 +66,10 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest,
         raise bad_request("suffix is not supported", "suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request("best_of is not supported (use n)", "best_of")
-    structured = await structured_outputs(req)
-    ctx.check_capacity()
-    prompts = _prompts(ctx, req.prompt)
+    structured = await structured_outputs(req, tokenizer=ctx.grammar_tokenizer)
+    batch = _batch(req.prompt)
+    ctx.check_capacity(len(batch))  # before tokenizing: a batch can hold a million prompts
+    prompts = _prompts(ctx, batch)
     echo_only = req.echo and req.max_tokens == 0
     kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
     jobs = []

@@ -1,0 +1,153 @@
+"""Response bodies of the API, as pydantic models for the OpenAPI document only.
+
+The handlers build their JSON as dicts (one place per shape, in serving_*.py); these models
+describe that JSON so /openapi.json is accurate, and the schemathesis test
+(tests/entrypoints/test_openapi_fuzz.py) checks every response it provokes against them. A field
+without a default is always present (possibly null); one with a default may be left out.
+Extra keys are allowed, as in OpenAI's own schema.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+# "abort": stopped by the server (shutdown); "error": the engine could not go on with this
+# request (its grammar failed to compile, or refused a token its own mask allowed)
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+class ResponseModel(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class ErrorInfo(ResponseModel):
+    message: str
+    type: str
+    param: str | None  # the request field at fault, when there is one
+    code: int  # the HTTP status (vLLM's choice; OpenAI sends a string or null)
+
+
+class ErrorResponse(ResponseModel):
+    """Every 4xx and 5xx: OpenAI's error object."""
+
+    error: ErrorInfo
+
+
+class PromptTokensDetails(ResponseModel):
+    cached_tokens: int
+
+
+class Usage(ResponseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class CompletionLogprobs(ResponseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]  # None: the first prompt token (echo)
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(ResponseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: FinishReason
+    stop_reason: int | str | None  # the stop token id or string that ended it (vLLM)
+
+
+class CompletionResponse(ResponseModel):
+    """POST /v1/completions without `stream` (with it: `text/event-stream` chunks)."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class TopLogprob(ResponseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(ResponseModel):
+    content: list[TokenLogprob] | None
+
+
+class ToolCallFunction(ResponseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(ResponseModel):
+    id: str
+    type: Literal["function"]
+    function: ToolCallFunction
+
+
+class ChatResponseMessage(ResponseModel):
+    role: Literal["assistant"]
+    content: str | None
+    reasoning: str | None = None  # with --reasoning-parser (vLLM's name)
+    reasoning_content: str | None = None  # the same text under its older name
+    tool_calls: list[ToolCall] | None = None
+
+
+class ChatChoice(ResponseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: FinishReason | Literal["tool_calls"]
+    stop_reason: int | str | None
+
+
+class ChatCompletionResponse(ResponseModel):
+    """POST /v1/chat/completions without `stream` (with it: `text/event-stream` chunks)."""
+
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ModelCard(ResponseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    root: str
+    max_model_len: int
+
+
+class ModelList(ResponseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class TokenizeResponse(ResponseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None  # with return_token_strs
+
+
+class DetokenizeResponse(ResponseModel):
+    prompt: str
+
+
+class VersionResponse(ResponseModel):
+    version: str

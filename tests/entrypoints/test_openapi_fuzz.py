@@ -1,0 +1,111 @@
+"""Schemathesis against the real server on a tiny model: for every route in /openapi.json,
+generated requests (valid ones, and for routes with a body also invalid ones) must never get a
+5xx, a status the schema does not list, or a body that does not match the schema, and must
+not hang (each call is bounded). vLLM's tests/entrypoints/openai/test_openai_schema.py does the
+same with schemathesis; here the examples are derandomized, so a run is repeatable.
+
+The number of cases run per route is printed (and kept in the JUnit report as a property).
+One server and ~450 requests: about a minute (marked `server`, so `make test-fast` skips it).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import requests
+import schemathesis
+from hypothesis import HealthCheck, Phase, given, settings
+from schemathesis import GenerationMode
+from schemathesis.checks import not_a_server_error
+from schemathesis.specs.openapi.checks import (
+    content_type_conformance,
+    response_schema_conformance,
+    status_code_conformance,
+)
+from server_harness import RunningServer
+
+ROUTES = [("GET", "/health"), ("GET", "/version"), ("GET", "/v1/models"), ("GET", "/metrics"),
+          ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
+          ("POST", "/tokenize"), ("POST", "/detokenize")]
+# examples per generation mode for routes with a body (a route without one has one case)
+MAX_EXAMPLES = {GenerationMode.POSITIVE: 80, GenerationMode.NEGATIVE: 30}
+MODEL = "tiny"
+CALL_TIMEOUT_S = 30.0  # a call past this is a hang: the server bounds requests at 5 s
+CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
+          response_schema_conformance]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir: Any) -> Iterator[RunningServer]:
+    # small limits keep each generated request cheap: a short context, few samples, and a
+    # deadline that also bounds what a fuzzed grammar or prompt can cost
+    running = RunningServer(str(tiny_model_dir("llama")), "--max-model-len", "64",
+                            "--max-n", "2", "--max-in-flight", "16", "--request-timeout", "5",
+                            "--max-request-body-bytes", "200000", "--served-model-name", MODEL)
+    yield running
+    assert running.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def schema(server: RunningServer) -> Any:
+    return schemathesis.openapi.from_url(server.url + "/openapi.json")
+
+
+def test_schema_lists_every_route(schema: Any) -> None:
+    served = sorted((op.ok().method.upper(), op.ok().path) for op in schema.get_all_operations())
+    assert served == sorted(ROUTES), "a new route: add it to ROUTES so it is fuzzed"
+
+
+@pytest.mark.parametrize(("method", "path"), ROUTES, ids=[f"{m} {p}" for m, p in ROUTES])
+def test_generated_requests(schema: Any, method: str, path: str,
+                            record_property: Any, request: pytest.FixtureRequest) -> None:
+    operation = schema[path][method]
+    session = requests.Session()
+    modes = list(MAX_EXAMPLES) if operation.body else [GenerationMode.POSITIVE]
+    statuses: Counter[int] = Counter()
+    counts = {mode.value: _fuzz(operation, mode, session, statuses) for mode in modes}
+    total = sum(counts.values())
+    record_property("generated_cases", total)
+    line = (f"schemathesis {method} {path}: {total} cases ({_join(counts)}), statuses "
+            f"{_join(dict(sorted(statuses.items())))}; no 5xx, no schema mismatch")
+    print(line)
+    _report(request, line)
+    assert total >= 1
+
+
+def _fuzz(operation: Any, mode: GenerationMode, session: requests.Session,
+          statuses: Counter[int]) -> int:
+    """Run the generated cases of one mode; the number run."""
+    count = 0
+    @settings(max_examples=MAX_EXAMPLES[mode], deadline=None, derandomize=True, database=None,
+              phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+    @given(case=operation.as_strategy(generation_mode=mode))
+    def run(case: schemathesis.Case) -> None:
+        nonlocal count
+        count += 1
+        if mode == GenerationMode.POSITIVE and isinstance(case.body, dict) \
+                and "model" in case.body:  # past the model check, else most cases are a 404
+            case.body["model"] = MODEL
+        response = case.call_and_validate(session=session, timeout=CALL_TIMEOUT_S,
+                                          checks=CHECKS)
+        statuses[response.status_code] += 1
+
+    run()
+    return count
+
+
+def _join(counts: dict[Any, int]) -> str:
+    return ", ".join(f"{key}: {value}" for key, value in counts.items())
+
+
+def _report(request: pytest.FixtureRequest, line: str) -> None:
+    """Show the count in pytest's output even when output is captured (as in `make test`)."""
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
+    if reporter is None or capture is None:
+        return
+    with capture.global_and_fixture_disabled():
+        reporter.write_line("\n" + line)
