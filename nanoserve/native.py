@@ -14,6 +14,7 @@ then keep the plain PyTorch path.
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import shutil
 import sys
@@ -74,8 +75,12 @@ def _build(name: str) -> ModuleType:
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
     build_dir = cache_dir() / name
     build_dir.mkdir(parents=True, exist_ok=True)
+    # torch rebuilds when a source or a flag changes, and sees only the .cpp: the headers'
+    # hash, as a flag, makes an edited header rebuild the kernels that include it
+    headers = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(CSRC_DIR.glob("*.h"))))
+    flags = [*CPU_FLAGS, f"-DNANOSERVE_HEADERS={headers.hexdigest()[:16]}"]
     return load(name=f"nanoserve_{name}", sources=[str(CSRC_DIR / f"{name}.cpp")],
-                extra_cflags=CPU_FLAGS, extra_ldflags=["-fopenmp"],
+                extra_cflags=flags, extra_ldflags=["-fopenmp"],
                 build_directory=str(build_dir), verbose=False)
 
 

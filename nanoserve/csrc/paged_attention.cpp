@@ -24,7 +24,11 @@
 #include <limits>
 #include <vector>
 
+#include "simd_exp.h"
+
 namespace {
+
+using simd::exp256;
 
 // Measured on a 2-core AVX2 machine, one thread, batch 16 x 1,024 tokens over 30 layers' caches
 // (so from DRAM, as in a real step): asking for the next tile's rows while this one computes
@@ -36,29 +40,6 @@ namespace {
 constexpr int64_t kTileTokens = 32;        // keys scored per tile
 constexpr int64_t kPartitionTokens = 512;  // a multiple of kTileTokens
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-// exp of 8 floats: Cephes' range reduction and degree-5 polynomial (~1 ulp on [-87, 88]).
-// Inputs are clamped to [ln(FLT_MIN), 88], so -inf gives ~1e-38, never NaN.
-inline __m256 exp256(__m256 x) {
-  const __m256 hi = _mm256_set1_ps(88.0f);
-  const __m256 lo = _mm256_set1_ps(-87.3365447505531f);
-  x = _mm256_max_ps(_mm256_min_ps(x, hi), lo);
-  __m256 fx = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
-  fx = _mm256_round_ps(fx, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-  const __m256 z = _mm256_mul_ps(x, x);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_fmadd_ps(y, z, x);
-  y = _mm256_add_ps(y, _mm256_set1_ps(1.0f));
-  __m256i n = _mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127));
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(n, 23)));
-}
 
 // A cache element: float, or an IEEE half held as its 16 bits (at::Half's storage).
 using Half = uint16_t;

@@ -14,7 +14,7 @@ constexpr int64_t kUndecided = -1;
 constexpr int64_t kFirstWidth = 64;  // candidates first looked at (truncation.py's WIDTHS[0])
 constexpr int64_t kWiden = -2;       // cut_and_draw: the candidates were not enough
 // A top-p mass fraction C / Z: PyTorch's float exp is within 1 ulp (2^-23 relative), this file's
-// double exp exact and its exp8 (for Z over the whole row) within 0.705 ulp, so the two
+// double exp exact and its exp256 (for Z over the whole row) within 0.705 ulp, so the two
 // fractions differ by < 2.7 * 2^-23: the margin is 3x that.
 constexpr double kMassMargin = 0x1p-20;
 // The two paths' noise differs by at most 9.5e-7 (one ulp; tests/sample/test_fused.py checks

@@ -105,7 +105,7 @@ double whole_mass(const Row& row, float s_max) {
   __m256d low = _mm256_setzero_pd(), high = _mm256_setzero_pd();
   int64_t i = 0;
   for (; i + 8 <= row.vocab; i += 8) {
-    const __m256 w = exp8(_mm256_sub_ps(_mm256_div_ps(_mm256_loadu_ps(row.x + i), t8), s_max8));
+    const __m256 w = exp256(_mm256_sub_ps(_mm256_div_ps(_mm256_loadu_ps(row.x + i), t8), s_max8));
     low = _mm256_add_pd(low, _mm256_cvtps_pd(_mm256_castps256_ps128(w)));
     high = _mm256_add_pd(high, _mm256_cvtps_pd(_mm256_extractf128_ps(w, 1)));
   }
@@ -200,7 +200,7 @@ float top_p_floor(const Row& row, float s_max, double whole) {
       x = _mm256_load_ps(tail);
     }
     const __m256 gap = _mm256_sub_ps(_mm256_div_ps(x, t8), s_max8);
-    _mm256_store_ps(weights, exp8(gap));
+    _mm256_store_ps(weights, exp256(gap));
     const __m256 depth = _mm256_min_ps(_mm256_mul_ps(gap, _mm256_set1_ps(-kBinsPerNat)),
                                        _mm256_set1_ps(kBins - 1));  // (-inf: the last bin)
     _mm256_store_si256(reinterpret_cast<__m256i*>(bins), _mm256_cvttps_epi32(depth));

@@ -7,7 +7,11 @@
 #include <cstdint>
 #include <initializer_list>
 
+#include "simd_exp.h"
+
 namespace sampling {
+
+using simd::exp256;
 
 constexpr float kUniformMax = 1.0f - 0x1p-24f;  // noise.py's clamp: u stays below 1
 
@@ -75,25 +79,6 @@ inline __m256 gumbel_bound8(__m256i hashes) {
       _mm256_srli_epi32(_mm256_castps_si256(_mm256_cvtepi32_ps(m)), 23), _mm256_set1_epi32(127));
   const __m256 bits_left = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_set1_epi32(24), log2_m));
   return _mm256_fmadd_ps(bits_left, _mm256_set1_ps(0.693147181f), _mm256_set1_ps(1e-3f));
-}
-
-// exp of 8 floats: Cephes' range reduction and degree-5 polynomial, within 0.705 ulp on
-// [-104, 0] (measured on every float there); below -87.3 it gives ~1e-38 instead of 0, which
-// no sum here notices.
-inline __m256 exp8(__m256 x) {
-  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.0f)), _mm256_set1_ps(-87.3365447505531f));
-  __m256 fx = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
-  fx = _mm256_round_ps(fx, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-  const __m256 z = _mm256_mul_ps(x, x);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f,
-                        5.0000001201e-1f})
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(c));
-  y = _mm256_add_ps(_mm256_fmadd_ps(y, z, x), _mm256_set1_ps(1.0f));
-  const __m256i n = _mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127));
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(n, 23)));
 }
 
 inline float max8(__m256 v) {
