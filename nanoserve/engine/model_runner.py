@@ -141,7 +141,8 @@ class ModelRunner:
         if in_place and len(query_slots) > 1:
             slots, starts = np.concatenate(query_slots), np.concatenate(positions)
             num_decodes = len(ids)
-        decode_ids, decode_mask, decode_table, decode_lens = self._decode_tables(slots, starts)
+        decode_ids, decode_mask, decode_table, decode_lens = self._decode_tables(
+            slots, starts, in_place)
         logits_rows = [first_row[i] + s.num_new_tokens - 1
                        for i, s in enumerate(scheduled) if s.samples]
         meta = AttentionMetadata(
@@ -168,13 +169,13 @@ class ModelRunner:
             chunk.mask = self._tensor(np.arange(context_len)[None, :] <= query_pos)
         return chunk
 
-    def _decode_tables(self, slots: np.ndarray, starts: np.ndarray
+    def _decode_tables(self, slots: np.ndarray, starts: np.ndarray, in_place: bool
                        ) -> tuple[torch.Tensor | None, ...]:
         """(block rows, key mask, block table, context lengths) for the decodes in `slots`,
-        each at position `starts`. Where the kernel reads the cache in place (paged_decode.py)
-        only the last two are built: the table [B, max_blocks] and lengths [B], int32. Else
-        the first two: padded block rows [Hkv * B * max_blocks] and the key mask
-        [B, 1, 1, max_blocks * size] for the gather. Entries past a request's own blocks are
+        each at position `starts`. Where the kernel reads the cache in place (`in_place`,
+        paged_decode.py) only the last two are built: the table [B, max_blocks] and lengths
+        [B], int32. Else the first two: padded block rows [Hkv * B * max_blocks] and the key
+        mask [B, 1, 1, max_blocks * size] for the gather. Entries past a request's own blocks are
         left over from earlier owners of the slot: valid block ids, never read unmasked."""
         if not len(slots):
             return None, None, None, None
@@ -182,7 +183,7 @@ class ModelRunner:
         context_lens = starts + 1
         max_blocks = int(-(-context_lens.max() // size))
         padded = self.block_table.table[slots, :max_blocks]  # [B, max_blocks], a fresh copy
-        if can_read_cache_in_place(self.device, self.kv_caches[0][0].dtype):
+        if in_place:
             return (None, None, self._tensor(padded),
                     self._tensor(context_lens.astype(np.int32)))
         mask = np.arange(max_blocks * size)[None, :] < context_lens[:, None]
