@@ -17,7 +17,7 @@ GiB = 1 << 30
 # ships it (model/loader.py).
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 QUANTIZATION_MODES = ("auto", "gguf", "int8", "fp16", "none")
-KV_CACHE_DTYPES = ("auto", "float32", "float16")
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "int8")
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     # The keys' and values' element type (engine/model_runner.py: resolve_kv_cache_dtype):
     # "auto" = float16 on the CPU when the weights are quantized and the paged decode kernel
-    # is built, else the model's dtype; "float32" or "float16" as asked.
+    # is built, else the model's dtype; "float32", "float16" or "int8" as asked.
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:

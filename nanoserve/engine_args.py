@@ -72,7 +72,9 @@ class EngineArgs:
         CacheConfig.kv_cache_dtype,
         "element type of the KV cache: auto (float16 on the CPU with quantized weights, else "
         "the model's dtype) | float32 | float16 (half the memory and decode-attention reads; "
-        "keys and values rounded to 11 significant bits) (default: %(default)s)",
+        "keys and values rounded to 11 significant bits) | int8 (a quarter of float32's "
+        "bytes; each key and value head scaled to int8 by its largest magnitude; CPU with the "
+        "attention kernel built) (default: %(default)s)",
         choices=KV_CACHE_DTYPES)
     enable_prefix_caching: bool = _arg(
         CacheConfig.enable_prefix_caching, "do not reuse the KV blocks of shared prompt prefixes",

@@ -15,7 +15,9 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <type_traits>
 
+#include "kv_int8.h"
 #include "simd_exp.h"
 
 namespace {
@@ -151,6 +153,18 @@ void store_row<c10::Half>(const float* src, c10::Half* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = c10::Half(src[i]);
 }
 
+// int8: the row's values and its scale (kv_int8.h), D + 4 bytes.
+template <>
+void store_row<int8_t>(const float* src, int8_t* dst, int64_t n) {
+  kv_int8::quantize_row(src, dst, n);
+}
+
+// Elements of T in one cache row of a head of `dim`.
+template <typename T>
+constexpr int64_t cache_row(int64_t dim) {
+  return std::is_same_v<T, int8_t> ? dim + kv_int8::kScaleBytes : dim;
+}
+
 struct RopeProblem {
   float* qkv;  // [T, (H + 2 Hkv) * D], updated in place: bias added, k normed and rotated
   const float* bias;  // [(H + 2 Hkv) * D] or null
@@ -186,8 +200,9 @@ void rope_store_rows(const RopeProblem& p, T* k_cache, T* v_cache, int64_t first
       float* k = row + q_size + h * dim;
       if (p.k_norm != nullptr) norm_row(k, p.k_norm, p.eps, dim, k);
       rotate_head(k, cos, sin, half);
-      store_row(k, k_cache + (h * p.plane + slot) * dim, dim);
-      store_row(row + q_size + kv_size + h * dim, v_cache + (h * p.plane + slot) * dim, dim);
+      const int64_t at = (h * p.plane + slot) * cache_row<T>(dim);
+      store_row(k, k_cache + at, dim);
+      store_row(row + q_size + kv_size + h * dim, v_cache + at, dim);
     }
   }
 }
@@ -259,9 +274,10 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
 // The attention block's element-wise work between the qkv matmul and attention, per token:
 // add the qkv bias (Qwen2), RMSNorm each q and k head (Qwen3), rotate q and k by the cos/sin
 // table rows of the token's position, and write k and v into the paged caches
-// [Hkv, num_blocks, block_size, D] (float32 or float16) at flat row `cache_index`.
-// Returns q [T, H, D]; qkv's k and v columns are left holding exactly what was stored (before
-// rounding to float16), for prefill chunks that attend to their own keys.
+// [Hkv, num_blocks, block_size, D] (float32 or float16; int8 rows are D + 4, kv_int8.h) at
+// flat row `cache_index`. Returns q [T, H, D]; qkv's k and v columns are left holding exactly
+// what was stored (before rounding to the cache's type), for prefill chunks that attend to
+// their own keys.
 torch::Tensor rope_store(torch::Tensor qkv, std::optional<torch::Tensor> bias,
                          std::optional<torch::Tensor> q_norm,
                          std::optional<torch::Tensor> k_norm, double eps,
@@ -274,7 +290,11 @@ torch::Tensor rope_store(torch::Tensor qkv, std::optional<torch::Tensor> bias,
                   v_cache.scalar_type() == k_cache.scalar_type(),
               "k_cache and v_cache must be contiguous [Hkv, num_blocks, block_size, D] tensors "
               "of one shape and dtype");
-  const int64_t tokens = qkv.size(0), num_kv_heads = k_cache.size(0), dim = k_cache.size(3);
+  const bool is_int8 = k_cache.scalar_type() == torch::kChar;
+  const int64_t tokens = qkv.size(0), num_kv_heads = k_cache.size(0);
+  const int64_t dim = k_cache.size(3) - (is_int8 ? kv_int8::kScaleBytes : 0);
+  TORCH_CHECK(!is_int8 || (dim > 0 && dim % 8 == 0),
+              "an int8 cache's head_dim must be a multiple of 8, not ", dim);
   const int64_t plane = k_cache.size(1) * k_cache.size(2);
   TORCH_CHECK(dim % 2 == 0 && qkv.size(1) % dim == 0 && qkv.size(1) / dim > 2 * num_kv_heads,
               "qkv's ", qkv.size(1), " columns are not (H + 2 * ", num_kv_heads, ") heads of ",
@@ -320,9 +340,14 @@ torch::Tensor rope_store(torch::Tensor qkv, std::optional<torch::Tensor> bias,
     at::parallel_for(0, tokens, grain, [&](int64_t first, int64_t last) {
       rope_store_rows(p, kc, vc, first, last);
     });
+  } else if (is_int8) {
+    int8_t *kc = k_cache.data_ptr<int8_t>(), *vc = v_cache.data_ptr<int8_t>();
+    at::parallel_for(0, tokens, grain, [&](int64_t first, int64_t last) {
+      rope_store_rows(p, kc, vc, first, last);
+    });
   } else {
     TORCH_CHECK(k_cache.scalar_type() == torch::kFloat16,
-                "the KV cache must be float32 or float16, not ", k_cache.scalar_type());
+                "the KV cache must be float32, float16 or int8, not ", k_cache.scalar_type());
     c10::Half *kc = k_cache.data_ptr<c10::Half>(), *vc = v_cache.data_ptr<c10::Half>();
     at::parallel_for(0, tokens, grain, [&](int64_t first, int64_t last) {
       rope_store_rows(p, kc, vc, first, last);

@@ -20,11 +20,16 @@ import torch
 from nanoserve.engine.block_table import BlockTable
 from nanoserve.engine.scheduler import ScheduledRequest
 from nanoserve.model.arch import ArchConfig
-from nanoserve.model.attention import AttentionMetadata, PrefillChunk, head_block_rows
+from nanoserve.model.attention import (
+    AttentionMetadata,
+    PrefillChunk,
+    cache_row_elements,
+    head_block_rows,
+)
 from nanoserve.model.llama import CausalLM
 from nanoserve.model.paged_decode import can_read_cache_in_place
 
-KV_CACHE_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16}
+KV_CACHE_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "int8": torch.int8}
 
 
 def resolve_kv_cache_dtype(choice: str, quantization: str, device: torch.device,
@@ -32,7 +37,11 @@ def resolve_kv_cache_dtype(choice: str, quantization: str, device: torch.device,
     """The cache's element type for `--kv-cache-dtype` `choice`. "auto" is float16 on the CPU
     when the weights are quantized (`quantization`, the resolved mode, is not "none") and the
     decode kernel that reads float16 is built; else `model_dtype`, so the exact path stays
-    exact and CUDA keeps its dtype."""
+    exact and CUDA keeps its dtype. An int8 cache is read only by the CPU kernel."""
+    if choice == "int8" and not can_read_cache_in_place(device, torch.int8):
+        why = "is not built here" if device.type == "cpu" else "runs only on the CPU"
+        raise ValueError(f"kv_cache_dtype='int8' needs the CPU attention kernel, which {why} "
+                         f"(device {device}); use float16 or float32")
     if choice != "auto":
         return KV_CACHE_TORCH_DTYPES[choice]
     if (device.type == "cpu" and quantization != "none"
@@ -44,7 +53,8 @@ def resolve_kv_cache_dtype(choice: str, quantization: str, device: torch.device,
 def kv_bytes_per_block(arch: ArchConfig, block_size: int, dtype: torch.dtype) -> int:
     """Bytes of one block's keys and values over all layers, in a cache of `dtype`."""
     element_size = torch.empty((), dtype=dtype).element_size()
-    return 2 * arch.num_layers * block_size * arch.num_kv_heads * arch.head_dim * element_size
+    row = cache_row_elements(arch.head_dim, dtype)
+    return 2 * arch.num_layers * block_size * arch.num_kv_heads * row * element_size
 
 
 class ModelRunner:
@@ -62,7 +72,8 @@ class ModelRunner:
         self.device = device
         # Zero-filled, so masked-out (stale or padding) cache entries are always finite; and
         # touched now, at start-up: a first write to a page during a step costs a page fault.
-        shape = (arch.num_kv_heads, num_blocks, block_size, arch.head_dim)  # see attention.py
+        shape = (arch.num_kv_heads, num_blocks, block_size,  # see attention.py
+                 cache_row_elements(arch.head_dim, dtype))
         self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
                            torch.zeros(shape, dtype=dtype, device=device))
                           for _ in range(arch.num_layers)]

@@ -13,6 +13,10 @@ the cache is widened to the queries' dtype before SDPA. A prefill chunk attendin
 its keys and values rounded the same way, so a prompt's result does not depend on how it was
 split into chunks or how much of it the prefix cache held.
 
+An int8 cache (`--kv-cache-dtype int8`) holds each key or value head as D int8 values and their
+float32 scale, a row of D + 4 bytes (`quantize_kv_rows`; csrc/kv_int8.h does the same in C++).
+Only the CPU kernel reads it, so only where that kernel runs every query (model_runner.py).
+
 Decodes (one query each) are attended all together. On the CPU, over a float32 or float16
 cache, a C++ kernel reads their blocks where they lie (paged_decode.py: 2-10x faster than the
 gather below, figures there); elsewhere, and as the reference it is tested against, their blocks
@@ -63,6 +67,30 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None = None  # [num_decodes] int32
 
 
+KV_INT8_SCALE_BYTES = 4  # an int8 row's float32 scale, after its D values
+
+
+def cache_row_elements(head_dim: int, dtype: torch.dtype) -> int:
+    """The cache's last dimension: head_dim, plus the scale's 4 bytes in an int8 cache."""
+    return head_dim + KV_INT8_SCALE_BYTES if dtype == torch.int8 else head_dim
+
+
+def quantize_kv_rows(x: torch.Tensor) -> torch.Tensor:
+    """[..., D] float32 -> [..., D + 4] int8: each row as round-half-even(x * 127 / amax), then
+    amax / 127 as float32 in the last 4 bytes (what csrc/kv_int8.h computes, bit for bit)."""
+    amax = x.abs().amax(dim=-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    q = torch.round(x * inv).to(torch.int8)
+    scale = (amax / 127.0).contiguous().view(torch.int8)  # [..., 4]
+    return torch.cat([q, scale], dim=-1)
+
+
+def dequantize_kv_rows(rows: torch.Tensor) -> torch.Tensor:
+    """[..., D + 4] int8 rows -> [..., D] float32 (q * scale): what the kernel attends to."""
+    scale = rows[..., -KV_INT8_SCALE_BYTES:].contiguous().view(torch.float32)
+    return rows[..., :-KV_INT8_SCALE_BYTES].float() * scale
+
+
 def head_block_rows(block_ids: np.ndarray, num_kv_heads: int, num_blocks: int) -> np.ndarray:
     """Every head's copy of `block_ids`, as rows of the cache viewed as [Hkv * num_blocks, ...]:
     gathering whole rows along the first dimension is a plain copy per block, faster than an
@@ -107,10 +135,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | N
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, cache_index: torch.Tensor) -> None:
     """k, v [T, Hkv, D] into the caches' rows `cache_index` [T], in the cache's dtype."""
-    num_kv_heads, head_dim = k.shape[1:]
+    num_kv_heads = k.shape[1]
     for new, cache in ((k, k_cache), (v, v_cache)):
-        cache.view(num_kv_heads, -1, head_dim).index_copy_(
-            1, cache_index, new.transpose(0, 1).to(cache.dtype))
+        rows = (quantize_kv_rows(new.float()) if cache.dtype == torch.int8
+                else new.to(cache.dtype))
+        cache.view(num_kv_heads, -1, cache.shape[-1]).index_copy_(
+            1, cache_index, rows.transpose(0, 1))
 
 
 def _attend_decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -63,20 +63,23 @@ from torch.profiler import record_function
 
 from nanoserve.native import load_kernels
 
-CACHE_DTYPES = (torch.float32, torch.float16)  # what the kernel reads; q is always float32
+# what the kernel reads (int8 rows carry their scale: attention.py's quantize_kv_rows); q is
+# always float32
+CACHE_DTYPES = (torch.float32, torch.float16, torch.int8)
 
 
 @functools.cache
 def can_read_cache_in_place(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether decode attention on a cache of this device and dtype can use the kernel (CPU,
-    float32 or float16, and the kernel built); the first call builds or loads it."""
+    float32, float16 or int8, and the kernel built); the first call builds or loads it."""
     return (device.type == "cpu" and dtype in CACHE_DTYPES
             and load_kernels("paged_attention") is not None)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_table: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
-    """q [B, H, D], caches [Hkv, num_blocks, block_size, D] (float32 or float16),
+    """q [B, H, D], caches [Hkv, num_blocks, block_size, D] (float32 or float16; int8 rows
+    are D + 4 bytes),
     block_table [B, max_blocks] int32, context_lens [B] int32 -> [B, H * D] in q's dtype."""
     kernels = load_kernels("paged_attention")
     assert kernels is not None, "check can_read_cache_in_place before choosing this path"

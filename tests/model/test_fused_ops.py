@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from nanoserve.model.arch import ArchConfig, RopeScaling
-from nanoserve.model.attention import write_kv_cache
+from nanoserve.model.attention import dequantize_kv_rows, quantize_kv_rows, write_kv_cache
 from nanoserve.model.fused_ops import fused_ops, kernels
 from nanoserve.model.rope import RotaryEmbedding, apply_rope, inverse_frequencies
 
@@ -85,7 +85,7 @@ def plain_rope_store(qkv: torch.Tensor, bias: torch.Tensor | None, q_norm: torch
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """DecoderLayer's plain ops: bias, q/k norm, apply_rope, write_kv_cache -> (q, k, v)."""
     num_tokens = qkv.shape[0]
-    num_kv_heads, head_dim = k_cache.shape[0], k_cache.shape[3]
+    num_kv_heads, head_dim = k_cache.shape[0], qkv.shape[1] // (num_heads + 2 * k_cache.shape[0])
     if bias is not None:
         qkv = qkv + bias
     q, k, v = qkv.view(num_tokens, -1, head_dim).split([num_heads, num_kv_heads, num_kv_heads],
@@ -99,13 +99,15 @@ def plain_rope_store(qkv: torch.Tensor, bias: torch.Tensor | None, q_norm: torch
     return q, k, v
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.int8])
 @pytest.mark.parametrize(("num_tokens", "head_dim", "variant"), [
     (1, 64, "llama"), (7, 64, "qwen2"), (5, 32, "qwen3"), (3, 16, "both"), (33, 6, "llama"),
     (2, 34, "both"), (300, 64, "llama"),
 ])
 def test_rope_store_matches_the_plain_ops(num_tokens: int, head_dim: int, variant: str,
                                           cache_dtype: torch.dtype) -> None:
+    if cache_dtype == torch.int8 and head_dim % 8:
+        pytest.skip("int8 cache rows need a head_dim that is a multiple of 8")
     num_heads, num_kv_heads, block_size, num_blocks = 6, 2, 16, 40
     gen = torch.Generator().manual_seed(num_tokens * 100 + head_dim)
     width = (num_heads + 2 * num_kv_heads) * head_dim
@@ -120,8 +122,11 @@ def test_rope_store_matches_the_plain_ops(num_tokens: int, head_dim: int, varian
     # distinct rows, shuffled over the cache, as a block table makes them
     cache_index = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
     shape = (num_kv_heads, num_blocks, block_size, head_dim)
-    k_cache = torch.randn(shape, generator=gen).to(cache_dtype)
-    v_cache = torch.randn(shape, generator=gen).to(cache_dtype)
+    k_cache, v_cache = (torch.randn(shape, generator=gen) for _ in range(2))
+    if cache_dtype == torch.int8:
+        k_cache, v_cache = quantize_kv_rows(k_cache), quantize_kv_rows(v_cache)
+    else:
+        k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
 
     q_exp, k_exp, v_exp = plain_rope_store(qkv, bias, q_norm, k_norm, rope, positions, k_ref,
@@ -140,6 +145,10 @@ def test_rope_store_matches_the_plain_ops(num_tokens: int, head_dim: int, varian
     assert torch.equal(v_cache, v_ref)  # every row: the new ones, and the rest untouched
     if cache_dtype == torch.float32:
         assert_close(k_cache, k_ref, tol)
+    elif cache_dtype == torch.int8:  # within one int8 step of the reference's rounding
+        ours_k, ref_k = dequantize_kv_rows(k_cache), dequantize_kv_rows(k_ref)
+        step = ref_k.abs().amax(dim=-1, keepdim=True) / 127
+        assert ((ours_k - ref_k).abs() <= step * (1 + 1e-5)).all()
     else:  # within one float16 step of the reference's rounding
         step = k_ref.float().abs().clamp(min=2**-14) * 2**-10
         assert ((k_cache.float() - k_ref.float()).abs() <= step).all()
@@ -164,6 +173,6 @@ def test_rope_store_refuses_rows_outside_the_cache_and_the_table() -> None:
         call(ok, torch.tensor([0, 64]))
     with pytest.raises(RuntimeError, match=r"positions\[0\] = 100 is outside the RoPE table"):
         call(torch.tensor([100, 0]), ok)
-    with pytest.raises(RuntimeError, match="float32 or float16"):
+    with pytest.raises(RuntimeError, match="float32, float16 or int8"):
         OPS.rope_store(qkv, None, None, None, EPS, table, table, ok,
                        cache.bfloat16(), cache.bfloat16(), ok)

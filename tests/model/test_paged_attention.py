@@ -1,6 +1,7 @@
 """The in-place paged decode kernel (paged_decode.py) equals the gather + SDPA path it replaces
 (attention.py's `_decode_attention`) and a plain float64 softmax, on shuffled block tables; on a
-float16 cache it equals both on the same (rounded) keys and values."""
+float16 cache it equals both on the same (rounded) keys and values, and on an int8 cache the
+float64 softmax over the dequantized ones."""
 
 from __future__ import annotations
 
@@ -20,8 +21,10 @@ from nanoserve.model.attention import (
     AttentionMetadata,
     PrefillChunk,
     _decode_attention,
+    dequantize_kv_rows,
     head_block_rows,
     paged_attention,
+    quantize_kv_rows,
 )
 from nanoserve.model.paged_decode import can_read_cache_in_place, decode_attention
 from nanoserve.native import load_kernels, missing_build_tool
@@ -70,9 +73,12 @@ def sdpa_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
 
 
 def plain_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    table: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
-    """softmax(q Kᵀ / √D) V per request, in float64, token by token through the table."""
+                    table: torch.Tensor, lens: torch.Tensor,
+                    scale: float | None = None) -> torch.Tensor:
+    """softmax(q Kᵀ * scale) V per request (scale 1 / √D unless given), in float64, token by
+    token through the table."""
     batch, num_heads, head_dim = q.shape
+    scale = 1 / math.sqrt(head_dim) if scale is None else scale
     num_kv_heads, _, block_size = k_cache.shape[:3]
     out = torch.empty(batch, num_heads, head_dim, dtype=torch.float64)
     for b, n in enumerate(lens.tolist()):
@@ -81,7 +87,7 @@ def plain_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         keys = k_cache.view(num_kv_heads, -1, head_dim)[:, rows].double()  # [Hkv, n, D]
         values = v_cache.view(num_kv_heads, -1, head_dim)[:, rows].double()
         grouped = q[b].view(num_kv_heads, -1, head_dim).double()  # [Hkv, G, D]
-        probs = torch.softmax(grouped @ keys.transpose(1, 2) / math.sqrt(head_dim), dim=-1)
+        probs = torch.softmax(grouped @ keys.transpose(1, 2) * scale, dim=-1)
         out[b] = (probs @ values).reshape(num_heads, head_dim)
     return out.view(batch, num_heads * head_dim)
 
@@ -92,14 +98,32 @@ def relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
 
 def with_cache_dtype(case: tuple[torch.Tensor, ...], dtype: torch.dtype
                      ) -> tuple[torch.Tensor, ...]:
-    """The same case with its caches converted (rounded, for float16); q stays float32."""
+    """The same case with its caches converted (rounded, for float16; quantized rows of
+    D + 4 bytes, for int8); q stays float32."""
     q, k_cache, v_cache, table, lens = case
+    if dtype == torch.int8:
+        return q, quantize_kv_rows(k_cache), quantize_kv_rows(v_cache), table, lens
     return q, k_cache.to(dtype), v_cache.to(dtype), table, lens
 
 
 def widened(case: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-    """A float16 case's rounded values in a float32 cache: what the kernel must compute on."""
+    """A float16 or int8 case's values in a float32 cache: what the kernel must compute on."""
+    q, k_cache, v_cache, table, lens = case
+    if k_cache.dtype == torch.int8:
+        return q, dequantize_kv_rows(k_cache), dequantize_kv_rows(v_cache), table, lens
     return with_cache_dtype(case, torch.float32)
+
+
+def reference_on_the_cached_values(case: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """float64 attention over what the cache holds (widened); for an int8 cache with head_dim
+    a multiple of 32 (integer scores), q scaled by 1 / √D and rounded to int8 per head as a
+    cache row is, as the kernel does."""
+    q, k_cache, v_cache, table, lens = widened(case)
+    head_dim = q.shape[-1]
+    if case[1].dtype != torch.int8 or head_dim % 32:
+        return plain_reference(q, k_cache, v_cache, table, lens)
+    q8 = dequantize_kv_rows(quantize_kv_rows(q * (1 / math.sqrt(head_dim))))
+    return plain_reference(q8, k_cache, v_cache, table, lens, scale=1.0)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -112,7 +136,7 @@ def test_kernel_equals_gather_sdpa(group: int, head_dim: int) -> None:
     assert relative_error(ours, plain_reference(*case)) < 1e-5
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.int8])
 @pytest.mark.parametrize("num_threads", [1, 2])
 @pytest.mark.parametrize("context_len", [1, 257, 1000, 2049])
 def test_split_contexts_merge_exactly(context_len: int, num_threads: int,
@@ -125,7 +149,8 @@ def test_split_contexts_merge_exactly(context_len: int, num_threads: int,
         for lens in ([context_len], [context_len, 3]):
             case = with_cache_dtype(random_case(lens, num_kv_heads=2, group=3, head_dim=64,
                                                 seed=context_len), cache_dtype)
-            assert relative_error(decode_attention(*case), plain_reference(*widened(case))) < 1e-5
+            assert relative_error(decode_attention(*case),
+                                  reference_on_the_cached_values(case)) < 1e-5
     finally:
         torch.set_num_threads(previous)
 
@@ -156,9 +181,36 @@ def test_float16_cache_equals_gather_on_the_same_values(group: int, head_dim: in
     assert relative_error(ours, plain_reference(*widened(case))) < 1e-5
 
 
+@pytest.mark.parametrize(("group", "head_dim", "block_size"),
+                         [(1, 64, 16), (3, 64, 5), (4, 128, 1), (9, 8, 7), (2, 24, 32)])
+def test_int8_cache_equals_float64_on_the_dequantized_values(group: int, head_dim: int,
+                                                             block_size: int) -> None:
+    """On an int8 cache (rows of D values and a scale, not a multiple of 64 bytes) the kernel
+    equals float64 attention over the dequantized keys and values, with q (scaled by 1 / √D)
+    rounded to int8 per head as a cache row is where head_dim is a multiple of 32 (the
+    integer scores); odd batch, contexts, block sizes."""
+    lens = [1, 3, 17, 33, 300, 5, 1000]
+    case = with_cache_dtype(random_case(lens, num_kv_heads=3, group=group, head_dim=head_dim,
+                                        seed=block_size, block_size=block_size), torch.int8)
+    assert case[1].shape[-1] == head_dim + 4
+    ours = decode_attention(*case)
+    assert relative_error(ours, reference_on_the_cached_values(case)) < 1e-5
+    # q's rounding (integer scores) moves the result by about a percent of its largest value
+    assert relative_error(ours, plain_reference(*widened(case))) < 3e-2
+
+
+def test_int8_rows_round_trip_within_half_a_step() -> None:
+    rows = torch.randn(50, 3, 64) * torch.logspace(-3, 3, 50)[:, None, None]
+    rows[7] = 0.0  # an all-zero row keeps a zero scale and zero values
+    back = dequantize_kv_rows(quantize_kv_rows(rows))
+    step = rows.abs().amax(dim=-1, keepdim=True) / 127
+    assert ((back - rows).abs() <= step * 0.5 * (1 + 1e-5)).all()
+    assert torch.equal(back[7], rows[7])
+
+
 def test_mixed_cache_dtypes_are_refused() -> None:
     q, k_cache, v_cache, table, lens = random_case([20], num_kv_heads=1, group=1, head_dim=8)
-    with pytest.raises(RuntimeError, match="must both be float32 or both float16"):
+    with pytest.raises(RuntimeError, match="must both be float32, both float16 or both int8"):
         decode_attention(q, k_cache.half(), v_cache, table, lens)
 
 
