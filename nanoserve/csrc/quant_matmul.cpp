@@ -19,6 +19,12 @@
 // t*32 + i*4 + c holds row i's input 4t+c. Scales are exact products of the file's scales, so
 // dequantizing the packed form equals dequantizing the file (tests check it bit for bit).
 // Q4_0 keeps its offset -8d as f32 (exact, and the f16 form would need an overflow check).
+//
+// The 4-bit layouts also have a wide form (`widen`): the same block with its 128 nibble bytes
+// spread to 256 bytes, one 4-bit value per byte in the order the kernel unpacks them (wq[0..7]
+// below), so a block is 8 loads instead of 4 loads and 12 shifts and masks. Twice the bytes,
+// for ~8% more multiply-adds per second where the kernel is bound by arithmetic, not memory:
+// many activation rows (figures in quant_linear.py, which decides when a weight keeps one).
 // The figures that chose this design are in nanoserve/model/quant_linear.py.
 
 #include <ATen/Parallel.h>
@@ -28,6 +34,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 
 namespace {
 
@@ -63,6 +70,17 @@ constexpr int64_t packed_block_bytes(Layout layout) {
 }
 
 constexpr bool is_u4(Layout layout) { return layout == Layout::U4H || layout == Layout::U4F; }
+
+// A block's bytes before its quantized values: the scales (and offsets).
+constexpr int64_t qs_offset(Layout layout) {
+  return layout == Layout::U4H ? 32 : layout == Layout::S8H ? 16 : 64;
+}
+
+// Bytes per packed block, in the wide form (4-bit layouts only) or the plain one.
+template <Layout L, bool Wide>
+constexpr int64_t block_bytes() {
+  return Wide ? qs_offset(L) + 256 : packed_block_bytes(L);
+}
 
 inline float f16(const uint8_t* p) {
   uint16_t h;
@@ -162,10 +180,6 @@ void decode_block(int64_t type, const uint8_t* row, int64_t b, Block32& out) {
 }
 
 // ---- repacking ----------------------------------------------------------------------------------
-
-constexpr int64_t qs_offset(Layout layout) {
-  return layout == Layout::U4H ? 32 : layout == Layout::S8H ? 16 : 64;
-}
 
 // Block b of one row into its slot i (0-7) of the packed group block at dst.
 void pack_block(Layout layout, const Block32& blk, int i, uint8_t* dst) {
@@ -337,9 +351,9 @@ inline void load_scales(const uint8_t* blk, __m256& a, __m256& b) {
 // w = d*q + m with 4-bit q: sum over 8 maddubs stays within int16 (8 * 2 * 15 * 127 = 30480).
 // The 8 unpacked weight vectors stay in registers while the R activation rows pass over them
 // (measured 8% faster than unpacking per row pair: fewer spills).
-template <Layout L, int R>
+template <Layout L, int R, bool Wide>
 void u4_group(const uint8_t* w, int64_t KB, const RowPtrs& rows) {
-  constexpr int64_t BPB = packed_block_bytes(L);
+  constexpr int64_t BPB = block_bytes<L, Wide>();
   const __m256i nibble = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[R] = {};  // zeroed
@@ -347,10 +361,15 @@ void u4_group(const uint8_t* w, int64_t KB, const RowPtrs& rows) {
     const uint8_t* blk = w + b * BPB;
     const uint8_t* qs = blk + qs_offset(L);
     __m256i wq[8];  // wq[j] lane i: row i's inputs 4j..4j+3
-    for (int t = 0; t < 4; ++t) {
-      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * t));
-      wq[t] = _mm256_and_si256(raw, nibble);
-      wq[t + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
+    if constexpr (Wide) {
+      for (int t = 0; t < 8; ++t)
+        wq[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * t));
+    } else {
+      for (int t = 0; t < 4; ++t) {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * t));
+        wq[t] = _mm256_and_si256(raw, nibble);
+        wq[t + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
+      }
     }
     __m256 dw, mw;
     load_scales<L>(blk, dw, mw);
@@ -416,17 +435,17 @@ void s8_group(const uint8_t* w, int64_t KB, const RowPtrs& rows) {
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(rows.y[r], acc[r]);
 }
 
-template <Layout L, int R>
+template <Layout L, int R, bool Wide>
 inline void group_kernel(const uint8_t* w, int64_t KB, const RowPtrs& rows) {
-  if constexpr (is_u4(L)) u4_group<L, R>(w, KB, rows);
+  if constexpr (is_u4(L)) u4_group<L, R, Wide>(w, KB, rows);
   else s8_group<L, R>(w, KB, rows);
 }
 
 // Groups [g0, g1) of the packed weight against all M activation rows.
-template <Layout L>
+template <Layout L, bool Wide>
 void matmul_groups(const uint8_t* packed, const Acts& acts, int64_t M, int64_t N, int64_t K,
                    float* y, int64_t g0, int64_t g1) {
-  const int64_t KB = K / QK, group_bytes = KB * packed_block_bytes(L);
+  const int64_t KB = K / QK, group_bytes = KB * block_bytes<L, Wide>();
   // a few groups stay in L1/L2 while every tile of activation rows passes over them
   constexpr int64_t kGroupsPerChunk = 8;
   const int8_t* q = acts.q.data_ptr<int8_t>();
@@ -447,10 +466,10 @@ void matmul_groups(const uint8_t* packed, const Acts& acts, int64_t M, int64_t N
         }
         const uint8_t* w = packed + g * group_bytes;
         switch (R) {
-          case 4: group_kernel<L, 4>(w, KB, rows); break;
-          case 3: group_kernel<L, 3>(w, KB, rows); break;
-          case 2: group_kernel<L, 2>(w, KB, rows); break;
-          default: group_kernel<L, 1>(w, KB, rows); break;
+          case 4: group_kernel<L, 4, Wide>(w, KB, rows); break;
+          case 3: group_kernel<L, 3, Wide>(w, KB, rows); break;
+          case 2: group_kernel<L, 2, Wide>(w, KB, rows); break;
+          default: group_kernel<L, 1, Wide>(w, KB, rows); break;
         }
         if (!is_full) {
           for (int r = 0; r < R; ++r)
@@ -461,15 +480,15 @@ void matmul_groups(const uint8_t* packed, const Acts& acts, int64_t M, int64_t N
   }
 }
 
-template <Layout L>
+template <Layout L, bool Wide = false>
 void matmul_layout(const uint8_t* packed, const Acts& acts, int64_t M, int64_t N, int64_t K,
                    float* y) {
   const int64_t G = (N + TILE_N - 1) / TILE_N;
-  const int64_t group_bytes = K / QK * packed_block_bytes(L);
+  const int64_t group_bytes = K / QK * block_bytes<L, Wide>();
   // at least ~16 KB of weights per task, so that small layers do not pay for a thread wake-up
   const int64_t grain = std::max<int64_t>(1, 16384 / (group_bytes * std::max<int64_t>(1, M)));
   at::parallel_for(0, G, grain, [&](int64_t g0, int64_t g1) {
-    matmul_groups<L>(packed, acts, M, N, K, y, g0, g1);
+    matmul_groups<L, Wide>(packed, acts, M, N, K, y, g0, g1);
   });
 }
 
@@ -497,8 +516,37 @@ at::Tensor repack(const at::Tensor& raw, int64_t ggml_type, int64_t N, int64_t K
   return packed;
 }
 
+// The wide form of a 4-bit packed weight (see the top of this file): the same blocks, each
+// value in a byte of its own.
+at::Tensor widen(const at::Tensor& packed, int64_t ggml_type, int64_t N, int64_t K) {
+  check_packed(packed, ggml_type, N, K);
+  const Layout layout = type_info(ggml_type).layout;
+  TORCH_CHECK(is_u4(layout), "quant_matmul: only 4-bit formats (Q4_0, Q4_1, Q4_K) widen");
+  const int64_t blocks = (N + TILE_N - 1) / TILE_N * (K / QK);
+  const int64_t head = qs_offset(layout), bpb = packed_block_bytes(layout);
+  at::Tensor wide = at::empty({blocks, head + 256}, at::kByte);
+  const uint8_t* src = packed.data_ptr<uint8_t>();
+  uint8_t* dst = wide.data_ptr<uint8_t>();
+  at::parallel_for(0, blocks, 256, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const uint8_t* in = src + b * bpb;
+      uint8_t* out = dst + b * (head + 256);
+      std::memcpy(out, in, head);
+      for (int64_t i = 0; i < 128; ++i) {  // as u4_group unpacks: low nibbles, then high
+        out[head + i] = in[head + i] & 0xF;
+        out[head + 128 + i] = in[head + i] >> 4;
+      }
+    }
+  });
+  return wide;
+}
+
+// From this many activation rows on, a weight's wide form is used where it has one: below,
+// the kernel waits on memory and twice the bytes would cost more than the unpacking saves.
+constexpr int64_t kWideMinRows = 16;
+
 at::Tensor packed_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t ggml_type,
-                         int64_t N, int64_t K) {
+                         int64_t N, int64_t K, const std::optional<at::Tensor>& wide) {
   check_packed(packed, ggml_type, N, K);
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 &&
                   x.size(1) == K && x.is_contiguous(),
@@ -509,7 +557,19 @@ at::Tensor packed_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t 
   const Acts acts = quantize_acts(x);
   const uint8_t* w = packed.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  switch (type_info(ggml_type).layout) {
+  const Layout layout = type_info(ggml_type).layout;
+  if (wide && M >= kWideMinRows && is_u4(layout)) {
+    TORCH_CHECK(wide->device().is_cpu() && wide->scalar_type() == at::kByte &&
+                    wide->is_contiguous() &&
+                    wide->numel() == packed.numel() / packed_block_bytes(layout) *
+                                         (qs_offset(layout) + 256),
+                "quant_matmul: `wide` must be this packed weight's `widen` form");
+    const uint8_t* ww = wide->data_ptr<uint8_t>();
+    if (layout == Layout::U4H) matmul_layout<Layout::U4H, true>(ww, acts, M, N, K, yp);
+    else matmul_layout<Layout::U4F, true>(ww, acts, M, N, K, yp);
+    return y;
+  }
+  switch (layout) {
     case Layout::U4H: matmul_layout<Layout::U4H>(w, acts, M, N, K, yp); break;
     case Layout::U4F: matmul_layout<Layout::U4F>(w, acts, M, N, K, yp); break;
     case Layout::S8H: matmul_layout<Layout::S8H>(w, acts, M, N, K, yp); break;
@@ -571,14 +631,19 @@ at::Tensor quant_rows(const at::Tensor& raw, int64_t ggml_type, const at::Tensor
 
 at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& raw, int64_t ggml_type, int64_t N,
                         int64_t K) {
-  return packed_matmul(x, repack(raw, ggml_type, N, K), ggml_type, N, K);
+  return packed_matmul(x, repack(raw, ggml_type, N, K), ggml_type, N, K, std::nullopt);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   const auto nogil = py::call_guard<py::gil_scoped_release>();
   m.def("repack", &repack, "raw GGUF rows [N, row_bytes] -> the kernel's packed layout", nogil);
-  m.def("packed_matmul", &packed_matmul, "x [M, K] f32 @ packed weight [N, K]^T -> [M, N]", nogil);
+  m.def("packed_matmul", &packed_matmul,
+        "x [M, K] f32 @ packed weight [N, K]^T -> [M, N]; `wide` (optional): its widen form",
+        py::arg("x"), py::arg("packed"), py::arg("ggml_type"), py::arg("N"), py::arg("K"),
+        py::arg("wide") = py::none(), nogil);
+  m.def("widen", &widen, "a 4-bit packed weight with each value in a byte (the wide form)",
+        nogil);
   m.def("packed_rows", &packed_rows, "rows ids of the packed weight, dequantized -> [len, K]", nogil);
   m.def("quant_matmul", &quant_matmul, "x [M, K] f32 @ raw GGUF weight [N, K]^T -> [M, N]", nogil);
   m.def("quant_rows", &quant_rows, "rows ids of the raw GGUF weight, dequantized -> [len, K]", nogil);

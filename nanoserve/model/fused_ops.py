@@ -94,9 +94,10 @@ def bind_matmul(weight: Any, profiled: bool = False) -> Matmul:
         assert native is not None, "a packed QuantizedWeight exists only where the kernel loads"
         packed_matmul, data, ggml_type = native.packed_matmul, weight.data, weight.ggml_type
         num_rows, in_features = weight.shape
+        wide = weight.wide
 
         def call(x: torch.Tensor) -> torch.Tensor:
-            return packed_matmul(x, data, ggml_type, num_rows, in_features)
+            return packed_matmul(x, data, ggml_type, num_rows, in_features, wide)
     elif isinstance(weight, torch.Tensor):
         call = functools.partial(linear, weight=weight)
     else:

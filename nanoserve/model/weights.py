@@ -169,6 +169,24 @@ def load_into(model: CausalLM, tensors: Iterator[tuple[str, ReadTensor]], dtype:
         embedding = model.embed_tokens  # packed float copy (the embedding stays plain)
         _set_weight(model, "lm_head", embedding if isinstance(embedding, QuantizedWeight)
                     else make_matmul_weight(embedding.data, quantization, dtype, device))
+    _keep_wide_forms(model)
+
+
+# The 4-bit weights' wide forms (quant_linear.py) are kept when all of them together take at
+# most this much more memory: a model up to ~2B parameters (+0.5 byte per weight).
+WIDE_FORMS_BUDGET = 1 << 30
+
+
+def _keep_wide_forms(model: torch.nn.Module) -> None:
+    """Give every 4-bit decoder weight its wide form, if they all fit WIDE_FORMS_BUDGET."""
+    targets = [(f"{name}.{attr}", weight) for name, layer in model.named_modules()
+               for attr, weight in vars(layer).items()
+               if isinstance(weight, QuantizedWeight) and weight.can_widen]
+    extra = sum(weight.wide_extra_bytes for _, weight in targets)
+    if extra > WIDE_FORMS_BUDGET:
+        return
+    for dotted_name, weight in targets:
+        _set_weight(model, dotted_name.lstrip("."), weight.widened())
 
 
 _MATMUL_WEIGHTS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")

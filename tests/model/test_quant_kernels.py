@@ -181,3 +181,35 @@ def test_each_row_is_independent_of_the_batch(native, ggml_type: int) -> None:
     for row in range(x.shape[0]):
         assert torch.equal(batched[row : row + 1], weight.matmul(x[row : row + 1].clone()))
     assert torch.equal(batched[5:13], weight.matmul(x[5:13].clone()))
+
+
+WIDE_TYPE_IDS = {GGML_Q4_0: "Q4_0", GGML_Q4_1: "Q4_1", GGML_Q4_K: "Q4_K"}
+
+
+@pytest.mark.parametrize("ggml_type", list(WIDE_TYPE_IDS), ids=list(WIDE_TYPE_IDS.values()))
+@pytest.mark.parametrize("num_x_rows", [1, 15, 16, 17, 64])
+def test_wide_form_gives_the_same_products(native, ggml_type: int, num_x_rows: int) -> None:
+    """The wide form (a byte per 4-bit value) is used from 16 activation rows on; below, the
+    packed one. Either way the product is bit for bit the packed form's."""
+    shape = shape_for(ggml_type, 43)  # 43 rows: a partial 8-row group at the end
+    raw = make_raw(ggml_type, *shape, seed=7)
+    weight = QuantizedWeight.from_gguf(raw, ggml_type, shape)
+    wide = weight.widened()
+    assert weight.wide is None and wide.wide is not None
+    assert wide.wide.numel() - weight.data.numel() == wide.wide_extra_bytes
+    x = torch.randn(num_x_rows, shape[1], generator=torch.Generator().manual_seed(num_x_rows))
+    assert torch.equal(wide.matmul(x), weight.matmul(x))
+    assert torch.equal(native.packed_matmul(x, weight.data, ggml_type, *shape, wide.wide),
+                       native.packed_matmul(x, weight.data, ggml_type, *shape))
+
+
+def test_only_4_bit_weights_widen(native) -> None:
+    shape = shape_for(GGML_Q8_0, 8)
+    weight = QuantizedWeight.from_gguf(make_raw(GGML_Q8_0, *shape), GGML_Q8_0, shape)
+    assert not weight.can_widen and weight.widened() is weight
+    with pytest.raises(RuntimeError, match="only 4-bit formats"):
+        native.widen(weight.data, GGML_Q8_0, *shape)
+    q4 = QuantizedWeight.from_gguf(make_raw(GGML_Q4_1, *shape), GGML_Q4_1, shape)
+    with pytest.raises(RuntimeError, match=r"must be this packed weight's `widen` form"):
+        native.packed_matmul(torch.zeros(16, shape[1]), q4.data, GGML_Q4_1, *shape,
+                             q4.data)  # the packed bytes passed as if they were wide
