@@ -8,6 +8,7 @@ the grammar bitmask on the constrained logits rows right before the sampler.
 
 from __future__ import annotations
 
+import gc
 import logging
 import random
 import time
@@ -83,6 +84,12 @@ class EngineCore:
             config.scheduler.max_num_seqs, device)
         self.compiling: dict[str, Request] = {}  # requests whose grammar is compiling
         self.stats = SchedulerStats()  # brought up to date by every step and abort
+        # Everything loaded so far (the model, the tokenizer, the imported libraries: millions
+        # of objects) lives as long as the engine: moved out of the collector's sight, the
+        # oldest-generation collections that steps trigger no longer walk it (vLLM does the
+        # same). Measured: the collector took ~2% of the engine thread in `bench throughput`.
+        gc.collect()
+        gc.freeze()
 
     def _blocks_for_budget(self, block_size: int, dtype: torch.dtype,
                            device: torch.device) -> int:
