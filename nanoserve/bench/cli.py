@@ -27,6 +27,9 @@ def add_bench_commands(bench: argparse.ArgumentParser, build_llm: LLMFactory) ->
     tput.add_argument("--skip-transformers", action="store_true",
                       help="measure nanoserve only (no ratios)")
     tput.add_argument("--skip-roofline", action="store_true")
+    tput.add_argument("--repeats", type=int, default=2,
+                      help="rounds per scenario, the engines taking turns; the best of each "
+                           "side counts (default: %(default)s)")
     EngineArgs.add_cli_args(tput)
     tput.set_defaults(func=partial(_run_throughput, build_llm=build_llm))
 

@@ -66,6 +66,7 @@ def test_benchmarks_run_and_print_their_figures(tiny_model_dir: Any) -> None:
                      "--input-len", "16", "--output-len", "4", "--skip-transformers")
     assert done.returncode == 0, done.stderr
     assert "nanoserve tok/s" in done.stdout and "step / matmuls" in done.stdout
+    assert "4 sequences, round 2: nanoserve" in done.stdout and "best of 2 rounds" in done.stdout
     done = nanoserve("bench", "sampler", "--model", model, "--batch-sizes", "1,4",
                      "--repeats", "1")
     assert done.returncode == 0, done.stderr
