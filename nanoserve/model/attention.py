@@ -17,8 +17,8 @@ An int8 cache (`--kv-cache-dtype int8`) holds each key or value head as D int8 v
 float32 scale, a row of D + 4 bytes (`quantize_kv_rows`; csrc/kv_int8.h does the same in C++).
 Only the CPU kernel reads it, so only where that kernel runs every query (model_runner.py).
 
-Decodes (one query each) are attended all together. On the CPU, over a float32 or float16
-cache, a C++ kernel reads their blocks where they lie (paged_decode.py: 2-10x faster than the
+Decodes (one query each) are attended all together. On the CPU, over a float32, float16 or
+int8 cache, a C++ kernel reads their blocks where they lie (paged_decode.py: 2-10x faster than the
 gather below, figures there); elsewhere, and as the reference it is tested against, their blocks
 are gathered with one `index_select` into a padded [num_decodes, max_blocks * block_size] key
 range and masked. Prefill chunks, few per step, are attended one by one; that loop is the only
