@@ -172,8 +172,9 @@ void score_tile_int8(const int8_t* q8, const int8_t* const* keys, int64_t n, int
         }
       }
     }
-    const __m128 k_scale = _mm_setr_ps(kv_int8::row_scale(k[0], dim), kv_int8::row_scale(k[1], dim),
-                                       kv_int8::row_scale(k[2], dim), kv_int8::row_scale(k[3], dim));
+    using kv_int8::row_scale;
+    const __m128 k_scale = _mm_setr_ps(row_scale(k[0], dim), row_scale(k[1], dim),
+                                       row_scale(k[2], dim), row_scale(k[3], dim));
     const bool is_full = j0 + kKeys <= n;
     for (int g = 0; g < GB; ++g) {
       const __m128 dots = _mm_cvtepi32_ps(hsum4_epi32(acc[g][0], acc[g][1], acc[g][2], acc[g][3]));
@@ -541,5 +542,6 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention,
-        "Decode attention over a paged float32, float16 or int8 KV cache, read in place (CPU, AVX2)");
+        "Decode attention over a paged float32, float16 or int8 KV cache, read in place "
+        "(CPU, AVX2)");
 }
