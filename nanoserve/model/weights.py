@@ -178,10 +178,12 @@ WIDE_FORMS_BUDGET = 1 << 30
 
 
 def _keep_wide_forms(model: torch.nn.Module) -> None:
-    """Give every 4-bit decoder weight its wide form, if they all fit WIDE_FORMS_BUDGET."""
+    """Give every 4-bit matmul weight its wide form, if they all fit WIDE_FORMS_BUDGET. The
+    embedding is looked up row by row, never multiplied (a tied head is `lm_head` too)."""
     targets = [(f"{name}.{attr}", weight) for name, layer in model.named_modules()
                for attr, weight in vars(layer).items()
-               if isinstance(weight, QuantizedWeight) and weight.can_widen]
+               if attr != "embed_tokens" and isinstance(weight, QuantizedWeight)
+               and weight.can_widen]
     extra = sum(weight.wide_extra_bytes for _, weight in targets)
     if extra > WIDE_FORMS_BUDGET:
         return

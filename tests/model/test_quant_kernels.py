@@ -19,6 +19,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
+from nanoserve.model import weights
 from nanoserve.model.quant_linear import (
     BLOCK_FORMATS,
     GGML_Q4_0,
@@ -213,3 +214,27 @@ def test_only_4_bit_weights_widen(native) -> None:
     with pytest.raises(RuntimeError, match=r"must be this packed weight's `widen` form"):
         native.packed_matmul(torch.zeros(16, shape[1]), q4.data, GGML_Q4_1, *shape,
                              q4.data)  # the packed bytes passed as if they were wide
+
+
+def test_loader_keeps_wide_forms_within_its_budget(native, monkeypatch) -> None:
+    """Every 4-bit matmul weight gets its wide form while all of them fit the budget; none
+    does past it; the embedding (looked up, never multiplied) and Q8_0 weights never do."""
+    def model() -> torch.nn.Module:
+        shape = shape_for(GGML_Q4_1, 16)
+        net, layer = torch.nn.Module(), torch.nn.Module()
+        net.layer = layer
+        layer.o_proj = QuantizedWeight.from_gguf(make_raw(GGML_Q4_1, *shape), GGML_Q4_1, shape)
+        layer.down_proj = QuantizedWeight.from_gguf(make_raw(GGML_Q8_0, *shape), GGML_Q8_0,
+                                                    shape)
+        net.embed_tokens = QuantizedWeight.from_gguf(make_raw(GGML_Q4_1, *shape), GGML_Q4_1,
+                                                     shape)
+        return net
+
+    net = model()
+    weights._keep_wide_forms(net)
+    assert net.layer.o_proj.wide is not None
+    assert net.layer.down_proj.wide is None and net.embed_tokens.wide is None
+    monkeypatch.setattr(weights, "WIDE_FORMS_BUDGET", net.layer.o_proj.wide_extra_bytes - 1)
+    net = model()
+    weights._keep_wide_forms(net)
+    assert net.layer.o_proj.wide is None
