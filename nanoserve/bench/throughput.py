@@ -143,4 +143,3 @@ def run_throughput_bench(args: argparse.Namespace, build_llm: LLMFactory) -> int
         print(f"  step / matmuls = {step / matmuls.total:.2f}x "
               f"(step / projections alone = {step / matmuls.projections:.2f}x)")
     return 0
-
