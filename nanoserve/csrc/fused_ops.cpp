@@ -19,10 +19,12 @@
 
 #include "kv_int8.h"
 #include "simd_exp.h"
+#include "simd_reduce.h"
 
 namespace {
 
 using simd::exp256;
+using simd::hsum;
 
 // Measured on 2 cores, min of 10 (us, 1 thread -> 2): add_rms_norm of 64 rows of 576
 // 9.5 -> 5.5, of 32 rows 5.0 -> 5.5 (a split there does not pay); silu_mul of 8 rows of
@@ -31,13 +33,6 @@ constexpr int64_t kParallelElements = 1 << 15;
 
 int64_t grain_rows(int64_t row_elements) {
   return std::max<int64_t>(1, kParallelElements / std::max<int64_t>(1, row_elements));
-}
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
 }
 
 // A lane mask for the last n < 8 elements of a row (masked loads and stores: no scalar tails).

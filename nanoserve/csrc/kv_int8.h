@@ -13,6 +13,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "simd_reduce.h"
+
 namespace kv_int8 {
 
 constexpr int64_t kScaleBytes = 4;
@@ -29,10 +31,7 @@ inline void quantize_row(const float* src, int8_t* dst, int64_t dim) {
   __m256 vmax = _mm256_setzero_ps();
   for (int64_t i = 0; i < dim; i += 8)
     vmax = _mm256_max_ps(vmax, _mm256_and_ps(_mm256_loadu_ps(src + i), abs_mask));
-  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
-  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-  const float amax = _mm_cvtss_f32(m4);
+  const float amax = simd::hmax(vmax);
   const float scale = amax / 127.0f;
   const __m256 inv = _mm256_set1_ps(amax != 0.0f ? 127.0f / amax : 0.0f);
   for (int64_t i = 0; i < dim; i += 8) {

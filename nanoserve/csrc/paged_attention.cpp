@@ -29,10 +29,13 @@
 
 #include "kv_int8.h"
 #include "simd_exp.h"
+#include "simd_reduce.h"
 
 namespace {
 
 using simd::exp256;
+using simd::hmax;
+using simd::hsum;
 
 // Measured on a 2-core AVX2 machine, one thread, batch 16 x 1,024 tokens over 30 layers' caches
 // (so from DRAM, as in a real step): asking for the next tile's rows while this one computes
@@ -64,13 +67,6 @@ template <typename T>
 inline float row_scale(const T* row, int64_t dim) {
   if constexpr (std::is_same_v<T, int8_t>) return kv_int8::row_scale(row, dim);
   else return 1.0f;
-}
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
 }
 
 // The rows of the next tile, to request into L2 while this one computes: the blocks are
@@ -290,10 +286,7 @@ void softmax_tile(float* scores, int64_t n, int64_t group, float* max, float* su
     for (int64_t j = n; j < padded; ++j) s[j] = kNegInf;  // pad to whole vectors
     __m256 vmax = _mm256_set1_ps(kNegInf);
     for (int64_t j = 0; j < padded; j += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s + j));
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-    const float new_max = std::max(max[g], _mm_cvtss_f32(m4));
+    const float new_max = std::max(max[g], hmax(vmax));
     corr[g] = max[g] == kNegInf ? 0.0f : std::exp(max[g] - new_max);
     max[g] = new_max;
     const __m256 m = _mm256_set1_ps(new_max);

@@ -36,6 +36,8 @@
 #include <cstring>
 #include <optional>
 
+#include "simd_reduce.h"
+
 namespace {
 
 constexpr int GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q8_0 = 8, GGML_Q4_K = 12, GGML_Q6_K = 14;
@@ -282,10 +284,7 @@ void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* s) {
     __m256 v2 = _mm256_loadu_ps(xb + 16), v3 = _mm256_loadu_ps(xb + 24);
     __m256 amax = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v0, abs_mask), _mm256_and_ps(v1, abs_mask)),
                                 _mm256_max_ps(_mm256_and_ps(v2, abs_mask), _mm256_and_ps(v3, abs_mask)));
-    __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(amax, 1), _mm256_castps256_ps128(amax));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-    const float max_abs = _mm_cvtss_f32(m4);
+    const float max_abs = simd::hmax(amax);
     const float scale = max_abs / 127.f;
     const __m256 inv = _mm256_set1_ps(max_abs != 0.f ? 127.f / max_abs : 0.f);
     // cvtps rounds to nearest even under the default MXCSR mode

@@ -88,7 +88,7 @@ float chunk_maxima(const float* x, int64_t vocab, std::vector<float>& chunk_max)
         nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
         m = _mm256_max_ps(m, v);
       }
-      best = max8(m);
+      best = simd::hmax(m);
     } else {
       for (int64_t i = start; i < vocab; ++i) best = std::isnan(x[i]) ? x[i] : std::max(best, x[i]);
     }

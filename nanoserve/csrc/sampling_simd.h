@@ -8,6 +8,7 @@
 #include <initializer_list>
 
 #include "simd_exp.h"
+#include "simd_reduce.h"
 
 namespace sampling {
 
@@ -79,12 +80,6 @@ inline __m256 gumbel_bound8(__m256i hashes) {
       _mm256_srli_epi32(_mm256_castps_si256(_mm256_cvtepi32_ps(m)), 23), _mm256_set1_epi32(127));
   const __m256 bits_left = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_set1_epi32(24), log2_m));
   return _mm256_fmadd_ps(bits_left, _mm256_set1_ps(0.693147181f), _mm256_set1_ps(1e-3f));
-}
-
-inline float max8(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
 }
 
 }  // namespace sampling
