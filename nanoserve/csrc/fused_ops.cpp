@@ -15,7 +15,6 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
-#include <type_traits>
 
 #include "kv_int8.h"
 #include "simd_exp.h"
@@ -154,12 +153,6 @@ void store_row<int8_t>(const float* src, int8_t* dst, int64_t n) {
   kv_int8::quantize_row(src, dst, n);
 }
 
-// Elements of T in one cache row of a head of `dim`.
-template <typename T>
-constexpr int64_t cache_row(int64_t dim) {
-  return std::is_same_v<T, int8_t> ? dim + kv_int8::kScaleBytes : dim;
-}
-
 struct RopeProblem {
   float* qkv;  // [T, (H + 2 Hkv) * D], updated in place: bias added, k normed and rotated
   const float* bias;  // [(H + 2 Hkv) * D] or null
@@ -195,7 +188,7 @@ void rope_store_rows(const RopeProblem& p, T* k_cache, T* v_cache, int64_t first
       float* k = row + q_size + h * dim;
       if (p.k_norm != nullptr) norm_row(k, p.k_norm, p.eps, dim, k);
       rotate_head(k, cos, sin, half);
-      const int64_t at = (h * p.plane + slot) * cache_row<T>(dim);
+      const int64_t at = (h * p.plane + slot) * kv_int8::row_elements<T>(dim);
       store_row(k, k_cache + at, dim);
       store_row(row + q_size + kv_size + h * dim, v_cache + at, dim);
     }

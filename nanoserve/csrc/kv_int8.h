@@ -12,12 +12,20 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "simd_reduce.h"
 
 namespace kv_int8 {
 
 constexpr int64_t kScaleBytes = 4;
+
+// Elements of T in one cache row of a head of `dim` (float, half or int8): the D values, and
+// for int8 the scale after them.
+template <typename T>
+constexpr int64_t row_elements(int64_t dim) {
+  return std::is_same_v<T, int8_t> ? dim + kScaleBytes : dim;
+}
 
 inline float row_scale(const int8_t* row, int64_t dim) {
   float s;
