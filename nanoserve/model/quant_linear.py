@@ -50,9 +50,8 @@ from nanoserve.model.linear import linear, pack_weight
 from nanoserve.native import load_kernels
 
 GGML_Q4_0, GGML_Q4_1, GGML_Q8_0, GGML_Q4_K, GGML_Q6_K = 2, 3, 8, 12, 14
-# The 4-bit formats, which have a wide form: their packed block's bytes (per 8 rows x 32 inputs),
-# of which 128 are nibbles that the wide form spreads to 256.
-WIDE_TYPES = {GGML_Q4_0: 192, GGML_Q4_1: 160, GGML_Q4_K: 192}
+# The 4-bit formats, which have a wide form (a byte instead of a nibble per value).
+WIDE_TYPES = frozenset({GGML_Q4_0, GGML_Q4_1, GGML_Q4_K})
 # ggml type -> (inputs per block, bytes per block)
 BLOCK_FORMATS: dict[int, tuple[int, int]] = {
     GGML_Q8_0: (32, 34), GGML_Q4_0: (32, 18), GGML_Q4_1: (32, 20),
@@ -175,7 +174,9 @@ class QuantizedWeight:
     @property
     def wide_extra_bytes(self) -> int:
         """The memory a wide form adds to this (4-bit, packed) weight."""
-        return self.data.numel() // WIDE_TYPES[self.ggml_type] * 128
+        num_rows, in_features = self.shape
+        padded_rows = -(-num_rows // 8) * 8  # the kernel packs rows 8 at a time
+        return padded_rows * in_features // 2  # half a byte more per value
 
     def widened(self) -> QuantizedWeight:
         """The same weight with its wide form kept beside the packed one: ~0.5 more bytes per
