@@ -1,0 +1,255 @@
+// GGUF block formats and the kernel's packed layout: decoding one block of 32 inputs,
+// packing 8 weight rows into one interleaved group block, and the inverse (quant_matmul.cpp
+// multiplies the packed form; its repack and widen entry points build it).
+//
+// Packed block layouts, per 8-row group and per 32 inputs (the Python side only stores them):
+//   U4H (Q4_1):       f16 d[8], f16 m[8], 128 bytes of nibbles              160 bytes
+//   U4F (Q4_0, Q4_K): f32 d[8], f32 m[8], 128 bytes of nibbles              192 bytes
+//   S8H (Q8_0):       f16 d[8], 256 int8                                    272 bytes
+//   S8F2 (Q6_K):      f32 d[8] for inputs 0-15, f32 d[8] for 16-31, 256 int8 320 bytes
+// Nibble byte t*32 + i*4 + c holds row i's input 4t+c (low) and 16+4t+c (high); int8 byte
+// t*32 + i*4 + c holds row i's input 4t+c. Scales are exact products of the file's scales, so
+// dequantizing the packed form equals dequantizing the file (tests check it bit for bit).
+// Q4_0 keeps its offset -8d as f32 (exact, and the f16 form would need an overflow check).
+#pragma once
+
+#include <immintrin.h>
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace gguf_blocks {
+
+constexpr int GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q8_0 = 8, GGML_Q4_K = 12, GGML_Q6_K = 14;
+constexpr int QK = 32;     // inputs per kernel block
+constexpr int TILE_N = 8;  // output rows interleaved in one packed group
+
+enum class Layout { U4H, U4F, S8H, S8F2 };
+
+struct TypeInfo {
+  int block_elems;  // inputs per GGUF block
+  int block_bytes;  // bytes per GGUF block
+  Layout layout;
+};
+
+inline TypeInfo type_info(int64_t ggml_type) {
+  switch (ggml_type) {
+    case GGML_Q8_0: return {32, 34, Layout::S8H};
+    case GGML_Q4_0: return {32, 18, Layout::U4F};
+    case GGML_Q4_1: return {32, 20, Layout::U4H};
+    case GGML_Q4_K: return {256, 144, Layout::U4F};
+    case GGML_Q6_K: return {256, 210, Layout::S8F2};
+    default:
+      TORCH_CHECK(false, "quant_matmul: ggml type ", ggml_type,
+                  " is not supported (Q8_0=8, Q4_0=2, Q4_1=3, Q4_K=12, Q6_K=14)");
+  }
+}
+
+constexpr int64_t packed_block_bytes(Layout layout) {
+  return layout == Layout::U4H ? 160 : layout == Layout::U4F ? 192
+       : layout == Layout::S8H ? 272 : 320;
+}
+
+constexpr bool is_u4(Layout layout) { return layout == Layout::U4H || layout == Layout::U4F; }
+
+// A block's bytes before its quantized values: the scales (and offsets).
+constexpr int64_t qs_offset(Layout layout) {
+  return layout == Layout::U4H ? 32 : layout == Layout::S8H ? 16 : 64;
+}
+
+// Bytes per packed block, in the wide form (4-bit layouts only) or the plain one.
+template <Layout L, bool Wide>
+constexpr int64_t block_bytes() {
+  return Wide ? qs_offset(L) + 256 : packed_block_bytes(L);
+}
+
+inline float f16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+inline int32_t load_i32(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// ---- decoding one GGUF block of 32 inputs -------------------------------------------------------
+
+// One 32-input block in the common form: value e = d[e / 16] * q[e] + m.
+struct Block32 {
+  int8_t q[QK];     // 0..15 for the 4-bit formats, signed for Q8_0 / Q6_K
+  float d[2];       // scale of inputs 0-15 and 16-31 (equal except for Q6_K)
+  float m;          // offset (0 for the symmetric formats)
+  uint8_t d_f16[2]; // the file's f16 scale and offset, for the f16 layouts
+  uint8_t m_f16[2];
+};
+
+inline void q4k_scale_min(const uint8_t* s, int j, int& sc, int& mn) {
+  if (j < 4) {
+    sc = s[j] & 63;
+    mn = s[j + 4] & 63;
+  } else {
+    sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+    mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+// Block b (of 32 inputs) of one weight row's raw GGUF bytes.
+inline void decode_block(int64_t type, const uint8_t* row, int64_t b, Block32& out) {
+  out.m = 0.f;
+  switch (type) {
+    case GGML_Q8_0: {
+      const uint8_t* blk = row + b * 34;
+      std::memcpy(out.d_f16, blk, 2);
+      out.d[0] = out.d[1] = f16(blk);
+      std::memcpy(out.q, blk + 2, QK);
+      return;
+    }
+    case GGML_Q4_0:
+    case GGML_Q4_1: {
+      const bool has_min = type == GGML_Q4_1;
+      const uint8_t* blk = row + b * (has_min ? 20 : 18);
+      const uint8_t* qs = blk + (has_min ? 4 : 2);
+      std::memcpy(out.d_f16, blk, 2);
+      out.d[0] = out.d[1] = f16(blk);
+      if (has_min) {
+        std::memcpy(out.m_f16, blk + 2, 2);
+        out.m = f16(blk + 2);
+      } else {
+        out.m = -8.f * out.d[0];  // d * (q - 8) == d * q + (-8 d), both exact in f32
+      }
+      for (int e = 0; e < 16; ++e) {
+        out.q[e] = qs[e] & 0xF;
+        out.q[e + 16] = qs[e] >> 4;
+      }
+      return;
+    }
+    case GGML_Q4_K: {
+      const uint8_t* sb = row + (b / 8) * 144;
+      const int j = b % 8;
+      int sc, mn;
+      q4k_scale_min(sb + 4, j, sc, mn);
+      out.d[0] = out.d[1] = f16(sb) * float(sc);  // exact: 11 + 6 bits
+      out.m = -(f16(sb + 2) * float(mn));
+      const uint8_t* qs = sb + 16 + (j / 2) * 32;
+      const int shift = (j % 2) * 4;
+      for (int e = 0; e < QK; ++e) out.q[e] = (qs[e] >> shift) & 0xF;
+      return;
+    }
+    case GGML_Q6_K: {
+      const uint8_t* sb = row + (b / 8) * 210;
+      const int j = b % 8;
+      const uint8_t* ql = sb;
+      const uint8_t* qh = sb + 128;
+      const int8_t* sc = reinterpret_cast<const int8_t*>(sb + 192);
+      const float d = f16(sb + 208);
+      out.d[0] = d * float(sc[2 * j]);
+      out.d[1] = d * float(sc[2 * j + 1]);
+      for (int e = 0; e < QK; ++e) {
+        const int idx = 32 * j + e, half = idx / 128, r = idx % 128;
+        const int lo = (ql[half * 64 + r % 64] >> (4 * (r / 64))) & 0xF;
+        const int hi = (qh[half * 32 + r % 32] >> (2 * (r / 32))) & 0x3;
+        out.q[e] = int8_t((lo | (hi << 4)) - 32);
+      }
+      return;
+    }
+    default:
+      type_info(type);  // throws
+  }
+}
+
+// ---- repacking ----------------------------------------------------------------------------------
+
+// Block b of one row into its slot i (0-7) of the packed group block at dst.
+inline void pack_block(Layout layout, const Block32& blk, int i, uint8_t* dst) {
+  switch (layout) {
+    case Layout::U4H:
+      std::memcpy(dst + 2 * i, blk.d_f16, 2);
+      std::memcpy(dst + 16 + 2 * i, blk.m_f16, 2);
+      break;
+    case Layout::S8H:
+      std::memcpy(dst + 2 * i, blk.d_f16, 2);
+      break;
+    case Layout::U4F:
+      std::memcpy(dst + 4 * i, &blk.d[0], 4);
+      std::memcpy(dst + 32 + 4 * i, &blk.m, 4);
+      break;
+    case Layout::S8F2:
+      std::memcpy(dst + 4 * i, &blk.d[0], 4);
+      std::memcpy(dst + 32 + 4 * i, &blk.d[1], 4);
+      break;
+  }
+  uint8_t* qs = dst + qs_offset(layout);
+  if (is_u4(layout)) {
+    for (int t = 0; t < 4; ++t)
+      for (int c = 0; c < 4; ++c)
+        qs[t * 32 + i * 4 + c] = uint8_t(blk.q[4 * t + c] | (blk.q[16 + 4 * t + c] << 4));
+  } else {
+    for (int t = 0; t < 8; ++t)
+      for (int c = 0; c < 4; ++c) qs[t * 32 + i * 4 + c] = uint8_t(blk.q[4 * t + c]);
+  }
+}
+
+// Row i of a packed group block, dequantized: the exact inverse of pack_block.
+inline void unpack_row(Layout layout, const uint8_t* blk, int i, float* out) {
+  const uint8_t* qs = blk + qs_offset(layout);
+  float d0, d1, m = 0.f;
+  if (layout == Layout::U4H || layout == Layout::S8H) {
+    d0 = d1 = f16(blk + 2 * i);
+    if (layout == Layout::U4H) m = f16(blk + 16 + 2 * i);
+  } else {
+    std::memcpy(&d0, blk + 4 * i, 4);
+    std::memcpy(&d1, blk + 32 + 4 * i, 4);
+    if (layout == Layout::U4F) {
+      m = d1;
+      d1 = d0;
+    }
+  }
+  if (is_u4(layout)) {
+    for (int e = 0; e < 16; ++e) {
+      const uint8_t byte = qs[(e / 4) * 32 + i * 4 + e % 4];
+      out[e] = d0 * float(byte & 0xF) + m;
+      out[e + 16] = d0 * float(byte >> 4) + m;
+    }
+  } else {
+    for (int e = 0; e < QK; ++e) {
+      const int8_t q = int8_t(qs[(e / 4) * 32 + i * 4 + e % 4]);
+      out[e] = (e < 16 ? d0 : d1) * float(q);
+    }
+  }
+}
+
+inline void check_shapes(int64_t ggml_type, int64_t N, int64_t K) {
+  const TypeInfo info = type_info(ggml_type);
+  TORCH_CHECK(N > 0 && K > 0 && K % info.block_elems == 0, "quant_matmul: K=", K,
+              " must be a positive multiple of ", info.block_elems, " for ggml type ", ggml_type);
+}
+
+inline int64_t raw_row_bytes(int64_t ggml_type, int64_t K) {
+  const TypeInfo info = type_info(ggml_type);
+  return K / info.block_elems * info.block_bytes;
+}
+
+inline void check_raw(const at::Tensor& raw, int64_t ggml_type, int64_t N, int64_t K) {
+  check_shapes(ggml_type, N, K);
+  TORCH_CHECK(raw.device().is_cpu() && raw.scalar_type() == at::kByte && raw.is_contiguous(),
+              "quant_matmul: the raw weight must be a contiguous CPU uint8 tensor");
+  TORCH_CHECK(raw.numel() == N * raw_row_bytes(ggml_type, K), "quant_matmul: the raw weight has ",
+              raw.numel(), " bytes, but ", N, " rows of ", K, " inputs need ",
+              N * raw_row_bytes(ggml_type, K));
+}
+
+inline void check_packed(const at::Tensor& packed, int64_t ggml_type, int64_t N, int64_t K) {
+  check_shapes(ggml_type, N, K);
+  const int64_t expected = (N + TILE_N - 1) / TILE_N * (K / QK) *
+                           packed_block_bytes(type_info(ggml_type).layout);
+  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte &&
+                  packed.is_contiguous() && packed.numel() == expected,
+              "quant_matmul: the packed weight must be a contiguous CPU uint8 tensor of ", expected,
+              " bytes (from repack) for N=", N, ", K=", K);
+}
+
+}  // namespace gguf_blocks
