@@ -136,6 +136,10 @@ class RequestLimits:
     # the stop checker holds back up to len(stop)-1 characters and tests each prefix per token:
     # quadratic in the length, so a bound keeps hostile stop strings cheap
     max_stop_string_length: int = 256
+    # bad words are matched against each sample's output in Python on every step: 200,000 words
+    # in one request made the other requests of its batch 12x slower. vLLM's cap is 128 words
+    # (each word is also held to max_stop_string_length)
+    max_bad_words: int = 128
     # seconds from admission until a request is aborted (its KV blocks freed) and answered with
     # HTTP 408 (in a stream: an error event); None = no deadline, as vLLM (a client that gives
     # up and disconnects already aborts its request)
@@ -150,7 +154,7 @@ class RequestLimits:
 
     def __post_init__(self) -> None:
         for name in ("max_request_body_bytes", "max_n", "max_stop_strings",
-                     "max_stop_string_length", "max_unread_updates"):
+                     "max_stop_string_length", "max_bad_words", "max_unread_updates"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.request_timeout is not None and not self.request_timeout > 0:

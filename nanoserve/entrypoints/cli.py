@@ -145,6 +145,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             max_request_body_bytes=args.max_request_body_bytes, max_n=args.max_n,
             max_stop_strings=args.max_stop_strings,
             max_stop_string_length=args.max_stop_string_length,
+            max_bad_words=args.max_bad_words,
             request_timeout=args.request_timeout,
             slow_reader_timeout=args.slow_reader_timeout,
             max_unread_updates=args.max_unread_updates),
@@ -165,7 +166,10 @@ def add_limit_args(parser: argparse.ArgumentParser) -> None:
                    help="the most stop strings one request may give (default: %(default)s)")
     g.add_argument("--max-stop-string-length", type=int,
                    default=RequestLimits.max_stop_string_length,
-                   help="the longest stop string, in characters (default: %(default)s)")
+                   help="the longest stop string (and bad word), in characters "
+                        "(default: %(default)s)")
+    g.add_argument("--max-bad-words", type=int, default=RequestLimits.max_bad_words,
+                   help="the most bad_words one request may give (default: %(default)s)")
     g.add_argument("--request-timeout", type=float, default=RequestLimits.request_timeout,
                    metavar="SECONDS",
                    help="abort a request this long after admission and answer HTTP 408 "

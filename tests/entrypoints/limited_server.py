@@ -15,6 +15,7 @@ from server_harness import RunningServer
 MODEL = "tiny"
 # small, so that a test can step just past each limit cheaply
 LIMITS = {"--max-n": "4", "--max-stop-strings": "2", "--max-stop-string-length": "8",
+          "--max-bad-words": "2",
           "--max-request-body-bytes": "262144", "--max-logprobs": "5",
           "--max-model-len": "256", "--max-in-flight": "8"}
 

@@ -34,6 +34,10 @@ CHAT = [{"role": "user", "content": "hi"}]
      "stop must be at most 2 strings (--max-stop-strings), got 3"),
     ("/v1/chat/completions", {"stop": "123456789"}, "stop",
      "at most 8 characters (--max-stop-string-length), got one of 9"),
+    ("/v1/completions", {"bad_words": ["a", "b", "c"]}, "bad_words",
+     "bad_words must be at most 2 words (--max-bad-words), got 3"),
+    ("/v1/chat/completions", {"bad_words": ["123456789"]}, "bad_words",
+     "each bad word must be at most 8 characters (--max-stop-string-length), got one of 9"),
     ("/v1/completions", {"logprobs": 6}, "logprobs",
      "logprobs must be <= 5 (--max-logprobs), got 6"),
     ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 6}, "top_logprobs",
@@ -66,7 +70,8 @@ def test_past_each_limit_is_a_400_naming_it(limited_server: LimitedServer, path:
 def test_at_each_limit_is_accepted(limited_server: LimitedServer) -> None:
     client = limited_server.client()
     done = client.completions.create(model=MODEL, prompt=["a"] * 8, n=4, max_tokens=2,
-                                     logprobs=5, stop=["12345678", "x"], temperature=1.0)
+                                     logprobs=5, stop=["12345678", "x"], temperature=1.0,
+                                     extra_body={"bad_words": ["12345678", "y"]})
     assert len(done.choices) == 8 * 4
     chat = client.chat.completions.create(model=MODEL, messages=CHAT, n=4, logprobs=True,
                                           top_logprobs=5, max_completion_tokens=2)

@@ -82,13 +82,27 @@ def check_n(limits: RequestLimits, n: int) -> None:
 def check_stops(limits: RequestLimits, stops: list[str] | None) -> None:
     """Stop strings are checked on every new token of every sample, so count and length are
     bounded."""
-    if not stops:
+    _check_texts(stops, "stop", ("strings", "stop string"), limits.max_stop_strings,
+                 "--max-stop-strings", limits.max_stop_string_length)
+
+
+def check_bad_words(limits: RequestLimits, words: list[str] | None) -> None:
+    """Bad words are matched against the output on every step of every sample, so count and
+    length are bounded (the length as a stop string's)."""
+    _check_texts(words, "bad_words", ("words", "bad word"), limits.max_bad_words,
+                 "--max-bad-words", limits.max_stop_string_length)
+
+
+def _check_texts(texts: list[str] | None, field: str, nouns: tuple[str, str], max_count: int,
+                 count_flag: str, max_length: int) -> None:
+    """At most `max_count` texts (else a 400 naming `count_flag`), each of at most `max_length`
+    characters (--max-stop-string-length); `nouns`: the texts counted, and one of them."""
+    if not texts:
         return
-    if len(stops) > limits.max_stop_strings:
-        raise bad_request(f"stop must be at most {limits.max_stop_strings} strings "
-                          f"(--max-stop-strings), got {len(stops)}", "stop")
-    for stop in stops:
-        if len(stop) > limits.max_stop_string_length:
-            raise bad_request(f"each stop string must be at most "
-                              f"{limits.max_stop_string_length} characters "
-                              f"(--max-stop-string-length), got one of {len(stop)}", "stop")
+    if len(texts) > max_count:
+        raise bad_request(f"{field} must be at most {max_count} {nouns[0]} ({count_flag}), "
+                          f"got {len(texts)}", field)
+    for text in texts:
+        if len(text) > max_length:
+            raise bad_request(f"each {nouns[1]} must be at most {max_length} characters "
+                              f"(--max-stop-string-length), got one of {len(text)}", field)

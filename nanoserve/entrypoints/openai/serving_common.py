@@ -14,7 +14,7 @@ from fastapi import Request
 from nanoserve.config import RequestLimits
 from nanoserve.entrypoints.async_engine import AsyncEngine, EngineDeadError, RequestTimeoutError
 from nanoserve.entrypoints.openai.errors import APIError, bad_request, from_value_error, sse_error
-from nanoserve.entrypoints.openai.limits import check_n, check_stops
+from nanoserve.entrypoints.openai.limits import check_bad_words, check_n, check_stops
 from nanoserve.entrypoints.openai.metrics import Metrics
 from nanoserve.entrypoints.openai.protocol import SamplingFields
 from nanoserve.outputs import Logprob, PositionLogprobs, RequestOutput
@@ -79,6 +79,7 @@ def sampling_params(ctx: ServerContext, req: SamplingFields, *, max_tokens: int,
     check_n(ctx.limits, req.n)
     stops = [req.stop] if isinstance(req.stop, str) else req.stop
     check_stops(ctx.limits, stops)
+    check_bad_words(ctx.limits, req.bad_words)
     try:
         bias = None if req.logit_bias is None else {int(k): v for k, v in req.logit_bias.items()}
     except ValueError:
