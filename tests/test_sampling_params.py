@@ -41,6 +41,8 @@ def test_vllm_defaults_and_normalization() -> None:
         (1, 1.0, 1.0, 0, 0.0, 16)
     assert SamplingParams(top_k=-1).top_k == 0
     assert SamplingParams(stop="###").stop == ["###"]
+    # repeats mean nothing, and a hostile list of them would be scanned on every step
+    assert SamplingParams(stop_token_ids=[7, 5, 7, 5] * 1000).stop_token_ids == [7, 5]
     assert SamplingParams(logit_bias={5: 250.0, 6: -400}).logit_bias == {5: 100.0, 6: -100.0}
     greedy = SamplingParams(temperature=0.0, top_p=0.5, top_k=10, min_p=0.2)
     assert greedy.is_greedy and (greedy.top_p, greedy.top_k, greedy.min_p) == (1.0, 0, 0.0)

@@ -39,6 +39,7 @@ class Request:
         self.all_token_ids = list(prompt_token_ids)  # prompt + output, appended in place
         self.params = params
         self.eos_token_ids = eos_token_ids
+        self.stop_token_ids = frozenset(params.stop_token_ids)  # checked on every new token
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_computed_tokens = 0

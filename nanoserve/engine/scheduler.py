@@ -165,7 +165,7 @@ class Scheduler:
         if not params.ignore_eos and token in request.eos_token_ids:
             request.stop_reason = None
             return RequestStatus.FINISHED_STOPPED
-        if token in params.stop_token_ids:
+        if token in request.stop_token_ids:
             request.stop_reason = token
             return RequestStatus.FINISHED_STOPPED
         if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
