@@ -76,6 +76,8 @@ class TimingObserver(Protocol):
 
     def inter_token(self, seconds: float, num_tokens: int) -> None: ...
 
+    def generated(self, num_tokens: int) -> None: ...
+
     def finished(self, state: RequestState) -> None: ...
 
 
@@ -209,6 +211,8 @@ class OutputProcessor:
             self.observer.inter_token(now - metrics.last_token_time, len(eo.new_token_ids))
         metrics.last_token_time = now
         metrics.num_generation_tokens += len(eo.new_token_ids)
+        if self.observer is not None:  # counted as they come, so a dashboard's rate is live
+            self.observer.generated(len(eo.new_token_ids))
         if eo.prompt_logprobs is not None and state.prompt_logprobs is None:
             state.prompt_logprobs = [None] + [self.logprobs.position(e)
                                               for e in eo.prompt_logprobs]

@@ -216,6 +216,9 @@ def test_tokenize_and_detokenize(server: RunningServer) -> None:
 
 
 def test_metrics_move(server: RunningServer, client: openai.OpenAI) -> None:
+    # tokens are counted as they are generated: no earlier test's request may still run
+    wait_until(lambda: server.metric("nanoserve:num_requests_running") == 0,
+               "earlier tests' requests to end")
     before = server.metric("nanoserve:generation_tokens_total")
     ttft = server.metric("nanoserve:time_to_first_token_seconds_count")
     client.completions.create(model=MODEL, prompt="Metrics", max_tokens=5, temperature=0)
@@ -223,16 +226,18 @@ def test_metrics_move(server: RunningServer, client: openai.OpenAI) -> None:
     assert server.metric("nanoserve:time_to_first_token_seconds_count") == ttft + 1
     assert server.metric("nanoserve:prefix_cache_queries_total") > 0
     # the gauges follow a request in flight, and come back when it ends
-    wait_until(lambda: server.metric("nanoserve:num_requests_running") == 0,
-               "earlier tests' requests to end")
     idle_usage = server.metric("nanoserve:kv_cache_usage_perc")
+    generated = server.metric("nanoserve:generation_tokens_total")
     body = {"model": MODEL, "prompt": "Gauges", "max_tokens": 3000, "ignore_eos": True,
             "stream": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body,
                       headers=server.headers, timeout=60) as response:
-        lines = response.iter_lines()
-        next(line for line in lines if line.startswith("data: "))  # it is running now
-        assert server.metric("nanoserve:num_requests_running") == 1
+        lines = (line for line in response.iter_lines() if line.startswith("data: "))
+        for _ in range(20):  # each chunk carries at least one new token
+            next(lines)
+        assert server.metric("nanoserve:num_requests_running") == 1  # it is running now
+        # tokens are counted as they stream, not when the request ends
+        assert server.metric("nanoserve:generation_tokens_total") >= generated + 20
         assert server.metric("nanoserve:num_requests_waiting") == 0
         assert server.metric("nanoserve:kv_cache_usage_perc") > idle_usage
     wait_until(lambda: server.metric("nanoserve:num_requests_running") == 0,

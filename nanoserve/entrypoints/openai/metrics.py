@@ -2,7 +2,8 @@
 
 Gauges and the prefix-cache counters come from the engine core's latest SchedulerStats (sent
 with every step and after idle-time changes); token counters and latency histograms are
-measured here, in the API server, as outputs arrive.
+measured here, in the API server, as outputs arrive (generated tokens step by step, as vLLM
+counts them, not when a request ends).
 """
 
 from __future__ import annotations
@@ -86,11 +87,13 @@ class Metrics:
         for _ in range(max(num_tokens, 1)):
             self.itl.observe(seconds / max(num_tokens, 1))
 
+    def generated(self, num_tokens: int) -> None:
+        self.generation_tokens.inc(num_tokens)
+
     def finished(self, state: RequestState) -> None:
         metrics = state.metrics
         if metrics.finished_time is not None:
             self.e2e.observe(metrics.finished_time - metrics.arrival_time)
-        self.generation_tokens.inc(sum(len(s.completion.token_ids) for s in state.samples))
         for sample in state.samples:
             self.request_success.labels(self.model,
                                         sample.completion.finish_reason or "abort").inc()

@@ -71,11 +71,9 @@ function push(list, value) {
 function update(metrics) {
   const t = performance.now() / 1000;
   const last = history.at(-1);
-  // generation_tokens counts a request's tokens when it finishes; the latency histograms count
-  // them as they arrive (one TTFT for the first, one inter-token observation per later token),
-  // so their counts' rate is the tokens/s of requests still running
-  const generated = (m) => total(m, `${P}time_to_first_token_seconds_count`)
-    + total(m, `${P}inter_token_latency_seconds_count`);
+  // generation_tokens counts tokens as they are generated, so its rate includes requests still
+  // running
+  const generated = (m) => total(m, `${P}generation_tokens_total`);
   let tps = null;
   let hitRate = null;
   if (last) {
