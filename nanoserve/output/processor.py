@@ -72,7 +72,7 @@ class StepResult:
 class TimingObserver(Protocol):
     """Receives request timings as they happen (the server's Prometheus histograms)."""
 
-    def first_token(self, seconds: float) -> None: ...
+    def first_token(self, seconds: float, num_prompt_tokens: int) -> None: ...
 
     def inter_token(self, seconds: float, num_tokens: int) -> None: ...
 
@@ -206,7 +206,8 @@ class OutputProcessor:
             metrics.first_token_time = now
             state.num_cached_tokens = eo.num_cached_tokens
             if self.observer is not None:
-                self.observer.first_token(now - metrics.arrival_time)
+                self.observer.first_token(now - metrics.arrival_time,
+                                          len(state.prompt_token_ids))
         elif self.observer is not None and metrics.last_token_time is not None:
             self.observer.inter_token(now - metrics.last_token_time, len(eo.new_token_ids))
         metrics.last_token_time = now

@@ -220,9 +220,13 @@ def test_metrics_move(server: RunningServer, client: openai.OpenAI) -> None:
     wait_until(lambda: server.metric("nanoserve:num_requests_running") == 0,
                "earlier tests' requests to end")
     before = server.metric("nanoserve:generation_tokens_total")
+    prompt_before = server.metric("nanoserve:prompt_tokens_total")
     ttft = server.metric("nanoserve:time_to_first_token_seconds_count")
-    client.completions.create(model=MODEL, prompt="Metrics", max_tokens=5, temperature=0)
+    done = client.completions.create(model=MODEL, prompt="Metrics", max_tokens=5, temperature=0)
     assert server.metric("nanoserve:generation_tokens_total") == before + 5
+    assert done.usage is not None and done.usage.prompt_tokens > 0
+    assert server.metric("nanoserve:prompt_tokens_total") == \
+        prompt_before + done.usage.prompt_tokens
     assert server.metric("nanoserve:time_to_first_token_seconds_count") == ttft + 1
     assert server.metric("nanoserve:prefix_cache_queries_total") > 0
     # the gauges follow a request in flight, and come back when it ends

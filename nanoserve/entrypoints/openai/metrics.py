@@ -80,8 +80,9 @@ class Metrics:
                              buckets=_LATENCY_BUCKETS, registry=self.registry).labels(model)
 
     # -- TimingObserver ----------------------------------------------------------------------
-    def first_token(self, seconds: float) -> None:
+    def first_token(self, seconds: float, num_prompt_tokens: int) -> None:
         self.ttft.observe(seconds)
+        self.prompt_tokens.inc(num_prompt_tokens)  # once per request, as its prefill is done
 
     def inter_token(self, seconds: float, num_tokens: int) -> None:
         for _ in range(max(num_tokens, 1)):
