@@ -177,7 +177,7 @@ class ServerConfig:
     chat_template: str | None = None  # the Jinja text that replaces the tokenizer's template
     api_server_count: int = 1
     shutdown_timeout: float = 30.0  # seconds in-flight requests may take to finish on SIGTERM
-    max_in_flight: int = 512  # past this many requests in flight, new ones get 429
+    max_in_flight: int = 512  # past this many sequences (requests times n) in flight: 429
     generation_config: str = "auto"  # "auto": the model's defaults; "vllm": vLLM's defaults
     log_level: str = "info"
     limits: RequestLimits = field(default_factory=RequestLimits)

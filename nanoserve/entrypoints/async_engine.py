@@ -61,6 +61,7 @@ class AsyncEngine:
         self.engine_alive = engine_alive
         self.processor = OutputProcessor(tokenizer, observer)
         self.queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._num_sequences = 0  # the n of each request in `queues`, summed
         self.stats = SchedulerStats()
         self.dead_reason: str | None = None
         self.on_dead: Callable[[], None] | None = None
@@ -81,6 +82,11 @@ class AsyncEngine:
     @property
     def num_in_flight(self) -> int:
         return len(self.queues)
+
+    @property
+    def num_sequences_in_flight(self) -> int:
+        """Engine sequences of the requests in flight: a request's n samples are n."""
+        return self._num_sequences
 
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._receive_loop(), name="engine-outputs"),
@@ -116,6 +122,7 @@ class AsyncEngine:
                                                      params)
         self.queues[request_id] = queue
         self.last_read[request_id] = asyncio.get_running_loop().time()
+        self._num_sequences += params.n
         finished = False
         try:
             for engine_id, sample_params, leader in engine_requests:
@@ -132,6 +139,7 @@ class AsyncEngine:
                 if finished:
                     return
         finally:
+            self._num_sequences -= params.n
             self.queues.pop(request_id, None)
             self.last_read.pop(request_id, None)
             self.stalled.discard(request_id)

@@ -216,7 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--shutdown-timeout", type=float, default=ServerConfig.shutdown_timeout,
                    help="seconds in-flight requests may take to finish on SIGTERM")
     g.add_argument("--max-in-flight", type=int, default=ServerConfig.max_in_flight,
-                   help="requests in flight past which new ones get HTTP 429")
+                   help="sequences in flight (each request's n samples count) past which "
+                        "new requests get HTTP 429")
     g.add_argument("--generation-config", choices=("auto", "vllm"),
                    default=ServerConfig.generation_config,
                    help="auto: the model's generation_config sampling defaults; vllm: vLLM's")

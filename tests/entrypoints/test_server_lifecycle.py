@@ -171,7 +171,7 @@ def test_sigterm_drains_in_flight_requests(tiny_model_dir: Any, start_server: St
 
 
 def test_overload_is_429(tiny_model_dir: Any, start_server: Starter) -> None:
-    server = start_server(str(tiny_model_dir("llama")), "--max-in-flight", "1")
+    server = start_server(str(tiny_model_dir("llama")), "--max-in-flight", "8")
     # 8 samples drawn over the whole vocabulary: long enough to still be in flight
     body = {"prompt": "x", "max_tokens": 1000, "ignore_eos": True, "stream": True, "n": 8,
             "temperature": 1.0}

@@ -55,6 +55,8 @@ CHAT = [{"role": "user", "content": "hi"}]
      "input_tokens", "maximum context length is 256 tokens"),
     ("/v1/completions", {"prompt": ["a"] * 9}, "prompt",
      "prompt must be a batch of at most 8 prompts (--max-in-flight), got 9"),
+    ("/v1/completions", {"prompt": ["a"] * 3, "n": 3}, "n",
+     "n times the prompts must be at most 8 sequences (--max-in-flight), got 3 x 3"),
 ])
 def test_past_each_limit_is_a_400_naming_it(limited_server: LimitedServer, path: str,
                                             body: dict[str, Any], param: str,
@@ -69,10 +71,12 @@ def test_past_each_limit_is_a_400_naming_it(limited_server: LimitedServer, path:
 
 def test_at_each_limit_is_accepted(limited_server: LimitedServer) -> None:
     client = limited_server.client()
-    done = client.completions.create(model=MODEL, prompt=["a"] * 8, n=4, max_tokens=2,
+    done = client.completions.create(model=MODEL, prompt=["a"] * 2, n=4, max_tokens=2,
                                      logprobs=5, stop=["12345678", "x"], temperature=1.0,
                                      extra_body={"bad_words": ["12345678", "y"]})
-    assert len(done.choices) == 8 * 4
+    assert len(done.choices) == 2 * 4
+    batch = client.completions.create(model=MODEL, prompt=["a"] * 8, max_tokens=1)
+    assert len(batch.choices) == 8
     chat = client.chat.completions.create(model=MODEL, messages=CHAT, n=4, logprobs=True,
                                           top_logprobs=5, max_completion_tokens=2)
     assert len(chat.choices) == 4 and len(chat.choices[0].logprobs.content[0].top_logprobs) == 5

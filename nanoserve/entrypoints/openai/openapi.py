@@ -20,7 +20,7 @@ _ERROR_REASONS = {
     404: "`model` names another model",
     408: "the request ran past --request-timeout and was stopped",
     413: "the body is larger than --max-request-body-bytes",
-    429: "the server has --max-in-flight requests in flight; retry later",
+    429: "the server has --max-in-flight sequences (requests times n) in flight; retry later",
     503: "the engine is not running, or the server is shutting down",
 }
 # what every generating route can answer besides 200

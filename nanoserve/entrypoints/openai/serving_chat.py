@@ -100,7 +100,7 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     plan = plan_tools(req, ctx.tool_call_parser)
     structured = await structured_outputs(req, has_tool_grammar=plan.structured is not None,
                                           tokenizer=ctx.grammar_tokenizer)
-    ctx.check_capacity()
+    ctx.check_capacity(n=req.n)
     prompt = render_prompt(ctx, req)
     ids = ctx.tokenizer.encode(prompt, add_special_tokens=False)
     asked = req.max_completion_tokens if req.max_completion_tokens is not None \

@@ -37,7 +37,7 @@ class ServerContext:
     vocab_size: int
     metrics: Metrics
     max_logprobs: int  # the engine's cap (EngineArgs.max_logprobs)
-    max_in_flight: int  # past this many requests in flight, new ones get 429
+    max_in_flight: int  # past this many sequences (requests times n) in flight: 429
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None  # --tool-call-parser: what `tool_choice="auto"` reads
@@ -53,19 +53,25 @@ class ServerContext:
         if model is not None and model != self.model_name:
             raise APIError(404, f"The model `{model}` does not exist.", "model")
 
-    def check_capacity(self, num_requests: int = 1) -> None:
+    def check_capacity(self, num_prompts: int = 1, n: int = 1) -> None:
         """429 past the in-flight cap (the SDK backs off and retries); 503 while stopping.
-        A /v1/completions batch is `num_requests` requests: one per prompt."""
+        The cap counts engine sequences: each of a /v1/completions batch's prompts, times n
+        (each sample holds its own copy of the prompt: 512 requests of n=128 on 8k-token
+        prompts would need ~24 GiB in the engine alone)."""
         if self.engine.is_dead:
             raise APIError(503, "the engine is not running")
         if self.shutting_down:
             raise APIError(503, "the server is shutting down")
-        if num_requests > self.max_in_flight:
+        if num_prompts > self.max_in_flight:
             raise bad_request(f"prompt must be a batch of at most {self.max_in_flight} prompts "
-                              f"(--max-in-flight), got {num_requests}", "prompt")
-        if self.engine.num_in_flight + num_requests > self.max_in_flight:
-            raise APIError(429, f"the server is at capacity ({self.max_in_flight} requests in "
-                                "flight); retry later")
+                              f"(--max-in-flight), got {num_prompts}", "prompt")
+        check_n(self.limits, n)
+        if num_prompts * n > self.max_in_flight:
+            raise bad_request(f"n times the prompts must be at most {self.max_in_flight} "
+                              f"sequences (--max-in-flight), got {n} x {num_prompts}", "n")
+        if self.engine.num_sequences_in_flight + num_prompts * n > self.max_in_flight:
+            raise APIError(429, f"the server is at capacity ({self.max_in_flight} sequences "
+                                "in flight); retry later")
 
 
 def sampling_params(ctx: ServerContext, req: SamplingFields, *, max_tokens: int,
@@ -76,7 +82,6 @@ def sampling_params(ctx: ServerContext, req: SamplingFields, *, max_tokens: int,
                           "stream_options")
     if req.stream and req.prompt_logprobs is not None:
         raise bad_request("prompt_logprobs is not available when streaming", "prompt_logprobs")
-    check_n(ctx.limits, req.n)
     stops = [req.stop] if isinstance(req.stop, str) else req.stop
     check_stops(ctx.limits, stops)
     check_bad_words(ctx.limits, req.bad_words)

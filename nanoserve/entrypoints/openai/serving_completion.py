@@ -68,7 +68,7 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest,
         raise bad_request("best_of is not supported (use n)", "best_of")
     structured = await structured_outputs(req, tokenizer=ctx.grammar_tokenizer)
     batch = _batch(req.prompt)
-    ctx.check_capacity(len(batch))  # before tokenizing: a batch can hold a million prompts
+    ctx.check_capacity(len(batch), req.n)  # before tokenizing: a batch can hold a million prompts
     prompts = _prompts(ctx, batch)
     echo_only = req.echo and req.max_tokens == 0
     kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
