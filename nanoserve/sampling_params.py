@@ -124,12 +124,12 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        # a set in meaning (repeats dropped): a hostile list of 500,000 repeats would be scanned
+        # every step
+        self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids or []))
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self._validate()
-        # a set in meaning: a hostile list of 500,000 repeats would be scanned every step
-        self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids))
         if 0 < self.temperature < MIN_TEMPERATURE and self.temperature >= SAMPLING_EPS:
             self.temperature = MIN_TEMPERATURE
         if self.temperature < SAMPLING_EPS:  # greedy: truncation means nothing
