@@ -24,6 +24,10 @@ FORBIDDEN = {
     ("structured", "engine"), ("structured", "entrypoints"), ("structured", "output"),
     ("structured", "sample"), ("sample", "structured"),
     ("structured", "model"), ("model", "structured"),
+    # the chat parsers read text and emit neutral events: no wire format, no engine; the
+    # output path (detokenize, stop strings) is beside them, not below or above
+    ("parsers", "entrypoints"), ("parsers", "engine"), ("parsers", "output"),
+    ("parsers", "model"), ("parsers", "sample"), ("output", "parsers"),
 }
 
 

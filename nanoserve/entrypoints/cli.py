@@ -18,8 +18,8 @@ from nanoserve.bench.cli import add_bench_commands
 from nanoserve.config import RequestLimits, ServerConfig, api_key_from_env
 from nanoserve.engine_args import EngineArgs
 from nanoserve.entrypoints.chat_defaults import chat_defaults, describe
-from nanoserve.output.reasoning import REASONING_PARSERS
-from nanoserve.output.tool_calls import TOOL_CALL_PARSERS
+from nanoserve.parsers.reasoning import REASONING_PARSERS
+from nanoserve.parsers.tool_calls import TOOL_CALL_PARSERS
 from nanoserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:

@@ -30,7 +30,7 @@ from nanoserve.entrypoints.openai.serving_tools import (
     plan_tools,
     required_schema,
 )
-from nanoserve.output.tool_calls import make_tool_call_parser
+from nanoserve.parsers.tool_calls import make_tool_call_parser
 
 HERE = Path(__file__).resolve().parent
 MODEL = "tiny-llama"

@@ -36,7 +36,7 @@ from nanoserve.entrypoints.openai.serving_tools import (
     tool_message_fields,
 )
 from nanoserve.entrypoints.openai.structured_outputs import structured_outputs
-from nanoserve.output.reasoning import make_reasoning_parser, prompt_ends_in_reasoning
+from nanoserve.parsers.reasoning import make_reasoning_parser, prompt_ends_in_reasoning
 from nanoserve.outputs import PositionLogprobs
 from nanoserve.sampling_params import RequestOutputKind
 

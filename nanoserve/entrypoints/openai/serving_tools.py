@@ -36,8 +36,8 @@ from typing import Any
 
 from nanoserve.entrypoints.openai.errors import APIError, bad_request
 from nanoserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, ChatTool
-from nanoserve.output.reasoning import ReasoningParser
-from nanoserve.output.tool_calls import (
+from nanoserve.parsers.reasoning import ReasoningParser
+from nanoserve.parsers.tool_calls import (
     TOOL_CALL_PARSERS,
     NamedFunctionParser,
     ToolCallDelta,

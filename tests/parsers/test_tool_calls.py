@@ -1,4 +1,4 @@
-"""The tool-call parsers (nanoserve/output/tool_calls.py): what they read out of whole texts, and
+"""The tool-call parsers (nanoserve/parsers/tool_calls.py): what they read out of whole texts, and
 that every way of splitting a text into streamed deltas adds up to the same content and calls."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nanoserve.output.tool_calls import (
+from nanoserve.parsers.tool_calls import (
     NamedFunctionParser,
     ToolCallDelta,
     ToolCallParser,

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nanoserve.output.reasoning import (
+from nanoserve.parsers.reasoning import (
     REASONING_PARSERS,
     ReasoningParser,
     make_reasoning_parser,

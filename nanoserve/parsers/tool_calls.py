@@ -37,7 +37,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
-from nanoserve.output.call_scanner import OPEN, CallObjectScanner
+from nanoserve.parsers.call_scanner import OPEN, CallObjectScanner
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 
