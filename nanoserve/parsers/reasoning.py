@@ -1,9 +1,10 @@
 """Splitting a model's `<think>…</think>` reasoning from its answer, on streamed text.
 
-The OpenAI-compatible server feeds one generated sample's text deltas to a `ReasoningParser`
-as they arrive and sends the `reasoning` and `content` deltas it returns; `finish()` flushes
-what was held back when the stream ends. `parse()` splits a whole text at once, and always
-equals what feeding that text in any chunks and then finishing adds up to ("" ↔ None).
+`ChatStreamParser` (`chat_stream.py`) feeds one generated sample's text deltas to a
+`ReasoningParser` as they arrive and passes on the reasoning and content it returns as neutral
+events; `finish()` flushes what was held back when the stream ends. `parse()` splits a whole
+text at once, and always equals what feeding that text in any chunks and then finishing adds up
+to ("" ↔ None).
 
 Semantics (vLLM's `--reasoning-parser` names `qwen3` and `deepseek_r1`):
 

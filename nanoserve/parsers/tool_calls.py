@@ -1,11 +1,12 @@
 """Tool calls in a model's text: the `--tool-call-parser` formats, streamed or whole.
 
-The OpenAI-compatible server feeds one sample's text deltas to a `ToolCallParser` (after the
-reasoning split, if any) and turns the events it returns into OpenAI deltas: content text, and
-`ToolCallDelta`s — for each call first one with its `id` and `name`, then fragments of its
-`arguments`. `finish()` flushes what was held back. `parse()` reads a whole text at once and
-always equals what feeding it in any chunks and finishing adds up to (it is that, on a fresh
-parser), so a streamed response and a non-streamed one carry the same calls and content.
+`ChatStreamParser` (`chat_stream.py`) feeds one sample's text deltas to a `ToolCallParser`
+(after the reasoning split, if any) and turns what it returns into neutral events
+(`events.py`). It returns content text, and `ToolCallDelta`s — for each call first one with its
+`id` and `name`, then fragments of its `arguments`. `finish()` flushes what was held back.
+`parse()` reads a whole text at once and always equals what feeding it in any chunks and
+finishing adds up to (it is that, on a fresh parser), so a streamed response and a non-streamed
+one carry the same calls and content.
 
 Formats (vLLM's parser names):
 
