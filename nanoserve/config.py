@@ -90,8 +90,15 @@ class SchedulerConfig:
     # default: measured on the 2-core CPU at 32 concurrent streams, it halves TTFT p50 against
     # 2048 and raises throughput 8% (decodes ride along with the prefill chunks).
     max_num_batched_tokens: int = 512
+    # A source of draft tokens ('module:Class' or a class, see engine/drafts.py) and the most
+    # drafts a request takes per step; no proposer means one token per request per step.
+    draft_proposer: Any = None
+    num_speculative_tokens: int = 4
 
     def __post_init__(self) -> None:
+        if self.num_speculative_tokens < 0:
+            raise ValueError("num_speculative_tokens must be >= 0, "
+                             f"got {self.num_speculative_tokens}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:

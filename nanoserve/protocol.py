@@ -4,13 +4,17 @@ API server -> engine core: EngineRequest, AbortRequests, Shutdown.
 Engine core -> API server: EngineReady (once), EngineOutputs (each step, and after inputs
 that change the engine's state while it is idle), RequestError, EngineDead.
 
+Engine core -> workers: StepInput (each step); workers -> engine core: StepOutput.
+
 Token ids and numbers only: text is made in the API server. Never pickle: a message is decoded
-into exactly these types or refused (msgspec validates while decoding).
+into exactly these types or refused (msgspec validates while decoding). A step's arrays travel
+as numpy buffers (a msgpack extension: dtype, shape, bytes), not as lists of Python ints.
 """
 
 from __future__ import annotations
 
 import msgspec
+import numpy as np
 
 from nanoserve.sampling_params import SamplingParams
 
@@ -103,13 +107,110 @@ class EngineDead(msgspec.Struct, tag=True, array_like=True):
 
 EngineMessage = EngineReady | EngineOutputs | RequestError | EngineDead
 
-_encoder = msgspec.msgpack.Encoder()
+# -- engine core -> workers: one step, as data ------------------------------------------------
+class NewSequence(msgspec.Struct, array_like=True):
+    """A sequence given a slot this step: what the worker's sampler keeps for it."""
+
+    slot: int
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # non-empty after a preemption: the output so far
+    seed: int  # the seed of its draws: params.seed, or drawn at admission
+
+
+class PromptLogprobsRows(msgspec.Struct, array_like=True):
+    """Rows of the flat batch whose logits give prompt logprobs for one scheduled request."""
+
+    request_index: int  # into the step's requests
+    first_row: int  # row j predicts target_token_ids[j]
+    target_token_ids: list[int]
+    num_logprobs: int
+
+
+class StepInput(msgspec.Struct, array_like=True):
+    """One step for every worker: flat arrays, no engine objects (the worker never sees a
+    request or the scheduler). R requests are scheduled, T tokens computed, S rows sampled.
+
+    Requests come in batch order: the first `num_decodes` compute one token each, then the
+    rest (prefill chunks, and decodes that verify draft tokens) compute runs of tokens.
+    """
+
+    token_ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64
+    cache_index: np.ndarray  # [T] int64, where each token's keys and values are written
+    query_start_loc: np.ndarray  # [R + 1] int64, request i's tokens are rows [q[i], q[i+1])
+    context_lens: np.ndarray  # [R] int32, tokens in the cache after this step
+    block_table: np.ndarray  # [R, max_blocks] int32, each request's blocks (padded)
+    num_decodes: int
+    logits_rows: np.ndarray  # [S] int64, rows of the flat batch that are sampled
+    sample_slots: np.ndarray  # [S] int64, the sampler slot of each sampled row
+    sample_positions: np.ndarray  # [S] int64, the output index each row draws
+    # [S] int64: the draft token a row's draw is checked against; -1 for a request's last row
+    draft_token_ids: np.ndarray
+    num_sample_rows: np.ndarray  # [num_sampling_requests] int64, rows per request, in order
+    grammar_rows: np.ndarray  # [G] int64, sampled rows with a grammar
+    grammar_bitmask: np.ndarray  # [G, ceil(vocab / 32)] int32, filled by the core
+    prompt_logprobs: list[PromptLogprobsRows]
+    new_sequences: list[NewSequence]
+    released_slots: list[int]  # slots freed since the last step, cleared before new ones
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.context_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+class StepOutput(msgspec.Struct, array_like=True):
+    """What a step's sampling gave (from the worker of rank 0)."""
+
+    sampled_token_ids: list[int]  # [S], one per sampled row
+    # [num_sampling_requests]: tokens each request commits, 1 + its accepted draft tokens
+    num_accepted: list[int]
+    logprobs: list[TokenLogprobs | None]  # [S]; None where not asked
+    prompt_logprobs: list[list[TokenLogprobs]]  # one list per StepInput.prompt_logprobs entry
+    sample_seconds: float = 0.0  # time in the grammar mask and the sampler
+
+
+_ARRAY_EXT = 1  # msgpack extension code of a numpy array
+
+
+def _encode_array(value: object) -> msgspec.msgpack.Ext:
+    if not isinstance(value, np.ndarray):
+        raise NotImplementedError(f"cannot encode {type(value).__name__}")
+    array = np.ascontiguousarray(value)
+    header = f"{array.dtype.str}|{','.join(map(str, array.shape))}|".encode()
+    return msgspec.msgpack.Ext(_ARRAY_EXT, header + array.tobytes())
+
+
+def _decode_array(code: int, data: memoryview) -> np.ndarray:
+    if code != _ARRAY_EXT:
+        raise ValueError(f"unknown msgpack extension {code}")
+    dtype, shape, _ = bytes(data[:80]).split(b"|", 2)
+    offset = len(dtype) + len(shape) + 2
+    dims = tuple(int(n) for n in shape.split(b",") if n)
+    return np.frombuffer(data[offset:], dtype=np.dtype(dtype.decode())).reshape(dims).copy()
+
+
+_encoder = msgspec.msgpack.Encoder(enc_hook=_encode_array)
 _input_decoder = msgspec.msgpack.Decoder(EngineInput)
 _message_decoder = msgspec.msgpack.Decoder(EngineMessage)
+_step_decoder = msgspec.msgpack.Decoder(StepInput, ext_hook=_decode_array)
+_step_output_decoder = msgspec.msgpack.Decoder(StepOutput)
 
 
 def encode(message: msgspec.Struct) -> bytes:
     return _encoder.encode(message)
+
+
+def decode_step(data: bytes) -> StepInput:
+    return _step_decoder.decode(data)
+
+
+def decode_step_output(data: bytes) -> StepOutput:
+    return _step_output_decoder.decode(data)
 
 
 def decode_input(data: bytes) -> EngineInput:

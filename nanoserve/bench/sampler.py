@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from nanoserve.bench import LLMFactory, OfflineLLM
+from nanoserve.engine.step_input import build_step_input
 from nanoserve.engine_args import EngineArgs
 from nanoserve.sample.sampler import Sampler
 from nanoserve.sample.sequence import SequenceData
@@ -71,12 +72,16 @@ def real_logits(llm: OfflineLLM, rows: int) -> torch.Tensor:
     ids = text_ids(llm, 300)
     params = SamplingParams(max_tokens=1, prompt_logprobs=0)
     llm.engine.add_request("bench-logits", ids, params)
-    runner, scheduler = llm.engine.runner, llm.engine.scheduler
-    sched = scheduler.schedule()
-    block_tables = [llm.engine.kv_cache.block_ids(s.request.request_id) for s in sched.scheduled]
-    _, prompt_logits = runner.execute(sched.scheduled, block_tables)
-    llm.engine.abort("bench-logits")
-    logits = torch.cat(list(prompt_logits.values()))
+    engine = llm.engine
+    sched = engine.scheduler.schedule()
+    for s in sched.scheduled:
+        assert s.request.slot is not None
+        engine.block_table.sync(s.request.slot, engine.kv_cache.block_ids(s.request.request_id))
+    step = build_step_input(sched.scheduled, engine.block_table, engine.kv_cache.block_size,
+                            [], [], (np.zeros(0, dtype=np.int64), np.zeros((0, 0), np.int32)))
+    _, prompt_logits = engine.runner.execute(step)
+    engine.abort("bench-logits")
+    logits = torch.cat(prompt_logits)
     return logits[torch.arange(rows) % logits.shape[0]].contiguous()
 
 

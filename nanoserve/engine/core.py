@@ -1,9 +1,13 @@
 """EngineCore: schedule -> run -> sample -> update, one step at a time, with no I/O.
 
-It runs in-process under tests and in `LLM`; the server wraps it in its own process.
+It runs in-process under tests and in `LLM`; the server wraps it in its own process. The core
+owns the requests: the scheduler, the KV cache's blocks, the grammars. Each step it turns the
+scheduler's choice into a data-only `StepInput` (step_input.py) and hands it to its executor,
+whose worker runs the forward and the sampler (worker.py); the tokens that come back are
+committed, one per request, or 1 + the accepted draft tokens when a proposer drafts.
 Structured outputs (`nanoserve/structured/`) add three things, each in its own method: a
 grammar compile started at `add_request`, compiles that failed finished before scheduling, and
-the grammar bitmask on the constrained logits rows right before the sampler.
+the grammar bitmask of the constrained rows, filled here and applied by the worker.
 """
 
 from __future__ import annotations
@@ -11,7 +15,6 @@ from __future__ import annotations
 import gc
 import logging
 import random
-import time
 from typing import Any
 
 import numpy as np
@@ -19,6 +22,9 @@ import torch
 from torch.profiler import record_function
 
 from nanoserve.config import EngineConfig, GiB
+from nanoserve.engine.block_table import BlockTable
+from nanoserve.engine.drafts import load_draft_proposer
+from nanoserve.engine.executor import Executor, InProcessExecutor
 from nanoserve.engine.kv_cache import KVCacheManager
 from nanoserve.engine.memory import keep_freed_memory_in_heap
 from nanoserve.engine.model_runner import (
@@ -28,11 +34,19 @@ from nanoserve.engine.model_runner import (
 )
 from nanoserve.engine.request import Request, RequestStatus
 from nanoserve.engine.scheduler import ScheduledRequest, Scheduler
+from nanoserve.engine.step_input import build_step_input
+from nanoserve.engine.worker import Worker
 from nanoserve.engine.zero_cost_runner import ZeroCostRunner
 from nanoserve.model.loader import LoadedModel, load_model
-from nanoserve.protocol import EngineCoreOutput, SchedulerStats
+from nanoserve.protocol import (
+    EngineCoreOutput,
+    NewSequence,
+    SchedulerStats,
+    StepInput,
+    StepOutput,
+    TokenLogprobs,
+)
 from nanoserve.sample.logits_processor import load_processor_classes
-from nanoserve.sample.logprobs import prompt_logprobs
 from nanoserve.sample.sampler import Sampler
 from nanoserve.sample.sequence import SequenceData
 from nanoserve.sample.state import ReasoningTokens
@@ -48,6 +62,8 @@ GPU_MEMORY_FRACTION = 0.9
 # With only compiling requests left, how long a step waits for a compile to finish: short, so
 # new inputs are not held up, and not a spin that takes the core the compile runs on.
 GRAMMAR_WAIT_S = 0.005
+NO_GRAMMAR_ROWS = np.zeros(0, dtype=np.int64)
+NO_GRAMMAR_BITMASK = np.zeros((0, 0), dtype=np.int32)
 
 
 class EngineCore:
@@ -69,15 +85,22 @@ class EngineCore:
         self.max_model_len = self._max_model_len(num_blocks * block_size)
         self.kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
-        self.runner: ModelRunner | ZeroCostRunner = ModelRunner(
-            loaded.model, num_blocks, block_size, device, kv_dtype,
-            num_slots=config.scheduler.max_num_seqs, max_model_len=self.max_model_len)
+        # every running request's blocks by slot; a step's block table is read from it
+        num_slots = config.scheduler.max_num_seqs
+        self.block_table = BlockTable(num_slots, -(-self.max_model_len // block_size))
+        model_runner = ModelRunner(loaded.model, num_blocks, block_size, device, kv_dtype)
+        runner: ModelRunner | ZeroCostRunner = model_runner
+        self.proposer = load_draft_proposer(config.scheduler.draft_proposer)
         if config.model.zero_cost_runner:
-            self.runner = ZeroCostRunner(self.runner, config.scheduler.max_num_seqs)
+            max_rows = num_slots * (1 + (config.scheduler.num_speculative_tokens
+                                         if self.proposer is not None else 0))
+            runner = ZeroCostRunner(model_runner, max_rows)
+        # the sampler lives in the worker; the core reads it only to validate requests
         self.sampler = Sampler(
-            config.scheduler.max_num_seqs, loaded.arch.vocab_size, device, loaded.eos_token_ids,
+            num_slots, loaded.arch.vocab_size, device, loaded.eos_token_ids,
             reasoning_tokens(loaded.tokenizer),
             load_processor_classes(config.sampler.logits_processors))
+        self.executor: Executor = InProcessExecutor(Worker(runner, self.sampler))
         self.seed_rng = random.Random(config.model.seed)
         self.structured = StructuredOutputManager(
             loaded.tokenizer, loaded.arch.vocab_size, loaded.eos_token_ids,
@@ -117,6 +140,13 @@ class EngineCore:
                     "give the cache more memory or lower max_model_len")
             return wanted
         return min(limit, cache_tokens)
+
+    @property
+    def runner(self) -> ModelRunner | ZeroCostRunner:
+        """The in-process worker's model runner (tests and benches read its model and cache)."""
+        executor = self.executor
+        assert isinstance(executor, InProcessExecutor), "the runner is in another process"
+        return executor.worker.runner
 
     # -- the interface ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int],
@@ -166,56 +196,86 @@ class EngineCore:
             return self._step()
 
     def _step(self) -> list[EngineCoreOutput]:
-        # 1) schedule; slots freed since the last step are cleared before new ones are written
+        # 1) schedule
         failed = self._finish_failed_grammars()
         sched = self.scheduler.schedule()
-        for slot in self.scheduler.released_slots:
-            self.sampler.remove_request(slot)
-            self.runner.release_slot(slot)
-        self.scheduler.released_slots.clear()
         if not sched.scheduled:
             self._wait_for_grammars()
             return failed
-        for request in sched.admitted:
-            assert request.slot is not None
-            self.sampler.add_request(SequenceData(
-                request.slot, request.params, request.prompt_token_ids,
-                request.output_token_ids, request.sampling_seed))
-        # 2) run the model
-        block_ids = [self.kv_cache.block_ids(s.request.request_id) for s in sched.scheduled]
-        with record_function("nanoserve.model"):
-            logits, prompt_logits = self.runner.execute(sched.scheduled, block_ids)
-        self._collect_prompt_logprobs(sched.scheduled, prompt_logits)
-        # 3) sample
-        sampling = [s.request for s in sched.scheduled if s.samples]
-        start = time.perf_counter()
-        slots = np.fromiter((r.slot for r in sampling), dtype=np.int64, count=len(sampling))
-        self._apply_grammars(logits, sampling)
-        with record_function("nanoserve.sample"):
-            sampled = self.sampler.sample(logits, self.sampler.make_batch(slots))
-        self.stats.sample_seconds += time.perf_counter() - start
-        # 4) update requests, finish those that stop
-        self.scheduler.update_after_step(sched, sampled.token_ids)
+        # 2) the step as data: slots freed since the last step are cleared before new ones
+        released = list(self.scheduler.released_slots)
+        self.scheduler.released_slots.clear()
+        for slot in released:
+            self.block_table.clear(slot)
+        for s in sched.scheduled:
+            assert s.request.slot is not None, "a scheduled request holds a slot"
+            self.block_table.sync(s.request.slot, self.kv_cache.block_ids(s.request.request_id))
+        sampling = [s for s in sched.scheduled if s.samples]
+        step = build_step_input(
+            sched.scheduled, self.block_table, self.kv_cache.block_size,
+            [NewSequence(r.slot, r.params, r.prompt_token_ids, list(r.output_token_ids),
+                         r.sampling_seed) for r in sched.admitted if r.slot is not None],
+            released, self._fill_grammars(sampling))
+        # 3) run the model and sample, on the workers
+        out = self.executor.execute_step(step)
+        self.stats.sample_seconds += out.sample_seconds
+        self._collect_prompt_logprobs(sched.scheduled, step, out)
+        # 4) commit each request's tokens (1 + its accepted drafts), finish those that stop
+        first_rows = np.cumsum(step.num_sample_rows) - step.num_sample_rows  # [requests]
+        new_token_ids = [out.sampled_token_ids[row : row + taken]
+                         for row, taken in zip(first_rows.tolist(), out.num_accepted, strict=True)]
+        committed = self.scheduler.update_after_step(sched, new_token_ids)
         self._update_stats(sched.num_tokens)
         outputs = failed
-        for request, logprobs in zip(sampling, sampled.logprobs, strict=True):
-            first = request.num_output_tokens == 1
-            outputs.append(EngineCoreOutput(
-                request.request_id, [request.output_token_ids[-1]],
-                request.status.finish_reason, request.stop_reason, request.num_cached_tokens,
-                None if logprobs is None else [logprobs],
-                request.prompt_logprobs if first and request.params.prompt_logprobs is not None
-                else None))
+        for s, tokens, row in zip(sampling, committed, first_rows.tolist(), strict=True):
+            outputs.append(self._output(s.request, tokens, out.logprobs[row : row + len(tokens)]))
+        self._propose_drafts()
         return outputs
 
+    def _output(self, request: Request, tokens: list[int],
+                logprobs: list[TokenLogprobs | None]) -> EngineCoreOutput:
+        is_first = request.num_output_tokens == len(tokens)
+        return EngineCoreOutput(
+            request.request_id, tokens, request.status.finish_reason, request.stop_reason,
+            request.num_cached_tokens,
+            None if not logprobs or logprobs[0] is None else logprobs,  # type: ignore[arg-type]
+            request.prompt_logprobs if is_first and request.params.prompt_logprobs is not None
+            else None)
+
+    # -- draft tokens -----------------------------------------------------------------------------
+    def _propose_drafts(self) -> None:
+        """Ask the proposer for each running request's next draft tokens (if one is set)."""
+        if self.proposer is None:
+            return
+        k = self.config.scheduler.num_speculative_tokens
+        for request in self.scheduler.running:
+            room = min(k, self.max_model_len - request.num_tokens,
+                       (request.params.max_tokens or self.max_model_len)
+                       - request.num_output_tokens - 1)
+            if room > 0 and request.num_computed_tokens == request.num_tokens - 1 \
+                    and self._can_take_drafts(request):
+                request.draft_token_ids = list(self.proposer.propose(SequenceData(
+                    request.slot or 0, request.params, request.prompt_token_ids,
+                    request.output_token_ids, request.sampling_seed), room))[:room]
+
+    def _can_take_drafts(self, request: Request) -> bool:
+        """True when every row's draw depends only on its logits and its (seed, position) key:
+        stages that read the output so far (penalties, bad words, min_tokens, the thinking
+        budget, custom processors, a grammar) would see the drafts before they are accepted."""
+        params = request.params
+        return (request.grammar is None and not params.has_penalties
+                and not params.bad_words_token_ids and params.min_tokens == 0
+                and params.thinking_token_budget is None and not self.sampler.processors)
+
     # -- structured outputs ---------------------------------------------------------------------
-    def _apply_grammars(self, logits: torch.Tensor, sampling: list[Request]) -> None:
-        """The grammar bitmask on the rows of requests with a grammar (logits: [R, vocab], one
-        row per sampling request); free rows are untouched."""
-        grammars = [request.grammar for request in sampling]
-        if any(grammar is not None for grammar in grammars):
-            with record_function("nanoserve.grammar"):
-                self.structured.apply_bitmask(logits, grammars)
+    def _fill_grammars(self, sampling: list[ScheduledRequest]) -> tuple[np.ndarray, np.ndarray]:
+        """The grammar bitmask of the sampled rows with a grammar (one row per sampled
+        position; a request with a grammar takes no drafts, so it samples one row)."""
+        grammars = [s.request.grammar for s in sampling]
+        if all(grammar is None for grammar in grammars):
+            return NO_GRAMMAR_ROWS, NO_GRAMMAR_BITMASK
+        with record_function("nanoserve.grammar"):
+            return self.structured.fill_bitmask(grammars)
 
     def _finish_failed_grammars(self) -> list[EngineCoreOutput]:
         """Forget finished compiles; finish (with "error") the requests whose compile failed.
@@ -242,18 +302,11 @@ class EngineCore:
         if grammars:
             self.structured.wait_for_any(grammars, GRAMMAR_WAIT_S)
 
-    def _collect_prompt_logprobs(self, scheduled: list[ScheduledRequest],
-                                 prompt_logits: dict[int, torch.Tensor]) -> None:
-        for i, logits in prompt_logits.items():
-            s = scheduled[i]
-            request = s.request
-            done = len(request.prompt_logprobs)  # positions already computed (recompute safe)
-            first = max(s.start, done)
-            rows = logits[first - s.start :]
-            targets = request.prompt_token_ids[first + 1 : first + 1 + rows.shape[0]]
-            if targets:
-                request.prompt_logprobs += prompt_logprobs(
-                    rows, targets, request.params.prompt_logprobs or 0)
+    @staticmethod
+    def _collect_prompt_logprobs(scheduled: list[ScheduledRequest], step: StepInput,
+                                 out: StepOutput) -> None:
+        for entry, logprobs in zip(step.prompt_logprobs, out.prompt_logprobs, strict=True):
+            scheduled[entry.request_index].request.prompt_logprobs += logprobs
 
     def _update_stats(self, num_computed_tokens: int = 0) -> None:
         """The gauges as they are now; the counters, plus this step's computed tokens."""

@@ -53,6 +53,8 @@ class Request:
         self.prompt_logprobs: list[TokenLogprobs] = []
         # structured outputs: the grammar this sequence's tokens must follow (None: free)
         self.grammar: SequenceGrammar | None = None
+        # proposed continuations, scored in its next decode step (speculative decoding)
+        self.draft_token_ids: list[int] = []
 
     @property
     def num_tokens(self) -> int:

@@ -9,12 +9,20 @@ the start (its full blocks usually survive in the prefix cache, so the recompute
 
 Structured outputs: a request waits while its grammar compiles (the others are scheduled past
 it); after each step its matcher accepts the drawn token (`_advance_grammar`).
+
+Several tokens per step: a decoding request that holds draft tokens (`Request.draft_token_ids`,
+set by the engine's proposer) computes its last token and the drafts in one step and samples
+1 + k rows. `update_after_step` then commits a variable number of tokens per request (1 + the
+accepted drafts, cut at the first stop) and rolls the rest back: `num_computed_tokens` counts
+only the committed tokens' keys and values, the blocks stay allocated, and only full blocks of
+committed tokens are offered to the prefix cache.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from nanoserve.config import SchedulerConfig
@@ -30,12 +38,19 @@ class ScheduledRequest:
 
     request: Request
     start: int  # = request.num_computed_tokens when scheduled
-    num_new_tokens: int
+    num_new_tokens: int  # known tokens computed, plus the draft tokens
+    draft_token_ids: list[int] = field(default_factory=list)  # scored after the known tokens
 
     @property
     def samples(self) -> bool:
         """True when this step computes the request's last known token, so a new one is drawn."""
-        return self.start + self.num_new_tokens == self.request.num_tokens
+        return self.start + self.num_new_tokens - len(self.draft_token_ids) \
+            == self.request.num_tokens
+
+    @property
+    def num_sample_rows(self) -> int:
+        """Rows this request samples: one per draft token, plus one after the last."""
+        return 1 + len(self.draft_token_ids) if self.samples else 0
 
 
 @dataclass
@@ -88,6 +103,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            # drafts ride on a decode, as many as the budget leaves room for
+            drafts = request.draft_token_ids[: budget - 1] if num_new == 1 else []
+            num_new += len(drafts)
             while not self.kv_cache.allocate_slots(request, num_new):
                 victim = self.running[-1]
                 self._preempt(victim, out)
@@ -95,7 +113,7 @@ class Scheduler:
                     break
             else:
                 out.scheduled.append(ScheduledRequest(request, request.num_computed_tokens,
-                                                      num_new))
+                                                      num_new, drafts))
                 budget -= num_new
                 i += 1
                 continue
@@ -139,25 +157,47 @@ class Scheduler:
         out.preempted.append(request)
 
     def update_after_step(self, out: SchedulerOutput,
-                          sampled_token_ids: list[int]) -> list[Request]:
-        """Advance every scheduled request; append sampled tokens (one per sampling request, in
-        scheduled order); finish those that hit a stop. Returns the requests that sampled."""
-        sampled = iter(sampled_token_ids)
-        sampling: list[Request] = []
+                          new_token_ids: Sequence[int | Sequence[int]]) -> list[list[int]]:
+        """Advance every scheduled request and commit its new tokens (`new_token_ids`: for each
+        sampling request, in scheduled order, one token or the tokens it may commit: 1 + its
+        accepted drafts). Tokens after a stop are dropped; a request that hits one finishes.
+        Returns the tokens each sampling request committed, in the same order."""
+        sampled = iter(new_token_ids)
+        committed: list[list[int]] = []
         for s in out.scheduled:
             request = s.request
-            request.num_computed_tokens += s.num_new_tokens
-            self.kv_cache.cache_blocks(request)
             if not s.samples:
+                request.num_computed_tokens += s.num_new_tokens
+                self.kv_cache.cache_blocks(request)
                 continue
-            request.append_output_token(next(sampled))
-            sampling.append(request)
+            tokens = next(sampled)
+            tokens = [tokens] if isinstance(tokens, int) else list(tokens)
+            # rejected drafts roll back: their keys and values are overwritten later
+            num_rejected = len(s.draft_token_ids) - (len(tokens) - 1)
+            request.num_computed_tokens += s.num_new_tokens - num_rejected
+            request.draft_token_ids = []
+            taken = self._commit(request, tokens)
+            if not request.is_finished:
+                self.kv_cache.cache_blocks(request)
+            committed.append(taken)
+        return committed
+
+    def _commit(self, request: Request, tokens: list[int]) -> list[int]:
+        """Append `tokens` one by one until one stops the request; the ones appended."""
+        for n, token in enumerate(tokens, 1):
+            request.append_output_token(token)
             status = self._stop_status(request)
             if request.grammar is not None:
                 status = self._advance_grammar(request, status)
             if status is not None:
+                # a stop inside the window: the tokens after it were never generated, so
+                # their keys and values do not count (nor go to the prefix cache)
+                request.num_computed_tokens = min(request.num_computed_tokens,
+                                                  request.num_tokens - 1)
+                self.kv_cache.cache_blocks(request)
                 self.finish(request, status)
-        return sampling
+                return tokens[:n]
+        return tokens
 
     def _stop_status(self, request: Request) -> RequestStatus | None:
         params = request.params

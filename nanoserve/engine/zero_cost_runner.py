@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from nanoserve.engine.model_runner import ModelRunner
-from nanoserve.engine.scheduler import ScheduledRequest
+from nanoserve.protocol import StepInput
 
 _FIRST_TOKEN = 100  # past the special tokens of most vocabularies
 
@@ -27,10 +27,7 @@ class ZeroCostRunner:
         rows = torch.arange(max_rows, device=real.device)
         self.logits[rows, _FIRST_TOKEN + rows % 1000] = 10.0  # a different token per row
 
-    def release_slot(self, slot: int) -> None:
-        pass  # no block table to keep
-
-    def execute(self, scheduled: list[ScheduledRequest], block_ids: list[list[int]]
-                ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        num_rows = sum(1 for s in scheduled if s.samples)
-        return self.logits[:num_rows].clone(), {}  # the sampler edits its logits in place
+    def execute(self, step: StepInput) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        num_rows = len(step.logits_rows)
+        prompt_logits = [self.logits[: len(e.target_token_ids)] for e in step.prompt_logprobs]
+        return self.logits[:num_rows].clone(), prompt_logits  # the sampler edits it in place

@@ -111,11 +111,14 @@ class Sampler:
                 processor.remove_request(slot)
                 uses[slot] = False
 
-    def make_batch(self, slots: np.ndarray) -> SamplingBatch:
-        """The step's rows from each row's slot ([R] int64); each draws its next output."""
-        seq = self.state.seq
-        positions = np.fromiter((len(seq(s).output_token_ids) for s in slots), dtype=np.int64,
-                                count=len(slots))
+    def make_batch(self, slots: np.ndarray, positions: np.ndarray | None = None
+                   ) -> SamplingBatch:
+        """The step's rows from each row's slot ([R] int64) and the output index each draws
+        ([R] int64; by default each slot's next output: a row per slot)."""
+        if positions is None:
+            seq = self.state.seq
+            positions = np.fromiter((len(seq(s).output_token_ids) for s in slots),
+                                    dtype=np.int64, count=len(slots))
         return SamplingBatch(slots, torch.from_numpy(slots).to(self.device),
                              torch.from_numpy(positions).to(self.device))
 

@@ -55,10 +55,12 @@ def fill_bitmask_rows(matchers: Sequence[tuple[GrammarMatcher, int]],
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor,
-                  rows: Sequence[int] | torch.Tensor | None = None) -> None:
+                  rows: Sequence[int] | torch.Tensor | None = None, packed: bool = False) -> None:
     """Set `logits[r, t]` to -inf where bit t of `bitmask[r]` is 0, for r in `rows` (all rows
     when None). In place. logits: [num_rows, vocab] float on any device; bitmask: [>= num_rows,
-    words] int32 (CPU or the logits' device). Tokens past the mask's 32 * words are forbidden."""
+    words] int32 (CPU or the logits' device). Tokens past the mask's 32 * words are forbidden.
+    `packed`: bitmask row i belongs to logits row `rows[i]` (the engine core fills only the
+    constrained rows and sends them so)."""
     # logits: [num_rows, vocab]
     device, vocab = logits.device, logits.shape[1]
     words = bitmask.to(device, non_blocking=True)  # [num_rows, num_words]
@@ -67,7 +69,8 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor,
         index = torch.as_tensor(rows, dtype=torch.long).to(device, non_blocking=True)
         if index.numel() == 0:
             return
-        words = words.index_select(0, index)  # [len(rows), num_words]
+        if not packed:
+            words = words.index_select(0, index)  # [len(rows), num_words]
     elif words.shape[0] != logits.shape[0]:
         words = words[: logits.shape[0]]
     key = (device, logits.dtype)

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
 
+import numpy as np
 import torch
 
 from nanoserve.sampling_params import StructuredOutputsParams
@@ -104,6 +105,15 @@ class StructuredOutputManager:
         fill_bitmask_rows(rows, self.bitmask)
         apply_bitmask(logits, self.bitmask[: logits.shape[0]], [i for _, i in rows])
         return len(rows)
+
+    def fill_bitmask(self, grammars: Sequence[SequenceGrammar | None]
+                     ) -> tuple[np.ndarray, np.ndarray]:
+        """The constrained rows' masks, for a worker to apply: (rows [G] int64, their bitmask
+        [G, ceil(vocab / 32)] int32), `grammars[i]` being row i's grammar (None: free)."""
+        rows = [i for i, grammar in enumerate(grammars) if grammar is not None]
+        fill_bitmask_rows([(grammar.matcher, j) for j, grammar in
+                           enumerate(g for g in grammars if g is not None)], self.bitmask)
+        return np.asarray(rows, dtype=np.int64), self.bitmask[: len(rows)].numpy()
 
     @staticmethod
     def wait_for_any(grammars: Sequence[SequenceGrammar], timeout: float) -> None:

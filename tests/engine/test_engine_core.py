@@ -79,9 +79,9 @@ def test_no_blocks_leak_through_adds_aborts_and_preemptions(llama_dir: str) -> N
 
 
 def _check_block_table(engine: Any) -> None:
-    """The runner's per-slot table, kept incrementally, holds each running request's blocks
+    """The core's per-slot table, kept incrementally, holds each running request's blocks
     (slots are reused by later requests and preempted ones come back in other slots)."""
-    table = engine.runner.block_table
+    table = engine.block_table
     for request in engine.scheduler.running:
         ids = engine.kv_cache.block_ids(request.request_id)
         if request.slot is None or not ids:

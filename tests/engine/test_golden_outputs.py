@@ -20,7 +20,7 @@ import pytest
 from nanoserve.sampling_params import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from helpers import make_engine  # noqa: E402
+from helpers import make_engine
 
 FIXTURE = Path(__file__).resolve().parent.parent / "data" / "golden_outputs.json"
 TEXTS = (

@@ -1,0 +1,46 @@
+"""Where draft tokens come from: a proposer the engine core asks, after each step, for the next
+tokens of each running request that can take them (speculative decoding).
+
+A proposer gets data, never engine objects: the sequence's `SequenceData` (params, prompt and
+output token ids, seed) and how many drafts it may propose. Whatever it proposes, the output is
+the same: a draft is kept only where it equals the token the target model draws there
+(sample/verify.py), so a bad proposer costs time, never tokens. Load one by 'module:Class'
+(`--draft-proposer`, `LLM(draft_proposer=...)`), as logits processors are loaded.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from nanoserve.sample.sequence import SequenceData
+
+
+class DraftProposer(Protocol):
+    """Proposes up to `num_tokens` tokens to follow a sequence's output so far."""
+
+    def propose(self, seq: SequenceData, num_tokens: int) -> Sequence[int]: ...
+
+
+def load_draft_proposer(spec: Any) -> DraftProposer | None:
+    """None, an instance, a class, or 'module:Class' -> a proposer (or None); a ValueError
+    that says what is wrong otherwise."""
+    if spec is None:
+        return None
+    if isinstance(spec, str):
+        module_name, sep, class_name = spec.partition(":")
+        if not sep or not module_name or not class_name:
+            raise ValueError(f"draft proposer {spec!r} must be written 'module:Class'")
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as e:
+            raise ValueError(f"draft proposer {spec!r}: cannot import {module_name!r} ({e})") \
+                from None
+        spec = getattr(module, class_name, None)
+        if spec is None:
+            raise ValueError(f"draft proposer {class_name!r} is not in {module_name!r}")
+    proposer = spec() if isinstance(spec, type) else spec
+    if not callable(getattr(proposer, "propose", None)):
+        raise ValueError(f"draft proposer {proposer!r} has no propose(seq, num_tokens) method")
+    return proposer

@@ -1,0 +1,46 @@
+"""How the engine core reaches its workers: one `StepInput` out, one `StepOutput` back a step.
+
+Today there is one worker, in the core's own process (`InProcessExecutor`). Tensor parallelism
+gives the same interface a multi-process implementation: the step input is data only (flat
+numpy arrays and msgspec structs, protocol.py), so it can be published to every rank as
+msgpack, and rank 0's sampling comes back. `serialize=True` sends every step through that
+encoding in-process, so tests show that nothing but data crosses the seam.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from nanoserve.engine.worker import Worker
+from nanoserve.protocol import (
+    StepInput,
+    StepOutput,
+    decode_step,
+    decode_step_output,
+    encode,
+)
+
+
+class Executor(Protocol):
+    """Runs a step on every worker; rank 0's output is the step's."""
+
+    def execute_step(self, step: StepInput) -> StepOutput: ...
+
+    def shutdown(self) -> None: ...
+
+
+class InProcessExecutor:
+    """One worker, called directly (or through msgpack both ways, with `serialize`)."""
+
+    def __init__(self, worker: Worker, serialize: bool = False) -> None:
+        self.worker = worker
+        self.serialize = serialize
+
+    def execute_step(self, step: StepInput) -> StepOutput:
+        if not self.serialize:
+            return self.worker.execute(step)
+        output = self.worker.execute(decode_step(encode(step)))
+        return decode_step_output(encode(output))
+
+    def shutdown(self) -> None:
+        pass

@@ -1,0 +1,112 @@
+"""Turns the scheduler's choice for a step into the workers' data-only `StepInput`.
+
+The flat batch puts single-token requests first (attention takes them all at once), then the
+runs of tokens (prefill chunks, and decodes that carry draft tokens), each request's tokens in
+order. The core keeps every running request's blocks in a per-slot `BlockTable`, written when
+a request is admitted and then only where a block is added, so a step's block table and cache
+rows are fancy indexes of one array. Sampled rows follow the scheduled order: one per sampling
+request, or 1 + k when it carries k draft tokens.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from nanoserve.engine.block_table import BlockTable
+from nanoserve.engine.scheduler import ScheduledRequest
+from nanoserve.protocol import NewSequence, PromptLogprobsRows, StepInput
+
+
+def build_step_input(scheduled: list[ScheduledRequest], block_table: BlockTable,
+                     block_size: int, new_sequences: list[NewSequence],
+                     released_slots: list[int],
+                     grammar: tuple[np.ndarray, np.ndarray]) -> StepInput:
+    """The step input for `scheduled` (their blocks already synced into `block_table`);
+    `grammar` is the core's filled bitmask: (sampled rows with a grammar, their rows)."""
+    order = sorted(range(len(scheduled)), key=lambda i: scheduled[i].num_new_tokens > 1)
+    num_decodes = sum(1 for s in scheduled if s.num_new_tokens == 1)
+    first_row = [0] * len(scheduled)
+    # 1) single-token requests, as whole-batch arrays
+    decodes = [scheduled[i] for i in order[:num_decodes]]
+    for row, i in enumerate(order[:num_decodes]):
+        first_row[i] = row
+    token_ids = [s.request.all_token_ids[s.start] for s in decodes]
+    positions = [np.fromiter((s.start for s in decodes), dtype=np.int64, count=num_decodes)]
+    # 2) runs of tokens: known tokens, then any draft tokens
+    for i in order[num_decodes:]:
+        s = scheduled[i]
+        first_row[i] = len(token_ids)
+        num_known = s.num_new_tokens - len(s.draft_token_ids)
+        token_ids.extend(s.request.all_token_ids[s.start : s.start + num_known])
+        token_ids.extend(s.draft_token_ids)
+        positions.append(np.arange(s.start, s.start + s.num_new_tokens))
+    flat = [scheduled[i] for i in order]
+    slots = np.fromiter((s.request.slot for s in flat), dtype=np.int64, count=len(flat))
+    num_new = np.fromiter((s.num_new_tokens for s in flat), dtype=np.int64, count=len(flat))
+    context_lens = positions[0] + 1 if len(flat) == num_decodes else \
+        np.fromiter((s.start + s.num_new_tokens for s in flat), dtype=np.int64, count=len(flat))
+    all_positions = np.concatenate(positions)
+    table = block_table.table
+    token_slots = slots if len(flat) == num_decodes else np.repeat(slots, num_new)
+    cache_index = (table[token_slots, all_positions // block_size].astype(np.int64) * block_size
+                   + all_positions % block_size)
+    max_blocks = int(-(-context_lens.max() // block_size)) if len(flat) else 0
+    query_start_loc = np.zeros(len(flat) + 1, dtype=np.int64)
+    np.cumsum(num_new, out=query_start_loc[1:])
+    rows = _sample_rows(scheduled, first_row)
+    grammar_rows, grammar_bitmask = grammar
+    return StepInput(
+        token_ids=np.asarray(token_ids, dtype=np.int64), positions=all_positions,
+        cache_index=cache_index, query_start_loc=query_start_loc,
+        context_lens=context_lens.astype(np.int32),
+        block_table=table[slots, :max_blocks],  # [R, max_blocks], a fresh copy
+        num_decodes=num_decodes, **rows, grammar_rows=grammar_rows,
+        grammar_bitmask=grammar_bitmask,
+        prompt_logprobs=_prompt_logprobs_rows(scheduled, first_row),
+        new_sequences=new_sequences, released_slots=released_slots)
+
+
+def _sample_rows(scheduled: list[ScheduledRequest], first_row: list[int]
+                 ) -> dict[str, np.ndarray]:
+    """The sampled rows, in scheduled order: each sampling request's last known token's row,
+    then one row per draft token."""
+    logits_rows: list[int] = []
+    slots: list[int] = []
+    positions: list[int] = []
+    drafts: list[int] = []
+    counts: list[int] = []
+    for i, s in enumerate(scheduled):
+        if not s.samples:
+            continue
+        num_rows = 1 + len(s.draft_token_ids)
+        last_known = first_row[i] + s.num_new_tokens - num_rows
+        logits_rows.extend(range(last_known, last_known + num_rows))
+        slots.extend([s.request.slot] * num_rows)  # type: ignore[list-item]
+        num_output = s.request.num_output_tokens
+        positions.extend(range(num_output, num_output + num_rows))
+        drafts.extend(s.draft_token_ids)
+        drafts.append(-1)
+        counts.append(num_rows)
+    return {"logits_rows": np.asarray(logits_rows, dtype=np.int64),
+            "sample_slots": np.asarray(slots, dtype=np.int64),
+            "sample_positions": np.asarray(positions, dtype=np.int64),
+            "draft_token_ids": np.asarray(drafts, dtype=np.int64),
+            "num_sample_rows": np.asarray(counts, dtype=np.int64)}
+
+
+def _prompt_logprobs_rows(scheduled: list[ScheduledRequest], first_row: list[int]
+                          ) -> list[PromptLogprobsRows]:
+    """For requests that asked for prompt logprobs: the rows of this step's prompt positions
+    not yet computed (a recompute after preemption skips the ones it has) and their targets."""
+    entries = []
+    for i, s in enumerate(scheduled):
+        request = s.request
+        if request.params.prompt_logprobs is None:
+            continue
+        last = min(s.start + s.num_new_tokens, request.num_prompt_tokens - 1)
+        first = max(s.start, len(request.prompt_logprobs))
+        if last > first:
+            entries.append(PromptLogprobsRows(
+                i, first_row[i] + first - s.start, request.prompt_token_ids[first + 1 : last + 1],
+                request.params.prompt_logprobs))
+    return entries
