@@ -88,6 +88,14 @@ class EngineArgs:
     max_logprobs: int = _arg(SamplerConfig.max_logprobs,
                              "the most top-N logprobs a request may ask for "
                              "(default: %(default)s)", type=int)
+    draft_proposer: str | type | None = _arg(
+        SchedulerConfig.draft_proposer, "a class that proposes draft tokens, scored several per "
+        "step and kept only where they equal the model's own draws (engine/drafts.py)",
+        metavar="MODULE:CLASS")
+    num_speculative_tokens: int = _arg(
+        SchedulerConfig.num_speculative_tokens,
+        "the most draft tokens a request takes per step, with --draft-proposer "
+        "(default: %(default)s)", type=int)
     zero_cost_runner: bool = _arg(
         ModelConfig.zero_cost_runner, "benchmark the frontend: skip the model, emit tokens at once",
         flag="--zero-cost-engine", action="store_true")
@@ -120,7 +128,9 @@ class EngineArgs:
                 enable_prefix_caching=self.enable_prefix_caching,
                 kv_cache_dtype=self.kv_cache_dtype),
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
-                                      max_num_batched_tokens=self.max_num_batched_tokens),
+                                      max_num_batched_tokens=self.max_num_batched_tokens,
+                                      draft_proposer=self.draft_proposer,
+                                      num_speculative_tokens=self.num_speculative_tokens),
             sampler=SamplerConfig(logits_processors=tuple(self.logits_processors),
                                   max_logprobs=self.max_logprobs),
         )

@@ -249,9 +249,9 @@ class EngineCore:
             return
         k = self.config.scheduler.num_speculative_tokens
         for request in self.scheduler.running:
-            room = min(k, self.max_model_len - request.num_tokens,
-                       (request.params.max_tokens or self.max_model_len)
-                       - request.num_output_tokens - 1)
+            # drafts must fit the model's length; a max_tokens inside the window is cut as
+            # any stop is (scheduler.py)
+            room = min(k, self.max_model_len - request.num_tokens)
             if room > 0 and request.num_computed_tokens == request.num_tokens - 1 \
                     and self._can_take_drafts(request):
                 request.draft_token_ids = list(self.proposer.propose(SequenceData(
@@ -260,12 +260,10 @@ class EngineCore:
 
     def _can_take_drafts(self, request: Request) -> bool:
         """True when every row's draw depends only on its logits and its (seed, position) key:
-        stages that read the output so far (penalties, bad words, min_tokens, the thinking
-        budget, custom processors, a grammar) would see the drafts before they are accepted."""
-        params = request.params
-        return (request.grammar is None and not params.has_penalties
-                and not params.bad_words_token_ids and params.min_tokens == 0
-                and params.thinking_token_budget is None and not self.sampler.processors)
+        a grammar, or a sampler stage that reads the output so far, would see the drafts
+        before they are accepted."""
+        return (request.grammar is None and request.slot is not None
+                and not self.sampler.reads_history(request.slot))
 
     # -- structured outputs ---------------------------------------------------------------------
     def _fill_grammars(self, sampling: list[ScheduledRequest]) -> tuple[np.ndarray, np.ndarray]:

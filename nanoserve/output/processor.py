@@ -1,6 +1,7 @@
 """OutputProcessor: the frontend's one loop per step over the engine's outputs.
 
-`process` walks the step's EngineCoreOutputs once and, for each, detokenizes the new tokens,
+`process` walks the step's EngineCoreOutputs once and, for each, detokenizes the new tokens
+(one or several: a step that accepted draft tokens brings several),
 checks stop strings (holding back text that might begin one), formats logprobs, and updates the
 user-facing RequestOutput of the request it belongs to (a request with n > 1 is n engine
 requests, one per sample). It returns the updates to hand out, shaped by each request's
@@ -137,9 +138,10 @@ class OutputProcessor:
             if sample is None:
                 continue  # aborted by the caller in the meantime
             state = self.requests[sample.request_id]
-            self._record_timing(state, eo, now)
-            if self._update_sample(sample, eo):
+            is_stopped, num_tokens = self._update_sample(sample, eo)
+            if is_stopped:
                 to_abort.append(eo.request_id)
+            self._record_timing(state, eo, now, num_tokens)
             changed[state.request_id] = state
         outputs = []
         for state in changed.values():
@@ -170,7 +172,26 @@ class OutputProcessor:
         return self._snapshot(state, cumulative=True)
 
     # -- one sample ---------------------------------------------------------------------------
-    def _update_sample(self, sample: SampleState, eo: EngineCoreOutput) -> bool:
+    def _update_sample(self, sample: SampleState, eo: EngineCoreOutput) -> tuple[bool, int]:
+        """Add the output's tokens and text: (True if a stop string finished the sample, the
+        number of the output's tokens kept). Several tokens (a step that accepted draft
+        tokens) are taken one at a time, as steps of one token each would have brought them,
+        so a stop string inside them ends the sample at the same token: the tokens after it
+        are dropped (from the text, token ids, logprobs and counts alike)."""
+        if len(eo.new_token_ids) <= 1:
+            return self._add_tokens(sample, eo), len(eo.new_token_ids)
+        num_tokens = len(eo.new_token_ids)
+        for j, token_id in enumerate(eo.new_token_ids):
+            is_last = j == num_tokens - 1
+            one = EngineCoreOutput(
+                eo.request_id, [token_id], eo.finish_reason if is_last else None,
+                eo.stop_reason if is_last else None, eo.num_cached_tokens,
+                None if eo.new_logprobs is None else eo.new_logprobs[j : j + 1])
+            if self._add_tokens(sample, one):
+                return True, j + 1
+        return False, num_tokens
+
+    def _add_tokens(self, sample: SampleState, eo: EngineCoreOutput) -> bool:
         """Add the output's tokens and text; True if a stop string finished the sample."""
         params = sample.params
         completion = sample.completion
@@ -200,7 +221,8 @@ class OutputProcessor:
         completion.text = sample.text[: len(sample.text) - held]
         return match is not None and eo.finish_reason is None
 
-    def _record_timing(self, state: RequestState, eo: EngineCoreOutput, now: float) -> None:
+    def _record_timing(self, state: RequestState, eo: EngineCoreOutput, now: float,
+                       num_tokens: int) -> None:
         metrics = state.metrics
         if metrics.first_token_time is None:
             metrics.first_token_time = now
@@ -209,11 +231,11 @@ class OutputProcessor:
                 self.observer.first_token(now - metrics.arrival_time,
                                           len(state.prompt_token_ids))
         elif self.observer is not None and metrics.last_token_time is not None:
-            self.observer.inter_token(now - metrics.last_token_time, len(eo.new_token_ids))
+            self.observer.inter_token(now - metrics.last_token_time, num_tokens)
         metrics.last_token_time = now
-        metrics.num_generation_tokens += len(eo.new_token_ids)
+        metrics.num_generation_tokens += num_tokens
         if self.observer is not None:  # counted as they come, so a dashboard's rate is live
-            self.observer.generated(len(eo.new_token_ids))
+            self.observer.generated(num_tokens)
         if eo.prompt_logprobs is not None and state.prompt_logprobs is None:
             state.prompt_logprobs = [None] + [self.logprobs.position(e)
                                               for e in eo.prompt_logprobs]

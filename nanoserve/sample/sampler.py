@@ -111,6 +111,16 @@ class Sampler:
                 processor.remove_request(slot)
                 uses[slot] = False
 
+    def reads_history(self, slot: int) -> bool:
+        """True when a stage of the slot's pipeline reads its output so far (penalties, bad
+        words, min_tokens, the thinking budget, a custom processor): rows drawn past draft
+        tokens would see the drafts as output before they are accepted, so such a sequence
+        takes no drafts (every other stage depends only on its logits and (seed, position))."""
+        uses = self.state.uses
+        return (bool(uses["penalties"][slot] or uses["bad_words"][slot]
+                     or uses["min_tokens"][slot] or uses["thinking"][slot])
+                or any(bool(flags[slot]) for flags in self.processor_uses))
+
     def make_batch(self, slots: np.ndarray, positions: np.ndarray | None = None
                    ) -> SamplingBatch:
         """The step's rows from each row's slot ([R] int64) and the output index each draws
