@@ -22,14 +22,13 @@ import openai
 import pytest
 from server_harness import RunningServer
 
+from nanoserve.entrypoints.chat_input import ChatInput
 from nanoserve.entrypoints.cli import main, read_chat_template
+from nanoserve.entrypoints.openai.chat_choice import ChoiceParser
+from nanoserve.entrypoints.openai.chat_request import chat_input
 from nanoserve.entrypoints.openai.errors import APIError
 from nanoserve.entrypoints.openai.protocol import ChatCompletionRequest
-from nanoserve.entrypoints.openai.serving_tools import (
-    ChoiceParser,
-    plan_tools,
-    required_schema,
-)
+from nanoserve.entrypoints.openai.tool_plan import plan_tools, required_schema
 from nanoserve.parsers.tool_calls import make_tool_call_parser
 
 HERE = Path(__file__).resolve().parent
@@ -87,8 +86,8 @@ For each function call, return a json object with function name and arguments wi
 # -- the request checks, in-process ------------------------------------------------------
 
 
-def request(**fields: Any) -> ChatCompletionRequest:
-    return ChatCompletionRequest(messages=ASK, **fields)
+def request(**fields: Any) -> ChatInput:
+    return chat_input(ChatCompletionRequest(messages=ASK, **fields))
 
 
 @pytest.mark.parametrize(("fields", "param", "message"), [

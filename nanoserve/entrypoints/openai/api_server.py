@@ -16,6 +16,8 @@ import nanoserve
 from nanoserve.config import ServerConfig
 from nanoserve.entrypoints.async_engine import EngineDeadError, RequestTimeoutError
 from nanoserve.entrypoints.openai.auth import PUBLIC_PATHS, APIKeyMiddleware
+from nanoserve.entrypoints.openai.chat_prompt import render_prompt
+from nanoserve.entrypoints.openai.chat_request import chat_input
 from nanoserve.entrypoints.openai.errors import (
     APIError,
     api_error_handler,
@@ -40,9 +42,10 @@ from nanoserve.entrypoints.openai.response_models import (
     TokenizeResponse,
     VersionResponse,
 )
-from nanoserve.entrypoints.openai.serving_chat import create_chat_completion, render_prompt
-from nanoserve.entrypoints.openai.serving_common import ServerContext, check_prompt_ids
+from nanoserve.entrypoints.openai.server_context import ServerContext
+from nanoserve.entrypoints.openai.serving_chat import create_chat_completion
 from nanoserve.entrypoints.openai.serving_completion import create_completion
+from nanoserve.entrypoints.openai.token_limits import check_prompt_ids
 from nanoserve.entrypoints.web.router import PUBLIC_PATHS as WEB_PUBLIC_PATHS
 from nanoserve.entrypoints.web.router import WebPageInfo, web_router
 
@@ -137,7 +140,8 @@ def add_routes(app: FastAPI, ctx: ServerContext) -> None:
                                          continue_final_message=req.continue_final_message,
                                          chat_template_kwargs=req.chat_template_kwargs,
                                          tools=req.tools)
-            ids = ctx.tokenizer.encode(render_prompt(ctx, chat), add_special_tokens=False)
+            ids = ctx.tokenizer.encode(render_prompt(ctx, chat_input(chat)),
+                                       add_special_tokens=False)
         elif req.prompt is not None:
             ids = ctx.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         else:

@@ -2,8 +2,9 @@
 flags): the body's size, `n`, and the number and length of stop strings.
 
 Each is a 4xx in OpenAI's error shape naming the field, the value and the limit, given before
-any work is done. Context length, `max_tokens` and logprobs are bounded in serving_common.py
-(they depend on the prompt and the engine); the per-request deadline lives in AsyncEngine.
+any work is done. Context length and `max_tokens` are bounded in token_limits.py, logprobs in
+request_params.py (they depend on the prompt and the engine); the per-request deadline lives
+in AsyncEngine.
 """
 
 from __future__ import annotations

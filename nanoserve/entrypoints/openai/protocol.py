@@ -134,7 +134,7 @@ class MessageToolCall(OpenAIModel):
 
 
 class ChatMessage(OpenAIModel):
-    # documented rules checked in serving_tools.py: a tool message names the call it answers;
+    # documented rules checked in chat_prompt.py: a tool message names the call it answers;
     # only an assistant's message carries tool calls
     model_config = ConfigDict(extra="allow", json_schema_extra={"allOf": [
         {"if": {"properties": {"role": {"const": "tool"}}},
@@ -164,7 +164,7 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     include_reasoning: bool = True
     tools: list[ChatTool] | None = None
-    tool_choice: Any = None  # checked in serving_tools.py, for errors that name the field
+    tool_choice: Any = None  # checked in tool_plan.py, for errors that name the field
     parallel_tool_calls: bool = True
 
 

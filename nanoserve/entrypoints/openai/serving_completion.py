@@ -4,7 +4,6 @@ server-sent events or answered at once."""
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -13,21 +12,17 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from nanoserve.entrypoints.openai.disconnect import collect, until_disconnect
 from nanoserve.entrypoints.openai.errors import bad_request
+from nanoserve.entrypoints.openai.logprob_format import clamp_logprob, top_entries
 from nanoserve.entrypoints.openai.protocol import CompletionRequest
-from nanoserve.entrypoints.openai.serving_common import (
-    ServerContext,
-    check_prompt_ids,
-    clamp_logprob,
-    collect,
-    resolve_max_tokens,
-    sampling_params,
-    sse_with_errors,
-    top_entries,
-    until_disconnect,
-    usage,
-)
+from nanoserve.entrypoints.openai.request_fields import sampling_input
+from nanoserve.entrypoints.openai.request_params import sampling_params
+from nanoserve.entrypoints.openai.server_context import ServerContext
+from nanoserve.entrypoints.openai.sse import sse_event, sse_with_errors
 from nanoserve.entrypoints.openai.structured_outputs import structured_outputs
+from nanoserve.entrypoints.openai.token_limits import check_prompt_ids, resolve_max_tokens
+from nanoserve.entrypoints.openai.usage import usage
 from nanoserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from nanoserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -72,11 +67,11 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest,
     prompts = _prompts(ctx, batch)
     echo_only = req.echo and req.max_tokens == 0
     kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
+    fields = sampling_input(req, max_tokens=req.max_tokens, logprobs=req.logprobs)
     jobs = []
     for text, ids in prompts:
-        max_tokens = resolve_max_tokens(ctx, len(ids), 1 if echo_only else req.max_tokens)
-        params = sampling_params(ctx, req, max_tokens=max_tokens, logprobs=req.logprobs,
-                                 output_kind=kind)
+        max_tokens = resolve_max_tokens(ctx, len(ids), 1 if echo_only else fields.max_tokens)
+        params = sampling_params(ctx, fields, max_tokens=max_tokens, output_kind=kind)
         params.structured_outputs = structured
         if req.echo and req.logprobs is not None and params.prompt_logprobs is None:
             params.prompt_logprobs = req.logprobs
@@ -195,7 +190,7 @@ async def _stream(ctx: ServerContext, req: CompletionRequest, request_id: str, c
                 "model": ctx.model_name, "choices": [choice]}
         if continuous:
             body["usage"] = usage(num_prompt, num_output)
-        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+        return sse_event(body)
 
     if req.echo:
         for i, (text, _, _) in enumerate(jobs):
@@ -221,4 +216,4 @@ async def _stream(ctx: ServerContext, req: CompletionRequest, request_id: str, c
         body = {"id": request_id, "object": "text_completion", "created": created,
                 "model": ctx.model_name, "choices": [],
                 "usage": usage(num_prompt, 0 if echo_only else num_output)}
-        yield f"data: {json.dumps(body)}\n\n"
+        yield sse_event(body, ensure_ascii=True)  # (escaped, as this event always was)

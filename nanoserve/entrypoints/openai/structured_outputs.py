@@ -23,10 +23,9 @@ import asyncio
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from nanoserve.entrypoints.openai.errors import bad_request
-from nanoserve.entrypoints.openai.protocol import SamplingFields
 from nanoserve.sampling_params import STRUCTURED_OUTPUT_KINDS, StructuredOutputsParams
 from nanoserve.structured.grammar import (
     GrammarError,
@@ -52,6 +51,26 @@ class StructuredRequest:
     params: StructuredOutputsParams
     field: str  # where the grammar came from, e.g. "response_format.json_schema.schema"
     whitespace_field: str | None = None  # where whitespace_pattern came from
+
+
+class ResponseFormatFields(Protocol):
+    """Where a request's constraint is read from: the neutral `chat_input.ResponseFormatInput`
+    or a request body's fields (`protocol.SamplingFields`)."""
+
+    @property
+    def response_format(self) -> dict[str, Any] | None: ...
+    @property
+    def structured_outputs(self) -> dict[str, Any] | None: ...
+    @property
+    def guided_json(self) -> dict[str, Any] | str | None: ...
+    @property
+    def guided_regex(self) -> str | None: ...
+    @property
+    def guided_choice(self) -> list[str] | None: ...
+    @property
+    def guided_grammar(self) -> str | None: ...
+    @property
+    def guided_whitespace_pattern(self) -> str | None: ...
 
 
 CheckKey = tuple[bool, str]  # (checked with a tokenizer, the grammar's content key)
@@ -82,7 +101,7 @@ class _CheckedGrammars:
 _checked = _CheckedGrammars(_MAX_CHECKED)
 
 
-async def structured_outputs(req: SamplingFields, has_tool_grammar: bool = False,
+async def structured_outputs(req: ResponseFormatFields, has_tool_grammar: bool = False,
                              tokenizer: GrammarTokenizer | None = None
                              ) -> StructuredOutputsParams | None:
     """The request's structured-output params, checked; None for free text. Raises a 400
@@ -98,7 +117,7 @@ async def structured_outputs(req: SamplingFields, has_tool_grammar: bool = False
     return request.params
 
 
-def structured_request(req: SamplingFields) -> StructuredRequest | None:
+def structured_request(req: ResponseFormatFields) -> StructuredRequest | None:
     """Reads every shape; a 400 for a malformed one or for two at once."""
     found = [r for r in (_from_response_format(req.response_format),
                          _from_structured_outputs(req.structured_outputs),
@@ -196,7 +215,7 @@ def _from_structured_outputs(fields: dict[str, Any] | None) -> StructuredRequest
     return _params(given, field, "structured_outputs.whitespace_pattern")
 
 
-def _from_guided(req: SamplingFields) -> StructuredRequest | None:
+def _from_guided(req: ResponseFormatFields) -> StructuredRequest | None:
     given = {name: getattr(req, name) for name in _GUIDED_FIELDS
              if getattr(req, name) is not None}
     pattern = req.guided_whitespace_pattern

@@ -1,5 +1,6 @@
-"""Tool calling on /v1/chat/completions: what `tools` and `tool_choice` ask for, the grammar
-that `required` and a named function need, and one sample's text as OpenAI message fields.
+"""Tool calling, the request side: what a chat input's `tools` and `tool_choice` ask of the
+template, the sampler and the output parser (a `ToolPlan`), and the grammar that `required` and
+a named function need. The prompt side is `chat_prompt.py`; the response side `chat_choice.py`.
 
 Per `tool_choice` (vLLM's behaviour; absent means "auto" when tools are given, else "none"):
 
@@ -31,20 +32,14 @@ stand-in for a weak model that the grammar must still bring to an end (prompt "h
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from nanoserve.entrypoints.chat_input import ChatInput, ToolInput
+from nanoserve.entrypoints.openai.chat_prompt import template_tools
 from nanoserve.entrypoints.openai.errors import APIError, bad_request
-from nanoserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, ChatTool
-from nanoserve.parsers.reasoning import ReasoningParser
-from nanoserve.parsers.tool_calls import (
-    TOOL_CALL_PARSERS,
-    NamedFunctionParser,
-    ToolCallDelta,
-    ToolCallParser,
-    make_tool_call_parser,
-    required_calls_parser,
-)
+from nanoserve.parsers.tool_calls import TOOL_CALL_PARSERS
 from nanoserve.sampling_params import StructuredOutputsParams
 from nanoserve.structured.grammar import GrammarError, check_grammar
 
@@ -70,14 +65,9 @@ class ToolPlan:
         return engine_reason
 
 
-def template_tools(tools: list[ChatTool] | None) -> list[dict[str, Any]] | None:
-    """The tools as chat templates take them (`apply_chat_template(..., tools=...)`)."""
-    return None if tools is None else [tool.model_dump(exclude_none=True) for tool in tools]
-
-
-def plan_tools(req: ChatCompletionRequest, tool_call_parser: str | None) -> ToolPlan:
+def plan_tools(chat: ChatInput, tool_call_parser: str | None) -> ToolPlan:
     """Checks `tools` and `tool_choice` (400s that name the field) and plans the request."""
-    tools, choice = req.tools, req.tool_choice
+    tools, choice = chat.tools, chat.tool_choice
     if tools is not None and not tools:
         raise bad_request("tools must not be an empty array", "tools")
     names = _tool_names(tools or [])
@@ -89,7 +79,7 @@ def plan_tools(req: ChatCompletionRequest, tool_call_parser: str | None) -> Tool
         raise bad_request(f"tool_choice must be {_CHOICE_FORM}, got {choice!r}", "tool_choice")
     if not tools:
         raise bad_request("when using tool_choice, tools must be set", "tool_choice")
-    parallel = req.parallel_tool_calls
+    parallel = chat.is_parallel_tool_calls
     if choice == "auto":
         if tool_call_parser is None:
             raise bad_request(
@@ -107,6 +97,7 @@ def plan_tools(req: ChatCompletionRequest, tool_call_parser: str | None) -> Tool
             raise
         return ToolPlan("required", template_tools(tools), structured=structured,
                         is_parallel_allowed=parallel)
+    assert isinstance(choice, dict)  # every other form was answered above
     name = _named_function(choice)
     if name not in names:
         raise bad_request(f"tool_choice names the function {name!r}, which is not in tools "
@@ -117,7 +108,7 @@ def plan_tools(req: ChatCompletionRequest, tool_call_parser: str | None) -> Tool
                     structured=_checked(schema, f"tools.{index}.function.parameters"))
 
 
-def _tool_names(tools: list[ChatTool]) -> list[str]:
+def _tool_names(tools: Sequence[ToolInput]) -> list[str]:
     names: list[str] = []
     for i, tool in enumerate(tools):
         if tool.function.name in names:
@@ -136,7 +127,8 @@ def _named_function(choice: dict[str, Any]) -> str:
     return name
 
 
-def required_schema(tools: list[ChatTool], is_parallel_allowed: bool = True) -> dict[str, Any]:
+def required_schema(tools: Sequence[ToolInput],
+                    is_parallel_allowed: bool = True) -> dict[str, Any]:
     """vLLM's schema for `tool_choice="required"`: an array of at least one
     `{"name": <a tool's name>, "parameters": <that tool's schema>}`, one `anyOf` branch per
     tool (closed to other keys, unlike vLLM's); at most one item without parallel calls. Each
@@ -173,110 +165,3 @@ def _checked(schema: dict[str, Any], field: str) -> StructuredOutputsParams:
         raise bad_request(f"the tool's parameters are not a usable JSON schema: {e.problem}",
                           field) from None
     return params
-
-
-def tool_message_fields(message: ChatMessage, index: int) -> dict[str, Any]:
-    """An earlier turn's `tool_calls` and a tool message's `tool_call_id`, as templates read
-    them: arguments as objects, not JSON text (vLLM parses them the same way)."""
-    fields: dict[str, Any] = {}
-    if message.tool_calls is not None:
-        if message.role != "assistant":
-            raise bad_request(f"only assistant messages carry tool_calls, not {message.role!r}",
-                              f"messages.{index}.tool_calls")
-        calls = []
-        for j, call in enumerate(message.tool_calls):
-            try:
-                arguments = json.loads(call.function.arguments)
-            except json.JSONDecodeError as e:
-                raise bad_request(f"arguments must be JSON text: {e}",
-                                  f"messages.{index}.tool_calls.{j}.function.arguments") from None
-            calls.append({"id": call.id, "type": "function",
-                          "function": {"name": call.function.name, "arguments": arguments}})
-        fields["tool_calls"] = calls
-    if message.role == "tool":
-        if message.tool_call_id is None:
-            raise bad_request("a tool message needs tool_call_id, the id of the call it answers",
-                              f"messages.{index}.tool_call_id")
-        fields["tool_call_id"] = message.tool_call_id
-    return fields
-
-
-def tool_call_parser_for(plan: ToolPlan, parser_name: str | None) -> ToolCallParser | None:
-    """A fresh parser of one sample's output for this plan (None: the output is content)."""
-    if plan.mode == "auto":
-        assert parser_name is not None  # plan_tools refuses "auto" without a parser
-        return make_tool_call_parser(parser_name)
-    if plan.mode == "required":
-        return required_calls_parser()
-    if plan.mode == "named":
-        assert plan.function_name is not None
-        return NamedFunctionParser(plan.function_name)
-    return None
-
-
-class ChoiceParser:
-    """One sample's text as message fields: the reasoning split, then tool calls. `message()`
-    reads a whole text; `deltas()` streams, one OpenAI delta per returned dict."""
-
-    def __init__(self, reasoning: ReasoningParser | None, tools: ToolCallParser | None,
-                 is_parallel_allowed: bool = True) -> None:
-        self.reasoning = reasoning
-        self.tools = tools
-        self.is_parallel_allowed = is_parallel_allowed
-        self.has_calls = False
-
-    def message(self, text: str) -> dict[str, Any]:
-        """`content` (plus `reasoning`, `reasoning_content`, `tool_calls` where parsed)."""
-        fields: dict[str, Any] = {"content": text}
-        if self.reasoning is not None:
-            reasoning, fields["content"] = self.reasoning.parse(text)
-            fields.update(reasoning=reasoning, reasoning_content=reasoning)
-        if self.tools is not None:
-            fields["content"], calls = self.tools.parse(fields["content"] or "")
-            if not self.is_parallel_allowed:
-                calls = calls[:1]
-            if calls:
-                self.has_calls = True
-                fields["tool_calls"] = [{"id": c.id, "type": "function",
-                                         "function": {"name": c.name, "arguments": c.arguments}}
-                                        for c in calls]
-        return fields
-
-    def deltas(self, text: str, is_final: bool) -> list[dict[str, Any]]:
-        """The deltas this piece of the output completes (`is_final`: and flushes)."""
-        reasoning, content = "", text
-        if self.reasoning is not None:
-            reasoning, content = self.reasoning.feed(text)
-            if is_final:
-                more_reasoning, more_content = self.reasoning.finish()
-                reasoning, content = reasoning + more_reasoning, content + more_content
-        events: list[str | ToolCallDelta] = [content]
-        if self.tools is not None:
-            events = self.tools.feed(content) + (self.tools.finish() if is_final else [])
-        out: list[dict[str, Any]] = []
-        if reasoning:
-            out.append({"reasoning": reasoning, "reasoning_content": reasoning})
-        for event in events:
-            if isinstance(event, str):
-                if event and out and "tool_calls" not in out[-1]:
-                    out[-1]["content"] = out[-1].get("content", "") + event
-                elif event:
-                    out.append({"content": event})
-            elif self.is_parallel_allowed or event.index == 0:
-                self._add_call_delta(out, event)
-        return out
-
-    def _add_call_delta(self, out: list[dict[str, Any]], event: ToolCallDelta) -> None:
-        if event.name is not None:  # the call's first delta: its id and name
-            self.has_calls = True
-            out.append({"tool_calls": [{"index": event.index, "id": event.id,
-                                        "type": "function",
-                                        "function": {"name": event.name, "arguments": ""}}]})
-        if not event.arguments:
-            return
-        last = out[-1]["tool_calls"][0] if out and "tool_calls" in out[-1] else None
-        if last is not None and last["index"] == event.index and "id" not in last:
-            last["function"]["arguments"] += event.arguments
-        else:
-            out.append({"tool_calls": [{"index": event.index,
-                                        "function": {"arguments": event.arguments}}]})

@@ -1,0 +1,92 @@
+"""The prompt of a chat input: its messages and tools through the chat template, with the
+template's switches. Tool calling's prompt side lives here: the tools as templates take them,
+and an earlier turn's calls and a tool result's call id as templates read them."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from nanoserve.entrypoints.chat_input import ChatInput, MessageInput, ToolInput
+from nanoserve.entrypoints.openai.errors import bad_request
+from nanoserve.entrypoints.openai.server_context import ServerContext
+
+
+def render_prompt(ctx: ServerContext, chat: ChatInput) -> str:
+    """The chat template applied to the messages, with the request's template switches."""
+    options = chat.template
+    if options.add_generation_prompt and options.continue_final_message:
+        raise bad_request("add_generation_prompt and continue_final_message cannot both be "
+                          "true", "continue_final_message")
+    kwargs = dict(options.kwargs or {})
+    if "chat_template" in kwargs:  # request-supplied templates run arbitrary Jinja
+        raise bad_request("chat_template_kwargs may not replace the chat template",
+                          "chat_template_kwargs")
+    messages = message_dicts(chat.messages)
+    if options.continue_final_message and messages[-1]["role"] != "assistant":
+        raise bad_request("continue_final_message needs a final assistant message",
+                          "continue_final_message")
+    if chat.tools is not None:
+        kwargs["tools"] = template_tools(chat.tools)
+    if ctx.chat_template is not None:
+        kwargs["chat_template"] = ctx.chat_template
+    try:
+        return str(ctx.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=options.add_generation_prompt,
+            continue_final_message=options.continue_final_message, **kwargs))
+    except Exception as e:  # jinja errors, raise_exception() in templates
+        raise bad_request(f"the chat template could not render these messages: {e}",
+                          "messages") from None
+
+
+def message_dicts(messages: Sequence[MessageInput]) -> list[dict[str, Any]]:
+    """The messages as chat templates take them: text content, a name, tool fields."""
+    out = []
+    for i, message in enumerate(messages):
+        content = message.content
+        if isinstance(content, tuple):
+            texts = []
+            for part in content:
+                if part.type != "text" or part.text is None:
+                    raise bad_request(f"content part type {part.type!r} is not supported; this "
+                                      "model reads text only", f"messages.{i}.content")
+                texts.append(part.text)
+            content = "\n".join(texts)
+        entry: dict[str, Any] = {"role": message.role, "content": content or ""}
+        if message.name is not None:
+            entry["name"] = message.name
+        entry.update(tool_message_fields(message, i))
+        out.append(entry)
+    return out
+
+
+def template_tools(tools: Sequence[ToolInput] | None) -> list[dict[str, Any]] | None:
+    """The tools as chat templates take them (`apply_chat_template(..., tools=...)`)."""
+    return None if tools is None else [tool.template for tool in tools]
+
+
+def tool_message_fields(message: MessageInput, index: int) -> dict[str, Any]:
+    """An earlier turn's `tool_calls` and a tool message's `tool_call_id`, as templates read
+    them: arguments as objects, not JSON text (vLLM parses them the same way)."""
+    fields: dict[str, Any] = {}
+    if message.tool_calls is not None:
+        if message.role != "assistant":
+            raise bad_request(f"only assistant messages carry tool_calls, not {message.role!r}",
+                              f"messages.{index}.tool_calls")
+        calls = []
+        for j, call in enumerate(message.tool_calls):
+            try:
+                arguments = json.loads(call.arguments)
+            except json.JSONDecodeError as e:
+                raise bad_request(f"arguments must be JSON text: {e}",
+                                  f"messages.{index}.tool_calls.{j}.function.arguments") from None
+            calls.append({"id": call.id, "type": "function",
+                          "function": {"name": call.name, "arguments": arguments}})
+        fields["tool_calls"] = calls
+    if message.role == "tool":
+        if message.tool_call_id is None:
+            raise bad_request("a tool message needs tool_call_id, the id of the call it answers",
+                              f"messages.{index}.tool_call_id")
+        fields["tool_call_id"] = message.tool_call_id
+    return fields

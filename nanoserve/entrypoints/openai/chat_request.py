@@ -1,0 +1,51 @@
+"""OpenAI's chat-completions body translated into the neutral `ChatInput`: after this, nothing
+of the chat endpoint reads the pydantic request. The translation checks nothing (see
+`chat_input.py`); OpenAI's chat completions carry no earlier reasoning, so none is set."""
+
+from __future__ import annotations
+
+from nanoserve.entrypoints.chat_input import (
+    ChatInput,
+    ContentPart,
+    MessageInput,
+    TemplateOptions,
+    ToolCallInput,
+    ToolFunction,
+    ToolInput,
+)
+from nanoserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, ChatTool
+from nanoserve.entrypoints.openai.request_fields import response_format_input, sampling_input
+
+
+def chat_input(req: ChatCompletionRequest) -> ChatInput:
+    asked = req.max_completion_tokens if req.max_completion_tokens is not None \
+        else req.max_tokens
+    return ChatInput(
+        messages=tuple(_message(message) for message in req.messages),
+        tools=None if req.tools is None else tuple(_tool(tool) for tool in req.tools),
+        tool_choice=req.tool_choice, is_parallel_tool_calls=req.parallel_tool_calls,
+        response_format=response_format_input(req),
+        sampling=sampling_input(req, max_tokens=asked,
+                                logprobs=(req.top_logprobs or 0) if req.logprobs else None),
+        template=TemplateOptions(req.add_generation_prompt, req.continue_final_message,
+                                 req.chat_template_kwargs),
+        include_reasoning=req.include_reasoning)
+
+
+def _message(message: ChatMessage) -> MessageInput:
+    content = message.content
+    return MessageInput(
+        role=message.role,
+        content=tuple(ContentPart(part.type, part.text) for part in content)
+        if isinstance(content, list) else content,
+        name=message.name,
+        tool_calls=None if message.tool_calls is None else tuple(
+            ToolCallInput(call.id, call.function.name, call.function.arguments)
+            for call in message.tool_calls),
+        tool_call_id=message.tool_call_id)
+
+
+def _tool(tool: ChatTool) -> ToolInput:
+    function = tool.function
+    return ToolInput(ToolFunction(function.name, function.description, function.parameters),
+                     template=tool.model_dump(exclude_none=True))

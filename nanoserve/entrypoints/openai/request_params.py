@@ -1,0 +1,69 @@
+"""A request's SamplingParams: its sampling fields (`chat_input.SamplingInput`) over the
+model's generation defaults, with 400s that name the field, the value and the allowed range."""
+
+from __future__ import annotations
+
+from nanoserve.entrypoints.chat_input import SamplingInput
+from nanoserve.entrypoints.openai.errors import bad_request, from_value_error
+from nanoserve.entrypoints.openai.limits import check_bad_words, check_stops
+from nanoserve.entrypoints.openai.server_context import ServerContext
+from nanoserve.sampling_params import RequestOutputKind, SamplingParams
+
+
+def sampling_params(ctx: ServerContext, fields: SamplingInput, *, max_tokens: int,
+                    output_kind: RequestOutputKind) -> SamplingParams:
+    """The request's SamplingParams: explicit fields over the model's generation defaults."""
+    if fields.stream_options is not None and not fields.stream:
+        raise bad_request("stream_options can only be given when stream is true",
+                          "stream_options")
+    if fields.stream and fields.prompt_logprobs is not None:
+        raise bad_request("prompt_logprobs is not available when streaming", "prompt_logprobs")
+    check_stops(ctx.limits, fields.stop)
+    check_bad_words(ctx.limits, fields.bad_words)
+    try:
+        bias = None if fields.logit_bias is None else {
+            int(k): v for k, v in fields.logit_bias.items()}
+    except ValueError:
+        raise bad_request("logit_bias keys must be token ids (integers as strings)",
+                          "logit_bias") from None
+    explicit = dict(
+        n=fields.n, temperature=fields.temperature, top_p=fields.top_p, top_k=fields.top_k,
+        min_p=fields.min_p, repetition_penalty=fields.repetition_penalty,
+        presence_penalty=fields.presence_penalty, frequency_penalty=fields.frequency_penalty,
+        seed=None if fields.seed == -1 else fields.seed, stop=fields.stop,
+        stop_token_ids=fields.stop_token_ids or [], ignore_eos=fields.ignore_eos,
+        min_tokens=fields.min_tokens, max_tokens=max_tokens,
+        skip_special_tokens=fields.skip_special_tokens,
+        spaces_between_special_tokens=fields.spaces_between_special_tokens,
+        include_stop_str_in_output=fields.include_stop_str_in_output,
+        allowed_token_ids=fields.allowed_token_ids, bad_words=fields.bad_words,
+        logit_bias=bias, logprobs=fields.logprobs, prompt_logprobs=fields.prompt_logprobs,
+        logprobs_mode=fields.logprobs_mode, thinking_token_budget=fields.thinking_token_budget,
+        extra_args=fields.extra_args, output_kind=output_kind)
+    try:
+        params = SamplingParams.from_generation_config(ctx.generation_defaults, **explicit)
+        params.check_token_ids(ctx.vocab_size)
+        for cls in ctx.processor_classes:
+            cls.validate_params(params)
+    except ValueError as e:
+        raise from_value_error(e) from None
+    _check_logprob_counts(ctx, params, fields.logprobs_field)
+    if params.thinking_token_budget is not None and not ctx.has_reasoning_tokens:
+        raise bad_request("thinking_token_budget needs a model with reasoning tags "
+                          "(<think> and </think> tokens); this model has none",
+                          "thinking_token_budget")
+    if params.bad_words:
+        params.update_from_tokenizer(ctx.tokenizer)
+    return params
+
+
+def _check_logprob_counts(ctx: ServerContext, params: SamplingParams,
+                          logprobs_field: str) -> None:
+    """At most --max-logprobs, named as the request names the count (chat's top_logprobs,
+    completions' logprobs)."""
+    field_of = {"logprobs": logprobs_field, "prompt_logprobs": "prompt_logprobs"}
+    for name, field_name in field_of.items():
+        asked = getattr(params, name)
+        if asked is not None and asked > ctx.max_logprobs:
+            raise bad_request(f"{field_name} must be <= {ctx.max_logprobs} (--max-logprobs), "
+                              f"got {asked}", field_name)

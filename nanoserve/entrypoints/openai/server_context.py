@@ -1,0 +1,63 @@
+"""The server's context for request handlers: the engine, the tokenizer, the server's options,
+and the checks every generating request makes first (the model's name, the capacity)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from nanoserve.config import RequestLimits
+from nanoserve.entrypoints.async_engine import AsyncEngine
+from nanoserve.entrypoints.openai.errors import APIError, bad_request
+from nanoserve.entrypoints.openai.limits import check_n
+from nanoserve.entrypoints.openai.metrics import Metrics
+from nanoserve.sample.logits_processor import LogitsProcessor
+from nanoserve.structured.grammar import GrammarTokenizer
+
+
+@dataclass
+class ServerContext:
+    """Everything a request handler needs, built once when the server starts."""
+
+    engine: AsyncEngine
+    tokenizer: Any
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    metrics: Metrics
+    max_logprobs: int  # the engine's cap (EngineArgs.max_logprobs)
+    max_in_flight: int  # past this many sequences (requests times n) in flight: 429
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
+    reasoning_parser: str | None = None
+    tool_call_parser: str | None = None  # --tool-call-parser: what `tool_choice="auto"` reads
+    chat_template: str | None = None  # --chat-template: replaces the tokenizer's own
+    processor_classes: list[type[LogitsProcessor]] = field(default_factory=list)
+    has_reasoning_tokens: bool = False
+    # the model's tokenizer as llguidance's, for the grammar checks (built on first use)
+    grammar_tokenizer: GrammarTokenizer | None = None
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    shutting_down: bool = False
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"The model `{model}` does not exist.", "model")
+
+    def check_capacity(self, num_prompts: int = 1, n: int = 1) -> None:
+        """429 past the in-flight cap (the SDK backs off and retries); 503 while stopping.
+        The cap counts engine sequences: each of a /v1/completions batch's prompts, times n
+        (each sample holds its own copy of the prompt: 512 requests of n=128 on 8k-token
+        prompts would need ~24 GiB in the engine alone)."""
+        if self.engine.is_dead:
+            raise APIError(503, "the engine is not running")
+        if self.shutting_down:
+            raise APIError(503, "the server is shutting down")
+        if num_prompts > self.max_in_flight:
+            raise bad_request(f"prompt must be a batch of at most {self.max_in_flight} prompts "
+                              f"(--max-in-flight), got {num_prompts}", "prompt")
+        check_n(self.limits, n)
+        if num_prompts * n > self.max_in_flight:
+            raise bad_request(f"n times the prompts must be at most {self.max_in_flight} "
+                              f"sequences (--max-in-flight), got {n} x {num_prompts}", "n")
+        if self.engine.num_sequences_in_flight + num_prompts * n > self.max_in_flight:
+            raise APIError(429, f"the server is at capacity ({self.max_in_flight} sequences "
+                                "in flight); retry later")
