@@ -133,3 +133,54 @@ def test_walker_sees_function_local_and_relative_imports() -> None:
     found = imported_modules(source, "nanoserve.sample.probe")
     assert found == {"torch", "nanoserve.engine.core", "nanoserve.sample",
                      "nanoserve.protocol"}
+
+
+# The worker's side of the executor seam: what one rank runs never reaches the scheduler or a
+# live `Request`, at any depth, so a step can be sent to another process as data.
+WORKER_SIDE = ("nanoserve.engine.worker", "nanoserve.engine.executor",
+               "nanoserve.engine.model_runner", "nanoserve.engine.zero_cost_runner")
+SCHEDULER_SIDE = {"nanoserve.engine.scheduler", "nanoserve.engine.request",
+                  "nanoserve.engine.core", "nanoserve.engine.kv_cache"}
+
+
+def _reachable(start: str) -> set[str]:
+    """Every nanoserve module `start` imports, directly or through others."""
+    seen, todo = set(), [start]
+    while todo:
+        module = todo.pop()
+        if module in seen:
+            continue
+        seen.add(module)
+        path = PACKAGE_DIR.parent / (module.replace(".", "/") + ".py")
+        is_package = not path.exists()
+        if is_package:
+            path = path.with_suffix("") / "__init__.py"
+        if not path.exists():
+            continue
+        source = path.read_text()
+        found = imported_modules(source, module, is_package)
+        # `from nanoserve.model import attention` imports the submodule too
+        found |= {f"{node.module}.{alias.name}" for node in ast.walk(ast.parse(source))
+                  if isinstance(node, ast.ImportFrom) and node.module and not node.level
+                  for alias in node.names}
+        todo += [m for m in found if m.startswith("nanoserve.")]
+    return seen
+
+
+def test_reachable_follows_imports_at_any_depth() -> None:
+    reached = _reachable("nanoserve.engine.core")
+    assert {"nanoserve.engine.scheduler", "nanoserve.engine.request",
+            "nanoserve.sample.sampler"} <= reached
+
+
+@pytest.mark.parametrize("module", WORKER_SIDE)
+def test_the_worker_side_never_reaches_the_scheduler(module: str) -> None:
+    reached = _reachable(module) & SCHEDULER_SIDE
+    assert not reached, f"{module} imports {sorted(reached)}"
+
+
+def test_the_model_never_reaches_the_engine() -> None:
+    for path in sorted((PACKAGE_DIR / "model").rglob("*.py")):
+        module = _module_name(path)
+        reached = {m for m in _reachable(module) if m.startswith("nanoserve.engine")}
+        assert not reached, f"{module} imports {sorted(reached)}"
