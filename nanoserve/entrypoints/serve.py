@@ -39,7 +39,7 @@ from nanoserve.engine.core_client import (
 from nanoserve.entrypoints.async_engine import AsyncEngine
 from nanoserve.entrypoints.openai.api_server import build_app, drain
 from nanoserve.entrypoints.openai.metrics import Metrics
-from nanoserve.entrypoints.openai.serving_common import ServerContext
+from nanoserve.entrypoints.openai.server_context import ServerContext
 from nanoserve.entrypoints.request_logger import RequestLogger
 from nanoserve.entrypoints.web.router import page_banner
 from nanoserve.model.loader import load_frontend
