@@ -10,8 +10,8 @@ What each computes, against the plain PyTorch ops it replaces (layer_ops.py's EX
       qkv + bias (Qwen2); F.rms_norm of each q and k head (Qwen3); apply_rope on q and k with
       rows `positions` of RotaryEmbedding's own cos/sin tables (so Llama 3 and linear scaling
       come with the table); k and v written into the paged caches (float32, float16 rounded
-      to nearest even, or int8 rows as attention.py's `quantize_kv_rows` makes them) at
-      `cache_index`, which attention.py's `write_kv_cache` did.
+      to nearest even, or int8 rows as attention/kv_rows.py's `quantize_kv_rows` makes them)
+      at `cache_index`, as `write_kv_cache` there does.
       qkv's k and v columns are left holding the rotated k and biased v (prefill chunks that
       attend to themselves read them there).
 

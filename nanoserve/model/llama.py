@@ -1,8 +1,9 @@
 """Llama-family decoder in plain PyTorch: Llama 2/3, Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm).
 
 The model runs on a flat batch: every scheduled token of every request in one [num_tokens] row
-vector, with attention routed through the paged KV cache (see attention.py). Projections that
-read the same input are fused at load time (q/k/v into one matmul, gate/up into one).
+vector, with attention routed through the paged KV cache by a backend (the attention/ package).
+Projections that read the same input are fused at load time (q/k/v into one matmul, gate/up
+into one).
 
 One layer forward (`BoundDecoderLayer.forward`) runs over one of two op tables (layer_ops.py).
 With exact weights (`--quantization none`) the table is plain PyTorch, the path held equal to
@@ -45,12 +46,14 @@ of 0.6-1.9 s); there the element-wise and Python buckets still fell 2-3x (batch 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.model.arch import ArchConfig
-from nanoserve.model.attention import AttentionMetadata, paged_attention
+from nanoserve.model.attention import AttentionBackend, AttentionMetadata
 from nanoserve.model.fused_ops import kernels
 from nanoserve.model.layer_ops import EXACT_OPS, OpTable, StepContext, fused_table
 from nanoserve.model.linear import linear
@@ -142,14 +145,15 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions: [num_tokens] -> final hidden states [num_tokens, hidden_size]."""
+                attention: AttentionBackend[Any], meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions: [num_tokens] -> final hidden states [num_tokens, hidden_size].
+        `meta` is `attention`'s own, from `attention.build_metadata` for this step."""
         assert self.rotary is not None, "weights not loaded: use nanoserve.model.loader.load_model"
         table, layers = self._bind_layers()
         eps = self.arch.rms_norm_eps
         cos, sin = table.rope_tables(self.rotary, positions)
-        step = StepContext(positions, cos, sin, paged_attention, meta, meta.cache_index,
-                           bool(meta.prefills), eps)
+        step = StepContext(positions, cos, sin, attention.forward, meta, meta.cache_index,
+                           meta.reads_new_kv, eps)
         hidden = self._embed(input_ids)  # [T, hidden], a fresh tensor: updated in place
         delta = None
         for layer, (k_cache, v_cache) in zip(layers, kv_caches, strict=True):

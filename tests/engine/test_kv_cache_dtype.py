@@ -15,7 +15,7 @@ from nanoserve.config import CacheConfig
 from nanoserve.engine.core import EngineCore
 from nanoserve.engine.model_runner import resolve_kv_cache_dtype
 from nanoserve.engine_args import EngineArgs
-from nanoserve.model.paged_decode import can_read_cache_in_place
+from nanoserve.model.attention import can_read_cache_in_place
 from nanoserve.sampling_params import SamplingParams
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")

@@ -14,7 +14,7 @@ from conftest import TINY_FAMILIES
 from helpers import hf_greedy, hf_model, make_engine, run_to_completion
 
 from nanoserve.engine.core import EngineCore
-from nanoserve.model.attention import AttentionMetadata, PrefillChunk
+from nanoserve.model.attention import PrefillChunk, SdpaBackend, SdpaMetadata
 from nanoserve.model.loader import default_model_path
 from nanoserve.sampling_params import SamplingParams
 
@@ -33,10 +33,11 @@ def prefill_logits(engine: EngineCore, prompt_ids: list[int]) -> torch.Tensor:
     """Logits at every prompt position, through the paged prefill path (blocks 0, 1, ...)."""
     runner = engine.runner
     n = len(prompt_ids)
-    meta = AttentionMetadata(cache_index=torch.arange(n), num_decode_tokens=0,
-                             decode_block_ids=None, decode_key_mask=None,
-                             prefills=[PrefillChunk(0, n, n)])
-    hidden = runner.model(torch.tensor(prompt_ids), torch.arange(n), runner.kv_caches, meta)
+    attention = SdpaBackend(block_size=runner.block_size, num_kv_heads=runner.num_kv_heads,
+                            num_blocks=runner.num_blocks, device=runner.device)
+    meta = SdpaMetadata(cache_index=torch.arange(n), prefills=[PrefillChunk(0, n, n)])
+    hidden = runner.model(torch.tensor(prompt_ids), torch.arange(n), runner.kv_caches,
+                          attention, meta)
     return runner.model.compute_logits(hidden)
 
 

@@ -1,4 +1,4 @@
-"""llama.py's fused path (FusedDecoderLayer) against its plain path on the same quantized model.
+"""llama.py's fused op table (layer_ops.py) against the exact one on the same quantized model.
 
 Every step of a run that mixes decodes with chunked prefills is computed both ways from the
 same cache; the tiny Llama (tied head, Llama 3 RoPE scaling), Qwen2 (qkv bias) and Qwen3 (q/k
@@ -23,7 +23,12 @@ from helpers import make_engine, run_to_completion
 from test_equivalence import prefill_logits
 
 from nanoserve.engine.core import EngineCore
-from nanoserve.model.attention import AttentionMetadata
+from nanoserve.model.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    CpuPagedMetadata,
+    SdpaMetadata,
+)
 from nanoserve.model.fused_ops import kernels
 from nanoserve.sampling_params import SamplingParams
 
@@ -57,16 +62,16 @@ class BothPaths:
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 meta: AttentionMetadata) -> torch.Tensor:
+                 attention: AttentionBackend[Any], meta: AttentionMetadata) -> torch.Tensor:
         before = [(k.clone(), v.clone()) for k, v in kv_caches]
         self.model.use_fused_ops = False
-        plain = self.forward(input_ids, positions, kv_caches, meta)
+        plain = self.forward(input_ids, positions, kv_caches, attention, meta)
         plain_caches = [(k.clone(), v.clone()) for k, v in kv_caches]
         for (k, v), (k0, v0) in zip(kv_caches, before, strict=True):
             k.copy_(k0)
             v.copy_(v0)
         self.model.use_fused_ops = True
-        fused = self.forward(input_ids, positions, kv_caches, meta)
+        fused = self.forward(input_ids, positions, kv_caches, attention, meta)
         self.hidden_errors.append(((fused - plain).norm() / plain.norm()).item())
         self.cache_errors.append(max(  # relative to the layer's largest entry
             ((ours.float() - theirs.float()).abs().max()
@@ -80,11 +85,10 @@ class BothPaths:
 def mixes_decodes_and_prefills(meta: AttentionMetadata) -> bool:
     """Whether a step holds decodes and a prefill chunk. Where the kernel attends every token,
     a chunk's tokens share one block-table row and a decode has a row of its own."""
-    if meta.prefills:
-        return meta.num_decode_tokens > 0
-    if meta.decode_block_table is None:
-        return False
-    _, counts = torch.unique(meta.decode_block_table, dim=0, return_counts=True)
+    if isinstance(meta, SdpaMetadata):
+        return bool(meta.prefills) and meta.decodes is not None
+    assert isinstance(meta, CpuPagedMetadata)
+    _, counts = torch.unique(meta.block_table, dim=0, return_counts=True)
     return bool((counts > 1).any() and (counts == 1).any())
 
 

@@ -1,7 +1,7 @@
-"""The in-place paged decode kernel (paged_decode.py) equals the gather + SDPA path it replaces
-(attention.py's `_decode_attention`) and a plain float64 softmax, on shuffled block tables; on a
-float16 cache it equals both on the same (rounded) keys and values, and on an int8 cache the
-float64 softmax over the dequantized ones."""
+"""The in-place paged decode kernel (attention/cpu_paged.py) equals the gather + SDPA path it
+replaces (attention/sdpa.py's `gather_decode_attention`) and a plain float64 softmax, on
+shuffled block tables; on a float16 cache it equals both on the same (rounded) keys and values,
+and on an int8 cache the float64 softmax over the dequantized ones."""
 
 from __future__ import annotations
 
@@ -14,19 +14,20 @@ import numpy as np
 import pytest
 import torch
 from helpers import make_engine, run_to_completion
+from step_inputs import make_step_input
 
-from nanoserve.engine import model_runner
-from nanoserve.model import paged_decode
 from nanoserve.model.attention import (
-    AttentionMetadata,
-    PrefillChunk,
-    _decode_attention,
+    CpuPagedBackend,
+    GatheredDecodes,
+    SdpaBackend,
+    cpu_paged,
     dequantize_kv_rows,
     head_block_rows,
-    paged_attention,
     quantize_kv_rows,
+    selector,
 )
-from nanoserve.model.paged_decode import can_read_cache_in_place, decode_attention
+from nanoserve.model.attention.cpu_paged import can_read_cache_in_place, decode_attention
+from nanoserve.model.attention.sdpa import gather_decode_attention
 from nanoserve.native import load_kernels, missing_build_tool
 from nanoserve.sampling_params import SamplingParams
 
@@ -66,10 +67,8 @@ def sdpa_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     num_kv_heads, num_blocks, block_size = k_cache.shape[:3]
     rows = head_block_rows(table.numpy().astype(np.int64), num_kv_heads, num_blocks)
     mask = torch.arange(table.shape[1] * block_size)[None, :] < lens[:, None].long()
-    meta = AttentionMetadata(cache_index=torch.zeros(0, dtype=torch.int64),
-                             num_decode_tokens=q.shape[0], decode_block_ids=torch.from_numpy(rows),
-                             decode_key_mask=mask[:, None, None, :], prefills=[])
-    return _decode_attention(q, k_cache, v_cache, meta)
+    decodes = GatheredDecodes(torch.from_numpy(rows), mask[:, None, None, :])
+    return gather_decode_attention(q, k_cache, v_cache, decodes)
 
 
 def plain_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -216,37 +215,34 @@ def test_mixed_cache_dtypes_are_refused() -> None:
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
 def test_decodes_in_a_mixed_batch_take_the_kernel_path(cache_dtype: torch.dtype) -> None:
-    """paged_attention gives the same rows whichever decode metadata the runner built, with a
-    prefill chunk in the same batch."""
+    """Both backends give the same rows for decodes with a prefill chunk in the same batch
+    (which the kernel backend attends token by token)."""
     q_dec, k_cache, v_cache, table, lens = with_cache_dtype(
         random_case([5, 33], num_kv_heads=2, group=2, head_dim=16), cache_dtype)
     chunk_len = 4
     q = torch.cat([q_dec, torch.randn(chunk_len, 4, 16)])
     k, v = torch.randn(2 + chunk_len, 2, 16), torch.randn(2 + chunk_len, 2, 16)
-    # each decode's new token goes to its last position, the chunk's to the cache's last rows
-    # (both paths write the same rows of their own copy of the cache)
-    last = [int(table[b, (n - 1) // BLOCK_SIZE]) * BLOCK_SIZE + (n - 1) % BLOCK_SIZE
-            for b, n in enumerate(lens.tolist())]
-    num_rows = k_cache.shape[1] * BLOCK_SIZE
-    cache_index = torch.tensor(last + list(range(num_rows - chunk_len, num_rows)))
-    rows = head_block_rows(table.numpy().astype(np.int64), 2, k_cache.shape[1])
-    mask = torch.arange(table.shape[1] * BLOCK_SIZE)[None, :] < lens[:, None].long()
+    # each decode's new token goes to its last position, the chunk's to a block no decode
+    # holds (both backends write the same rows of their own copy of the cache)
+    used = {int(b) for row, n in zip(table, lens.tolist(), strict=True)
+            for b in row[: -(-n // BLOCK_SIZE)]}
+    chunk_row = table[0].clone()
+    chunk_row[0] = min(set(range(k_cache.shape[1])) - used)
+    step = make_step_input([n - 1 for n in lens.tolist()] + [0], [1, 1, chunk_len],
+                           torch.cat([table, chunk_row[None]]).numpy(), BLOCK_SIZE)
     outs = []
     for is_in_place in (False, True):
-        meta = AttentionMetadata(
-            cache_index=cache_index, num_decode_tokens=2,
-            decode_block_ids=None if is_in_place else torch.from_numpy(rows),
-            decode_key_mask=None if is_in_place else mask[:, None, None, :],
-            prefills=[PrefillChunk(2, chunk_len, chunk_len)],
-            decode_block_table=table if is_in_place else None,
-            decode_context_lens=lens if is_in_place else None)
-        outs.append(paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta))
+        backend = (CpuPagedBackend if is_in_place else SdpaBackend)(
+            block_size=BLOCK_SIZE, num_kv_heads=2, num_blocks=k_cache.shape[1],
+            device=torch.device("cpu"))
+        meta = backend.build_metadata(step)
+        outs.append(backend.forward(q, k, v, k_cache.clone(), v_cache.clone(), meta))
     assert relative_error(outs[1], outs[0]) < 1e-5
 
 
 @pytest.mark.parametrize("is_in_place", [False, True])
 def test_float16_cache_write_and_prefix_read(is_in_place: bool) -> None:
-    """paged_attention writes new keys and values rounded to a float16 cache, and a prefill
+    """Each backend writes new keys and values rounded to a float16 cache, and a prefill
     chunk over a cached prefix reads them back widened: the step equals the same step on a
     float32 cache that holds the rounded values, decode and chunk alike."""
     num_kv_heads, group, head_dim, block_size = 2, 2, 16, 4
@@ -258,23 +254,12 @@ def test_float16_cache_write_and_prefix_read(is_in_place: bool) -> None:
     q = torch.randn(4, num_kv_heads * group, head_dim, generator=gen)
     k = torch.randn(4, num_kv_heads, head_dim, generator=gen)
     v = torch.randn(4, num_kv_heads, head_dim, generator=gen)
-    chunk_blocks = np.array([5, 2, 7])
-    chunk = PrefillChunk(
-        1, 3, 9, block_ids=torch.from_numpy(head_block_rows(chunk_blocks, num_kv_heads, 8)),
-        mask=torch.arange(9)[None, :] <= torch.arange(6, 9)[:, None])
-    decode_table = torch.tensor([[0, 3]], dtype=torch.int32)
-    decode_lens = torch.tensor([5], dtype=torch.int32)
-    meta = AttentionMetadata(
-        cache_index=torch.tensor([3 * block_size, 2 * block_size + 2, 2 * block_size + 3,
-                                  7 * block_size]),
-        num_decode_tokens=1,
-        decode_block_ids=None if is_in_place else torch.from_numpy(
-            head_block_rows(decode_table.numpy().astype(np.int64), num_kv_heads, 8)),
-        decode_key_mask=None if is_in_place
-        else (torch.arange(2 * block_size) < 5)[None, None, None, :],
-        prefills=[chunk],
-        decode_block_table=decode_table if is_in_place else None,
-        decode_context_lens=decode_lens if is_in_place else None)
+    step = make_step_input([4, 6], [1, 3], np.array([[0, 3, 0], [5, 2, 7]]), block_size)
+    backend = (CpuPagedBackend if is_in_place else SdpaBackend)(
+        block_size=block_size, num_kv_heads=num_kv_heads, num_blocks=8,
+        device=torch.device("cpu"))
+    meta = backend.build_metadata(step)
+    paged_attention = backend.forward
     k32, v32 = k16.float(), v16.float()
     ours = paged_attention(q, k, v, k16, v16, meta)
     reference = paged_attention(q, k.half().float(), v.half().float(), k32, v32, meta)
@@ -308,18 +293,18 @@ def test_engine_decodes_through_the_kernel(tiny_model_dir: Callable[[str], Path]
     prompts = {f"p{n}": [rng.randrange(3, 49152) for _ in range(n)] for n in (1, 15, 16, 17, 40)}
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     calls: list[int] = []
-    kernel = paged_decode.decode_attention
+    kernel = cpu_paged.decode_attention
 
     def counted(*args: torch.Tensor) -> torch.Tensor:
         calls.append(args[0].shape[0])
         return kernel(*args)
 
-    monkeypatch.setattr(paged_decode, "decode_attention", counted)
+    monkeypatch.setattr(cpu_paged, "decode_attention", counted)
     in_place = run_to_completion(make_engine(path), prompts, params)
     assert len(prompts) in calls, "all five requests should have decoded in one batch"
     assert max(calls) >= 40, "the prompts' tokens should have been attended by the kernel too"
     calls.clear()
-    monkeypatch.setattr(model_runner, "can_read_cache_in_place", lambda *_: False)
+    monkeypatch.setattr(selector, "can_read_cache_in_place", lambda *_: False)
     gathered = run_to_completion(make_engine(path), prompts, params)
     assert not calls
     assert in_place == gathered
