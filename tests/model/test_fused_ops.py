@@ -1,5 +1,5 @@
 """The fused element-wise kernels (`csrc/fused_ops.cpp`) against the plain PyTorch ops they
-replace in llama.py's DecoderLayer, on odd shapes and both KV cache dtypes.
+replace (layer_ops.py's EXACT_OPS), on odd shapes and both KV cache dtypes.
 
 Tolerances: norms and SiLU within 1e-5 relative (another summation order, another exp
 polynomial: measured ~4e-7); RoPE within 1e-6; v and the untouched cache rows exactly; the
@@ -83,7 +83,7 @@ def plain_rope_store(qkv: torch.Tensor, bias: torch.Tensor | None, q_norm: torch
                      positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      cache_index: torch.Tensor, num_heads: int
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """DecoderLayer's plain ops: bias, q/k norm, apply_rope, write_kv_cache -> (q, k, v)."""
+    """The exact table's ops: bias, q/k norm, apply_rope, write_kv_cache -> (q, k, v)."""
     num_tokens = qkv.shape[0]
     num_kv_heads, head_dim = k_cache.shape[0], qkv.shape[1] // (num_heads + 2 * k_cache.shape[0])
     if bias is not None:
