@@ -10,10 +10,10 @@ the same: a draft is kept only where it equals the token the target model draws 
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from nanoserve.plugins import import_named
 from nanoserve.sample.sequence import SequenceData
 
 
@@ -29,17 +29,10 @@ def load_draft_proposer(spec: Any) -> DraftProposer | None:
     if spec is None:
         return None
     if isinstance(spec, str):
-        module_name, sep, class_name = spec.partition(":")
-        if not sep or not module_name or not class_name:
-            raise ValueError(f"draft proposer {spec!r} must be written 'module:Class'")
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as e:
-            raise ValueError(f"draft proposer {spec!r}: cannot import {module_name!r} ({e})") \
-                from None
-        spec = getattr(module, class_name, None)
+        name = spec
+        spec = import_named(name, "draft proposer")
         if spec is None:
-            raise ValueError(f"draft proposer {class_name!r} is not in {module_name!r}")
+            raise ValueError(f"draft proposer {name!r}: no such name in its module")
     proposer = spec() if isinstance(spec, type) else spec
     if not callable(getattr(proposer, "propose", None)):
         raise ValueError(f"draft proposer {proposer!r} has no propose(seq, num_tokens) method")

@@ -40,7 +40,6 @@ Processors are loaded from `--logits-processors module:Class[,module:Class]` (or
 
 from __future__ import annotations
 
-import importlib
 import importlib.metadata
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -48,6 +47,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from nanoserve.plugins import import_named
 from nanoserve.sample.sequence import SequenceData
 from nanoserve.sampling_params import SamplingParams
 
@@ -91,15 +91,8 @@ class LogitsProcessor:
 
 def resolve_processor(spec: str) -> type[LogitsProcessor]:
     """'package.module:ClassName' -> the class, or a ValueError saying what is wrong."""
-    module_name, sep, class_name = spec.partition(":")
-    if not sep or not module_name or not class_name:
-        raise ValueError(f"logits processor {spec!r} must be written 'module:Class'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"logits processor {spec!r}: cannot import {module_name!r} ({e})") \
-            from None
-    cls = getattr(module, class_name, None)
+    module_name, _, class_name = spec.partition(":")
+    cls = import_named(spec, "logits processor")
     if not (isinstance(cls, type) and issubclass(cls, LogitsProcessor)):
         raise ValueError(f"logits processor {spec!r}: {class_name!r} in {module_name!r} is not a "
                          "subclass of nanoserve.sample.logits_processor.LogitsProcessor")

@@ -10,8 +10,10 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import pytest
 from helpers import make_engine
 
+from nanoserve.engine.drafts import load_draft_proposer
 from nanoserve.engine.executor import InProcessExecutor
 from nanoserve.protocol import (
     NewSequence,
@@ -76,3 +78,14 @@ def test_step_input_round_trips_with_its_arrays() -> None:
             assert theirs.dtype == mine.dtype and np.array_equal(theirs, mine), name
         else:
             assert theirs == mine, name
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    ("nope", "must be written 'module:Class'"),
+    ("no_such_module_here:X", "cannot import 'no_such_module_here'"),
+    ("json:NoSuchName", "no such name"),
+    ("json:dumps", "has no propose"),
+])
+def test_a_bad_draft_proposer_is_a_clear_error(spec: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        load_draft_proposer(spec)
