@@ -88,7 +88,7 @@ class EngineArgs:
     max_logprobs: int = _arg(SamplerConfig.max_logprobs,
                              "the most top-N logprobs a request may ask for "
                              "(default: %(default)s)", type=int)
-    draft_proposer: str | type | None = _arg(
+    draft_proposer: str | None = _arg(
         SchedulerConfig.draft_proposer, "a class that proposes draft tokens, scored several per "
         "step and kept only where they equal the model's own draws (engine/drafts.py)",
         metavar="MODULE:CLASS")
