@@ -9,6 +9,7 @@ import math
 import random
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -293,13 +294,13 @@ def test_engine_decodes_through_the_kernel(tiny_model_dir: Callable[[str], Path]
     prompts = {f"p{n}": [rng.randrange(3, 49152) for _ in range(n)] for n in (1, 15, 16, 17, 40)}
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     calls: list[int] = []
-    kernel = cpu_paged.decode_attention
+    kernel = cpu_paged.CpuPagedBackend.forward
 
-    def counted(*args: torch.Tensor) -> torch.Tensor:
+    def counted(self: cpu_paged.CpuPagedBackend, *args: Any, **kwargs: Any) -> torch.Tensor:
         calls.append(args[0].shape[0])
-        return kernel(*args)
+        return kernel(self, *args, **kwargs)
 
-    monkeypatch.setattr(cpu_paged, "decode_attention", counted)
+    monkeypatch.setattr(cpu_paged.CpuPagedBackend, "forward", counted)
     in_place = run_to_completion(make_engine(path), prompts, params)
     assert len(prompts) in calls, "all five requests should have decoded in one batch"
     assert max(calls) >= 40, "the prompts' tokens should have been attended by the kernel too"
