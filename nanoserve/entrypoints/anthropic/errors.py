@@ -1,0 +1,122 @@
+"""Anthropic's error shape on the Messages paths: `{"type": "error", "error": {"type", "message"}}`
+with the status the error already has, for every error those paths can give.
+
+The server's errors are made in OpenAI's shape, by the exception handlers (`openai/errors.py`),
+the API-key check (`openai/auth.py`) and the body limit (`openai/limits.py`). Rather than teach
+each of them a second shape, one ASGI middleware, outside all of them, rewrites an error answer
+on a path under `/v1/messages` into Anthropic's: the status picks the type, as Anthropic's API
+does, and the OpenAI `param` is named in the message (in this API's words: `tools.0.input_schema`,
+not `tools.0.function.parameters`), since Anthropic's shape has no field for it. An exception
+no handler knows (a bug) would be answered by Starlette's outermost error middleware, past this
+one, so that one is answered here too (500, `api_error`) and then re-raised for the log.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+MESSAGES_PATH = "/v1/messages"
+
+# Anthropic's types per status (docs.anthropic.com/en/api/errors); 503 is nanoserve's
+# "not now" (engine stopped, shutting down), which Anthropic calls overloaded (its 529)
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "not_found_error", 408: "timeout_error", 413: "request_too_large",
+          429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}
+# the neutral chat machinery names fields as chat completions does; these are this API's names
+_RENAMES = [(re.compile(r"^tools\.(\d+)\.function\.parameters"), r"tools.\1.input_schema"),
+            (re.compile(r"^tools\.(\d+)\.function\.name"), r"tools.\1.name"),
+            (re.compile(r"^response_format\.json_schema(\.schema)?"), r"output_config.format\1"),
+            (re.compile(r"^stop$"), "stop_sequences")]
+
+
+def is_messages_path(path: str) -> bool:
+    return path == MESSAGES_PATH or path.startswith(MESSAGES_PATH + "/")
+
+
+def error_type(status: int) -> str:
+    """Anthropic's error type for an HTTP status."""
+    if status in _TYPES:
+        return _TYPES[status]
+    return "api_error" if status >= 500 else "invalid_request_error"
+
+
+def anthropic_error(status: int, message: str) -> dict[str, Any]:
+    """The error body Anthropic's API answers (and its SDKs parse)."""
+    return {"type": "error", "error": {"type": error_type(status), "message": message}}
+
+
+def renamed_field(param: str) -> str:
+    """A chat-completions field name as this API calls it."""
+    for pattern, replacement in _RENAMES:
+        if pattern.match(param):
+            return pattern.sub(replacement, param, count=1)
+    return param
+
+
+def reshape_error(body: bytes, status: int) -> bytes:
+    """An OpenAI error body as Anthropic's; a body in no known shape keeps its text."""
+    try:
+        parsed = json.loads(body)
+        error = parsed["error"]
+        message, param = str(error["message"]), error.get("param")
+    except (ValueError, KeyError, TypeError):
+        message, param = body.decode("utf-8", "replace") or f"HTTP {status}", None
+    if isinstance(param, str) and param:
+        named = renamed_field(param)
+        if message.startswith(param):
+            message = named + message[len(param):]
+        elif named not in message:
+            message = f"{named}: {message}"
+    return json.dumps(anthropic_error(status, message)).encode()
+
+
+class AnthropicErrorShape:
+    """ASGI middleware: on the Messages paths, every error answer in Anthropic's shape (see
+    the module). Other paths pass straight through; so does any answer below status 400."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or not is_messages_path(scope["path"]):
+            await self.app(scope, receive, send)
+            return
+        held: dict[str, Any] | None = None  # an error's response start, until its body is read
+        chunks: list[bytes] = []
+        has_started = False
+
+        async def reshaping_send(message: dict[str, Any]) -> None:
+            nonlocal held, has_started
+            if message["type"] == "http.response.start":
+                has_started = True
+                if message["status"] >= 400:
+                    held = message
+                    return
+            elif message["type"] == "http.response.body" and held is not None:
+                chunks.append(message.get("body", b""))
+                if message.get("more_body", False):
+                    return
+                start, held = held, None
+                await _send_json(send, start, reshape_error(b"".join(chunks), start["status"]))
+                return
+            await send(message)
+
+        try:
+            await self.app(scope, receive, reshaping_send)
+        except Exception as e:
+            if not has_started:
+                body = anthropic_error(500, f"internal error: {type(e).__name__}")
+                await _send_json(send, {"status": 500, "headers": []},
+                                 json.dumps(body).encode())
+            raise
+
+
+async def _send_json(send: Any, start: dict[str, Any], body: bytes) -> None:
+    headers = [(name, value) for name, value in start.get("headers", [])
+               if name.lower() not in (b"content-length", b"content-type")]
+    headers += [(b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": start["status"], "headers": headers})
+    await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,192 @@
+"""A Messages body translated into the neutral `ChatInput` (`entrypoints/chat_input.py`): after
+this, nothing of the endpoint reads the pydantic request.
+
+- `system` (a string or text blocks; Claude Code's billing line taken off its start,
+  `billing_header.py`) is the first message; its blocks join as a message's text parts do.
+- A user turn's `tool_result` blocks become `tool` messages (in their order, text between them
+  a user message), each naming the `tool_use` it answers; an assistant's `tool_use` blocks are
+  its tool calls, its `thinking` its earlier reasoning (which templates do not get).
+- `tool_choice`: auto → "auto", any → "required", tool → the named function, none → "none";
+  `disable_parallel_tool_use` → one call at most.
+- `thinking` → the template's `enable_thinking` (so a Qwen3-style template opens or closes its
+  reasoning section) and, on a model with reasoning tags, `budget_tokens` as the thinking
+  budget; absent, the template's default holds.
+- `output_config.format` (or the beta's `output_format`) → a JSON-schema response format.
+- `max_tokens` is left to the serving side, which caps it to the context (see there).
+
+Unlike chat completions' translation, this one refuses what only this wire format can name:
+image and document blocks (the models here read text) and a `tool_result` that answers no
+earlier `tool_use`, each a 400 naming the block.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from nanoserve.entrypoints.anthropic.billing_header import strip_billing_header
+from nanoserve.entrypoints.anthropic.protocol import (
+    CountTokensRequest,
+    Message,
+    MessagesRequest,
+    TextBlock,
+    ThinkingBlock,
+    Tool,
+    ToolResultBlock,
+    ToolUseBlock,
+    UnreadableBlock,
+)
+from nanoserve.entrypoints.chat_input import (
+    ChatInput,
+    ContentPart,
+    MessageInput,
+    ResponseFormatInput,
+    SamplingInput,
+    TemplateOptions,
+    ToolCallInput,
+    ToolChoice,
+    ToolFunction,
+    ToolInput,
+)
+from nanoserve.entrypoints.openai.errors import bad_request
+
+
+def messages_input(req: CountTokensRequest, *, strip_billing: bool = True,
+                   has_reasoning_tokens: bool = False) -> ChatInput:
+    """The request as the neutral chat input (a `CountTokensRequest` gives the same prompt as
+    the `MessagesRequest` it counts, and default sampling)."""
+    sampling, response_format = SamplingInput(), ResponseFormatInput()
+    if isinstance(req, MessagesRequest):
+        budget = req.thinking.budget_tokens if req.thinking is not None else None
+        sampling = SamplingInput(
+            max_tokens=None, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+            stop=req.stop_sequences,
+            thinking_token_budget=budget if has_reasoning_tokens else None,
+            extra_args=req.extra_args, stream=req.stream)
+        response_format = _response_format(req)
+    choice = req.tool_choice
+    last = req.messages[-1]  # an assistant's text last is a prefill the answer continues
+    is_prefill = last.role == "assistant" and not any(
+        isinstance(block, ToolUseBlock) for block in last.content) and any(
+        isinstance(block, TextBlock) and block.text for block in last.content)
+    return ChatInput(
+        messages=_system(req.system, strip_billing) + _messages(req.messages),
+        tools=None if req.tools is None else tuple(_tool(tool) for tool in req.tools),
+        tool_choice=_tool_choice(req),
+        is_parallel_tool_calls=not (choice is not None and choice.disable_parallel_tool_use),
+        response_format=response_format, sampling=sampling,
+        template=TemplateOptions(add_generation_prompt=not is_prefill,
+                                 continue_final_message=is_prefill,
+                                 kwargs=_template_kwargs(req)))
+
+
+def _system(blocks: list[TextBlock] | None, strip_billing: bool) -> tuple[MessageInput, ...]:
+    texts = [block.text for block in blocks or []]
+    if strip_billing:
+        texts = strip_billing_header(texts)
+    if not texts:
+        return ()
+    return (MessageInput("system", tuple(ContentPart("text", text) for text in texts)),)
+
+
+def _messages(messages: list[Message]) -> tuple[MessageInput, ...]:
+    out: list[MessageInput] = []
+    call_ids: set[str] = set()  # the tool_use blocks so far, which tool results answer
+    for i, message in enumerate(messages):
+        if message.role == "assistant":
+            out.append(_assistant(message, i))
+            call_ids.update(call.id for call in out[-1].tool_calls or ())
+        else:
+            out.extend(_user(message, i, call_ids))
+    return tuple(out)
+
+
+def _assistant(message: Message, index: int) -> MessageInput:
+    texts: list[str] = []
+    reasoning: list[str] = []
+    calls: list[ToolCallInput] = []
+    for j, block in enumerate(message.content):
+        if isinstance(block, TextBlock):
+            texts.append(block.text)
+        elif isinstance(block, ThinkingBlock):
+            reasoning.append(block.thinking)
+        elif isinstance(block, ToolUseBlock):
+            calls.append(ToolCallInput(block.id, block.name, json.dumps(block.input)))
+        elif isinstance(block, UnreadableBlock | ToolResultBlock):
+            raise _refused(block, f"messages.{index}.content.{j}", "an assistant's")
+    return MessageInput("assistant", "".join(texts) or None, tool_calls=tuple(calls) or None,
+                        reasoning="".join(reasoning) or None)
+
+
+def _user(message: Message, index: int, call_ids: set[str]) -> list[MessageInput]:
+    """The turn's text, and a `tool` message per tool result, in their order."""
+    out: list[MessageInput] = []
+    parts: list[ContentPart] = []
+    for j, block in enumerate(message.content):
+        where = f"messages.{index}.content.{j}"
+        if isinstance(block, TextBlock):
+            parts.append(ContentPart("text", block.text))
+        elif isinstance(block, ToolResultBlock):
+            if parts:
+                out.append(MessageInput("user", tuple(parts)))
+                parts = []
+            out.append(_tool_result(block, where, call_ids))
+        elif isinstance(block, UnreadableBlock | ToolUseBlock | ThinkingBlock):
+            raise _refused(block, where, "a user's")
+    if parts or not out:
+        out.append(MessageInput("user", tuple(parts)))
+    return out
+
+
+def _tool_result(block: ToolResultBlock, where: str, call_ids: set[str]) -> MessageInput:
+    if block.tool_use_id not in call_ids:
+        raise bad_request(f"{where}.tool_use_id: {block.tool_use_id!r} answers no tool_use "
+                          "block of an earlier assistant message", f"{where}.tool_use_id")
+    texts = []
+    for k, part in enumerate(block.content):
+        if isinstance(part, UnreadableBlock):
+            raise _refused(part, f"{where}.content.{k}", "a tool result's")
+        texts.append(part.text)
+    return MessageInput("tool", "\n".join(texts), tool_call_id=block.tool_use_id)
+
+
+def _refused(block: Any, where: str, whose: str) -> Exception:
+    reason = ("the models this server runs read text only" if isinstance(block, UnreadableBlock)
+              else "Anthropic's API does not take it there either")
+    return bad_request(f"{where}: {block.type} blocks are not supported in {whose} content; "
+                       f"{reason}", where)
+
+
+def _tool(tool: Tool) -> ToolInput:
+    function = ToolFunction(tool.name, tool.description, tool.input_schema)
+    template: dict[str, Any] = {"name": tool.name, "parameters": tool.input_schema}
+    if tool.description is not None:
+        template["description"] = tool.description
+    return ToolInput(function, template={"type": "function", "function": template})
+
+
+def _tool_choice(req: CountTokensRequest) -> ToolChoice:
+    choice = req.tool_choice
+    if choice is None:
+        return None
+    if choice.type == "tool":
+        return {"type": "function", "function": {"name": choice.name}}
+    return {"auto": "auto", "any": "required", "none": "none"}[choice.type]
+
+
+def _template_kwargs(req: CountTokensRequest) -> dict[str, Any] | None:
+    kwargs: dict[str, Any] = {}
+    if req.thinking is not None:
+        kwargs["enable_thinking"] = req.thinking.type != "disabled"
+    kwargs.update(req.chat_template_kwargs or {})  # the client's own word wins
+    return kwargs or None
+
+
+def _response_format(req: MessagesRequest) -> ResponseFormatInput:
+    output_format = req.output_config.format if req.output_config is not None else None
+    output_format = output_format or req.output_format
+    if output_format is None:
+        return ResponseFormatInput()
+    return ResponseFormatInput(response_format={
+        "type": "json_schema",
+        "json_schema": {"name": "output_format", "schema": output_format.json_schema}})
