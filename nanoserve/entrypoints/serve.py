@@ -3,7 +3,11 @@
     launcher ── spawns ──> engine core process (model, scheduler, sampler; no HTTP, no text)
        │
        └── runs the API server itself (--api-server-count 1), or spawns N API processes that
-           share the port (SO_REUSEPORT); each talks to the engine core over its own sockets
+           inherit its one listening socket (`listen.py`); each talks to the engine core over
+           its own sockets
+
+The port is bound first, before the engine starts: a busy port is a one-line error and exit
+status 1 within a second, never a second server silently sharing the address.
 
 Lifetimes are tied both ways: the engine core exits when its launcher is gone; an API server
 whose engine core dies fails its in-flight requests at once, answers /health with 503, and
@@ -37,12 +41,14 @@ from nanoserve.engine.core_client import (
     start_engine_process,
 )
 from nanoserve.entrypoints.async_engine import AsyncEngine
+from nanoserve.entrypoints.listen import AddressInUseError, bind_listening_socket
 from nanoserve.entrypoints.openai.api_server import build_app, drain
 from nanoserve.entrypoints.openai.metrics import Metrics
 from nanoserve.entrypoints.openai.server_context import ServerContext
 from nanoserve.entrypoints.request_logger import RequestLogger
 from nanoserve.entrypoints.web.router import page_banner
 from nanoserve.model.loader import load_frontend
+from nanoserve.parsers.tool_format import template_tool_format
 from nanoserve.protocol import EngineDead, EngineReady, Shutdown
 from nanoserve.sample.logits_processor import load_processor_classes
 from nanoserve.structured.grammar import GrammarTokenizer
@@ -51,40 +57,37 @@ logger = logging.getLogger("nanoserve")
 _ENGINE_START_TIMEOUT_S = 900.0
 
 
-def listening_socket(host: str, port: int) -> socket.socket:
-    """A socket several API processes can accept on at once (the kernel spreads connections)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    if hasattr(socket, "SO_REUSEPORT"):
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind((host, port))
-    sock.listen(2048)
-    return sock
-
-
 def run_serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     """The launcher. Returns the process exit status."""
     logging.basicConfig(level=server_config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        sock = bind_listening_socket(server_config.host, server_config.port)
+    except AddressInUseError as e:
+        print(f"nanoserve serve: {e.strerror}", file=sys.stderr, flush=True)
+        return 1
     count = server_config.api_server_count
     addresses = make_addresses(count)
     engine = start_engine_process(engine_config, addresses)
     try:
         if count == 1:
-            return asyncio.run(serve_api(engine_config, server_config, addresses, 0,
+            return asyncio.run(serve_api(engine_config, server_config, addresses, 0, sock,
                                          engine_pid=engine.pid or 0, engine_process=engine))
-        return _run_api_processes(engine_config, server_config, addresses, engine)
+        return _run_api_processes(engine_config, server_config, addresses, engine, sock)
     finally:
+        sock.close()
         _stop_engine(engine, addresses)
 
 
 def _run_api_processes(engine_config: EngineConfig, server_config: ServerConfig,
-                       addresses: EngineAddresses, engine: BaseProcess) -> int:
+                       addresses: EngineAddresses, engine: BaseProcess,
+                       sock: socket.socket) -> int:
     context = multiprocessing.get_context("spawn")
+    # the socket travels as an inherited file descriptor (multiprocessing hands a socket
+    # argument to a spawned child as a duplicated fd); every process accepts on that one socket
     procs = [context.Process(target=api_process_main, name=f"nanoserve-api-{i}", args=(
         msgspec.msgpack.encode(engine_config), msgspec.msgpack.encode(server_config),
-        addresses.input, addresses.outputs, i, engine.pid)) for i in range(
+        addresses.input, addresses.outputs, i, engine.pid, sock)) for i in range(
         server_config.api_server_count)]
     for proc in procs:
         proc.start()
@@ -104,20 +107,21 @@ def _run_api_processes(engine_config: EngineConfig, server_config: ServerConfig,
 
 
 def api_process_main(engine_bytes: bytes, server_bytes: bytes, input_address: str,
-                     output_addresses: list[str], index: int, engine_pid: int) -> None:
+                     output_addresses: list[str], index: int, engine_pid: int,
+                     sock: socket.socket) -> None:
     """Entry point of one API-server process (configs arrive as msgpack, never pickled)."""
     engine_config = msgspec.msgpack.decode(engine_bytes, type=EngineConfig)
     server_config = msgspec.msgpack.decode(server_bytes, type=ServerConfig)
     logging.basicConfig(level=server_config.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s api-{index}: %(message)s")
     addresses = EngineAddresses(input_address, output_addresses)
-    sys.exit(asyncio.run(serve_api(engine_config, server_config, addresses, index,
+    sys.exit(asyncio.run(serve_api(engine_config, server_config, addresses, index, sock,
                                    engine_pid=engine_pid, watch_parent=True)))
 
 
 async def serve_api(engine_config: EngineConfig, server_config: ServerConfig,
-                    addresses: EngineAddresses, index: int, engine_pid: int,
-                    engine_process: BaseProcess | None = None,
+                    addresses: EngineAddresses, index: int, sock: socket.socket,
+                    engine_pid: int, engine_process: BaseProcess | None = None,
                     watch_parent: bool = False) -> int:
     """One API server: wait for the engine core, then serve HTTP until told to stop."""
     # The API process computes no tensors worth threads; a torch pool here would only wake
@@ -136,6 +140,12 @@ async def serve_api(engine_config: EngineConfig, server_config: ServerConfig,
         client.close()
         return 1
     name = server_config.served_model_name or ready.model_name
+    tool_format = template_tool_format(server_config.chat_template
+                                       or _template_text(frontend.tokenizer))
+    tool_call_parser = server_config.tool_call_parser or tool_format.parser
+    if server_config.tool_call_parser is None and index == 0:
+        logger.info("tool calls read by the %s parser: %s (--tool-call-parser to choose)",
+                    tool_format.parser, tool_format.reason)
     ctx_holder: list[ServerContext] = []
     metrics = Metrics(name, lambda: ctx_holder[0].engine.stats)
     engine = AsyncEngine(client, frontend.tokenizer, ready, engine_alive, observer=metrics,
@@ -149,7 +159,7 @@ async def serve_api(engine_config: EngineConfig, server_config: ServerConfig,
         generation_defaults=frontend.generation_config
         if server_config.generation_config == "auto" else {},
         reasoning_parser=server_config.reasoning_parser,
-        tool_call_parser=server_config.tool_call_parser,
+        tool_call_parser=tool_call_parser, template_reads_tools=tool_format.reads_tools,
         chat_template=server_config.chat_template,
         processor_classes=load_processor_classes(engine_config.sampler.logits_processors),
         has_reasoning_tokens=reasoning_tokens(frontend.tokenizer) is not None,
@@ -173,7 +183,6 @@ async def serve_api(engine_config: EngineConfig, server_config: ServerConfig,
     engine.on_dead = on_dead
     engine.start()
     watchers = [asyncio.create_task(_watch_parent(server))] if watch_parent else []
-    sock = listening_socket(server_config.host, server_config.port)
     logger.info("serving %s on http://%s:%d (API server %d)", name, server_config.host,
                 server_config.port, index)
     if server_config.web_ui and index == 0:
@@ -190,7 +199,6 @@ async def serve_api(engine_config: EngineConfig, server_config: ServerConfig,
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(client.send(Shutdown()), timeout=1.0)
         client.close()
-        sock.close()
     return exit_status
 
 
@@ -218,6 +226,14 @@ class DrainingServer(uvicorn.Server):
             self.should_exit = True
 
         self.loop.create_task(drain_then_stop())
+
+
+def _template_text(tokenizer: object) -> str | None:
+    """The tokenizer's chat template source; of several named ones, the default."""
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):
+        template = template.get("default") or next(iter(template.values()), None)
+    return template if isinstance(template, str) else None
 
 
 def _stop(server: uvicorn.Server) -> None:
