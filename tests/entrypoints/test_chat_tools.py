@@ -18,17 +18,16 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema
-import openai
 import pytest
 from server_harness import RunningServer
 
-from nanoserve.entrypoints.chat_input import ChatInput
+from nanoserve.entrypoints.chat_input import ChatInput, ToolFunction, ToolInput
 from nanoserve.entrypoints.cli import main, read_chat_template
 from nanoserve.entrypoints.openai.chat_choice import ChoiceParser
 from nanoserve.entrypoints.openai.chat_request import chat_input
 from nanoserve.entrypoints.openai.errors import APIError
 from nanoserve.entrypoints.openai.protocol import ChatCompletionRequest
-from nanoserve.entrypoints.openai.tool_plan import plan_tools, required_schema
+from nanoserve.entrypoints.openai.tool_plan import MAX_REQUIRED_CALLS, plan_tools, required_schema
 from nanoserve.parsers.tool_calls import make_tool_call_parser
 
 HERE = Path(__file__).resolve().parent
@@ -140,7 +139,11 @@ def test_required_schema_is_vllms() -> None:
         "$defs": {"Item": {"type": "string"}}}}}
     tools = request(tools=[*TOOLS, defs_tool]).tools or []
     schema = required_schema(tools)
-    assert schema["type"] == "array" and schema["minItems"] == 1 and "maxItems" not in schema
+    # vLLM's, but bounded: at most one call per tool
+    assert schema["type"] == "array" and schema["minItems"] == 1 and schema["maxItems"] == 3
+    many = [ToolInput(ToolFunction(f"f{i}"), {}) for i in range(MAX_REQUIRED_CALLS + 4)]
+    assert required_schema(many)["maxItems"] == MAX_REQUIRED_CALLS
+    assert required_schema(tools, is_parallel_allowed=False)["maxItems"] == 1
     branches = schema["items"]["anyOf"]
     assert [b["properties"]["name"] for b in branches] == [
         {"type": "string", "enum": [name]} for name in ("get_weather", "get_time", "pick")]
@@ -357,7 +360,6 @@ def test_required_and_named_parse_the_forced_forms(plain_server: RunningServer,
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("body", "param"), [
-    ({"tools": TOOLS}, "tool_choice"),  # auto without --tool-call-parser
     ({"tools": [{"type": "function", "function": {"description": "no name"}}]},
      "tools.0.function.name"),
     ({"tools": [{"type": "function", "function": {"name": "has space"}}]},
@@ -381,11 +383,54 @@ def test_bad_requests_are_400s_naming_the_field(plain_server: RunningServer,
 
 
 @pytest.mark.slow
-def test_none_works_without_a_parser(plain_server: RunningServer, tokenizer: Any) -> None:
-    out = create(plain_server, "Fine.", tokenizer, tools=TOOLS, tool_choice="none")
-    assert out.choices[0].message.content == "Fine."
-    with pytest.raises(openai.BadRequestError, match="--tool-call-parser"):
-        create(plain_server, "Fine.", tokenizer, tools=TOOLS)
+def test_auto_and_none_work_without_a_parser_flag(plain_server: RunningServer,
+                                                  tokenizer: Any) -> None:
+    """Without --tool-call-parser the template implies one (hermes, for a template with no
+    tool format): "auto" reads its calls, "none" leaves the same text as content."""
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    out = create(plain_server, call, tokenizer, tools=TOOLS)
+    assert out.choices[0].finish_reason == "tool_calls"
+    assert as_calls(out.choices[0].message) == [
+        {"name": "get_weather", "arguments": '{"city": "Paris"}'}]
+    out = create(plain_server, call, tokenizer, tools=TOOLS, tool_choice="none")
+    assert out.choices[0].message.content == call and not out.choices[0].message.tool_calls
+
+
+@pytest.mark.slow
+def test_a_template_without_tools_is_given_them_in_the_system_message(
+        plain_server: RunningServer, hermes_server: RunningServer, tokenizer: Any) -> None:
+    """The tiny model's template (the default model's) never reads `tools`: the tools, an
+    earlier call and its result reach the prompt in the Hermes form all the same; a template
+    that renders tools itself gets them as before."""
+    turns = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees"}]
+
+    def prompt(server: RunningServer, **fields: Any) -> str:
+        response = server.post("/tokenize", {"messages": turns, **fields})
+        assert response.status_code == 200, response.text
+        return str(tokenizer.decode(response.json()["tokens"]))
+
+    text = prompt(plain_server, tools=TOOLS)
+    assert "<tools>" in text and '"name": "get_time"' in text
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}' in text
+    assert "<tool_response>\n18 degrees\n</tool_response>" in text
+    assert "<tools>" not in prompt(plain_server)  # no tools asked for: none described
+    assert prompt(hermes_server, tools=TOOLS).count("get_time") == 1  # the template's own
+
+
+@pytest.mark.slow
+def test_required_lists_end_with_tool_calls_at_temperature(plain_server: RunningServer) -> None:
+    """One tool: one call, then the list closes (unbounded, a weak model repeats the call
+    until max_tokens and ends "length")."""
+    for seed in range(3):
+        out = plain_server.client().chat.completions.create(
+            model=MODEL, messages=ASK, tools=BOUNDED_TOOLS[:1], tool_choice="required",
+            max_tokens=200, temperature=0.8, seed=seed)
+        assert out.choices[0].finish_reason == "tool_calls"
+        (call,) = as_calls(out.choices[0].message)
+        check_bounded_call(call)
 
 
 BOUNDED_TOOLS: list[dict[str, Any]] = [  # short forced outputs, whatever the model's weights
@@ -415,6 +460,7 @@ def test_required_is_forced_by_the_grammar(plain_server: RunningServer) -> None:
     assert calls
     for call in calls:
         check_bounded_call(call)
+    assert len(calls) <= len(BOUNDED_TOOLS)  # at most as many calls as tools
     one = plain_server.client().chat.completions.create(**kwargs, parallel_tool_calls=False)
     assert len(one.choices[0].message.tool_calls) == 1
     stream = plain_server.client().chat.completions.create(**kwargs, stream=True)

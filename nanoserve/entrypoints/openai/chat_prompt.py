@@ -11,6 +11,7 @@ from typing import Any
 from nanoserve.entrypoints.chat_input import ChatInput, MessageInput, ToolInput
 from nanoserve.entrypoints.openai.errors import bad_request
 from nanoserve.entrypoints.openai.server_context import ServerContext
+from nanoserve.entrypoints.openai.tool_prompt import describe_tools
 
 
 def render_prompt(ctx: ServerContext, chat: ChatInput) -> str:
@@ -29,6 +30,9 @@ def render_prompt(ctx: ServerContext, chat: ChatInput) -> str:
                           "continue_final_message")
     if chat.tools is not None:
         kwargs["tools"] = template_tools(chat.tools)
+    if not ctx.template_reads_tools:  # the template would drop them (tool_prompt.py)
+        shown = kwargs.pop("tools", None) if chat.tool_choice != "none" else None
+        messages = describe_tools(messages, shown)
     if ctx.chat_template is not None:
         kwargs["chat_template"] = ctx.chat_template
     try:

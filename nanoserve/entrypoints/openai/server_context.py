@@ -29,7 +29,8 @@ class ServerContext:
     max_in_flight: int  # past this many sequences (requests times n) in flight: 429
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     reasoning_parser: str | None = None
-    tool_call_parser: str | None = None  # --tool-call-parser: what `tool_choice="auto"` reads
+    tool_call_parser: str | None = None  # what `tool_choice="auto"` reads (parsers/tool_format)
+    template_reads_tools: bool = True  # False: tools go in the system message (tool_prompt.py)
     chat_template: str | None = None  # --chat-template: replaces the tokenizer's own
     processor_classes: list[type[LogitsProcessor]] = field(default_factory=list)
     has_reasoning_tokens: bool = False

@@ -7,14 +7,15 @@ Per `tool_choice` (vLLM's behaviour; absent means "auto" when tools are given, e
 | tool_choice | chat template | output | finish_reason with calls |
 |---|---|---|---|
 | "none" | gets the tools | never parsed: all content | the engine's |
-| "auto" | gets the tools | read by `--tool-call-parser` (400 without one) | "tool_calls" |
+| "auto" | gets the tools | read by the tool-call parser | "tool_calls" |
 | "required" | gets the tools | a grammar forces `[{"name", "parameters"}, ...]` | "tool_calls" |
 | named | gets the tools | a grammar forces that function's arguments | "stop" |
 
 "tool_calls" replaces only a natural stop: a call cut off by max_tokens keeps "length", as
 OpenAI's API does, so a client knows the arguments are incomplete (vLLM says "tool_calls" for
 "auto" even then). With `parallel_tool_calls=false` the `required` grammar allows one call and
-"auto" keeps only the first. The grammar goes to the engine as the request's
+"auto" keeps only the first. The parser is `--tool-call-parser`, or else the one the chat
+template implies (`parsers/tool_format.py`). The grammar goes to the engine as the request's
 `SamplingParams.structured_outputs` (JSON schema, `nanoserve/structured/`); the
 reasoning split does not apply to grammar-forced output, which has no reasoning section.
 
@@ -27,6 +28,10 @@ stand-in for a weak model that the grammar must still bring to an end (prompt "h
   20 characters still allow the usual `": "` and pretty-printing a few levels deep.
 - Each `required` item allows only `name` and `parameters` (`additionalProperties: false`):
   with vLLM's open items, the greedy run started a third key string and never closed it.
+- A `required` list holds at most as many calls as there are tools, and never more than
+  `MAX_REQUIRED_CALLS` (vLLM's list is unbounded): the default model at temperature 0.8
+  repeated one call eight times until max_tokens, finishing "length" with no usable answer.
+  So one tool gets one call a turn; more calls of it take more turns.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ _CHOICE_FORM = ('"none", "auto", "required" or {"type": "function", "function": 
                 '{"name": "..."}}')
 _EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 TOOL_JSON_WHITESPACE = r"[ \t\n\r]{0,20}"  # between JSON tokens (see the module docstring)
+MAX_REQUIRED_CALLS = 8  # calls in one `required` list, whatever the number of tools
 
 
 @dataclass(frozen=True)
@@ -81,11 +87,10 @@ def plan_tools(chat: ChatInput, tool_call_parser: str | None) -> ToolPlan:
         raise bad_request("when using tool_choice, tools must be set", "tool_choice")
     parallel = chat.is_parallel_tool_calls
     if choice == "auto":
-        if tool_call_parser is None:
+        if tool_call_parser is None:  # only where a caller builds a context without one
             raise bad_request(
-                '"auto" tool choice needs the server to be started with --tool-call-parser '
-                f"(one of {', '.join(TOOL_CALL_PARSERS)}); \"required\", a named function and "
-                '"none" work without it', "tool_choice")
+                '"auto" tool choice needs a tool-call parser (--tool-call-parser, one of '
+                f"{', '.join(TOOL_CALL_PARSERS)})", "tool_choice")
         return ToolPlan("auto", template_tools(tools), is_parallel_allowed=parallel)
     if choice == "required":
         try:
@@ -131,7 +136,8 @@ def required_schema(tools: Sequence[ToolInput],
                     is_parallel_allowed: bool = True) -> dict[str, Any]:
     """vLLM's schema for `tool_choice="required"`: an array of at least one
     `{"name": <a tool's name>, "parameters": <that tool's schema>}`, one `anyOf` branch per
-    tool (closed to other keys, unlike vLLM's); at most one item without parallel calls. Each
+    tool (closed to other keys, unlike vLLM's); at most as many items as tools (and at most
+    `MAX_REQUIRED_CALLS`), one without parallel calls. Each
     tool's `$defs` move to the top, where its `#/$defs/...` references then point (two tools
     may not define one name differently)."""
     branches: list[dict[str, Any]] = []
@@ -147,6 +153,7 @@ def required_schema(tools: Sequence[ToolInput],
                                         "parameters": parameters},
                          "required": ["name", "parameters"], "additionalProperties": False})
     schema: dict[str, Any] = {"type": "array", "minItems": 1,
+                              "maxItems": min(len(branches), MAX_REQUIRED_CALLS),
                               "items": {"type": "object", "anyOf": branches}}
     if not is_parallel_allowed:
         schema["maxItems"] = 1
