@@ -58,6 +58,27 @@ def test_streams_equal_non_streamed(client: openai.OpenAI) -> None:
     assert "".join(c.choices[0].text for c in stream) == text
 
 
+def test_cached_tokens_count_the_prefix_cache_hits(client: openai.OpenAI) -> None:
+    """usage.prompt_tokens_details.cached_tokens: little on a new prompt, whole blocks of it
+    when the same prompt comes again (chat streamed with usage, and completions)."""
+    story = " ".join(f"Line {i} of a story that is told again." for i in range(40))
+    messages = [{"role": "user", "content": story}]
+    first = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2,
+                                           temperature=0)
+    # (the template's system preamble may be cached from earlier tests: a block or two)
+    assert first.usage.prompt_tokens_details.cached_tokens <= 32
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2,
+                                            temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    (usage,) = [chunk.usage for chunk in stream if chunk.usage]
+    prompt = first.usage.prompt_tokens
+    assert prompt - 16 < usage.prompt_tokens_details.cached_tokens < prompt
+    again = client.completions.create(model=MODEL, prompt=story, max_tokens=2, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens == 0  # not chat's templated prompt
+    again = client.completions.create(model=MODEL, prompt=story, max_tokens=2, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens > again.usage.prompt_tokens - 16
+
+
 def test_chat_stream_shape_with_n_and_usage(server: RunningServer) -> None:
     body = {"model": MODEL, "messages": CHAT, "max_tokens": 12, "n": 3, "temperature": 1.0,
             "ignore_eos": True,

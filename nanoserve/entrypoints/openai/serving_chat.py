@@ -43,7 +43,7 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     ctx.check_model(req.model)
     _check_unsupported(req)
     chat = chat_input(req)
-    prompt, ids, params, plan = await _prepare(ctx, chat)
+    prompt, ids, params, plan = await prepare_chat(ctx, chat)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     parsers = choice_parsers(chat, prompt, plan, ctx.reasoning_parser, ctx.tool_call_parser)
@@ -68,10 +68,10 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     num_output = sum(len(s.token_ids) for s in out.outputs)
     return JSONResponse({"id": request_id, "object": "chat.completion", "created": created,
                          "model": ctx.model_name, "choices": choices,
-                         "usage": usage(len(ids), num_output)})
+                         "usage": usage(len(ids), num_output, out.num_cached_tokens)})
 
 
-async def _prepare(ctx: ServerContext, chat: ChatInput
+async def prepare_chat(ctx: ServerContext, chat: ChatInput
                    ) -> tuple[str, list[int], SamplingParams, ToolPlan]:
     """The checks, in the order their errors take, then the prompt, its ids and the params."""
     plan = plan_tools(chat, ctx.tool_call_parser)
@@ -115,20 +115,21 @@ async def _stream(ctx: ServerContext, chat: ChatInput, request_id: str,
     include_usage = bool(options and options.include_usage)
     continuous = include_usage and bool(options and options.continuous_usage_stats)
     num_top = chat.sampling.logprobs
-    num_output = 0
+    num_output = num_cached = 0
 
     def event(choices: list[dict[str, Any]], with_usage: bool = False) -> str:
         body: dict[str, Any] = {"id": request_id, "object": "chat.completion.chunk",
                                 "created": created, "model": ctx.model_name,
                                 "choices": choices}
         if with_usage or continuous:
-            body["usage"] = usage(len(ids), num_output)
+            body["usage"] = usage(len(ids), num_output, num_cached)
         return sse_event(body)
 
     for i in range(chat.sampling.n):  # the role comes first, once per choice
         yield event([{"index": i, "delta": {"role": "assistant", "content": ""},
                       "logprobs": None, "finish_reason": None}])
     async for out in ctx.engine.generate(request_id, prompt, ids, params):
+        num_cached = max(num_cached, out.num_cached_tokens)
         for sample in out.outputs:
             num_output += len(sample.token_ids)
             parser = parsers[sample.index]

@@ -92,9 +92,11 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest,
             choices.append(_choice(ctx, len(choices), req, text, out, sample, echo_only))
     num_prompt = sum(len(ids) for _, ids, _ in jobs)
     num_output = sum(len(s.token_ids) for out in outputs for s in out.outputs)
+    num_cached = sum(out.num_cached_tokens for out in outputs)
     return JSONResponse({"id": request_id, "object": "text_completion", "created": created,
                          "model": ctx.model_name, "choices": choices,
-                         "usage": usage(num_prompt, 0 if echo_only else num_output)})
+                         "usage": usage(num_prompt, 0 if echo_only else num_output,
+                                        num_cached)})
 
 
 def _choice(ctx: ServerContext, index: int, req: CompletionRequest, prompt_text: str,
@@ -184,12 +186,13 @@ async def _stream(ctx: ServerContext, req: CompletionRequest, request_id: str, c
     num_prompt = sum(len(ids) for _, ids, _ in jobs)
     sent_text = [0] * (len(jobs) * n)
     num_output = 0
+    cached = [0] * len(jobs)  # each prompt's tokens served by the prefix cache
 
     def event(choice: dict[str, Any]) -> str:
         body = {"id": request_id, "object": "text_completion", "created": created,
                 "model": ctx.model_name, "choices": [choice]}
         if continuous:
-            body["usage"] = usage(num_prompt, num_output)
+            body["usage"] = usage(num_prompt, num_output, sum(cached))
         return sse_event(body)
 
     if req.echo:
@@ -198,6 +201,7 @@ async def _stream(ctx: ServerContext, req: CompletionRequest, request_id: str, c
                 yield event({"index": i * n + j, "text": text, "logprobs": None,
                              "finish_reason": None})
     async for i, out in _merged(ctx, request_id, jobs):
+        cached[i] = max(cached[i], out.num_cached_tokens)
         for sample in out.outputs:
             index = i * n + sample.index
             num_output += len(sample.token_ids)
@@ -215,5 +219,5 @@ async def _stream(ctx: ServerContext, req: CompletionRequest, request_id: str, c
     if include_usage:
         body = {"id": request_id, "object": "text_completion", "created": created,
                 "model": ctx.model_name, "choices": [],
-                "usage": usage(num_prompt, 0 if echo_only else num_output)}
+                "usage": usage(num_prompt, 0 if echo_only else num_output, sum(cached))}
         yield sse_event(body, ensure_ascii=True)  # (escaped, as this event always was)
