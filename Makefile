@@ -10,6 +10,12 @@ STAMP := $(VENV)/.installed
 CHROMIUM := /usr/bin/chromium
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
+# the agent CLIs the API tests drive (Claude Code, Codex), from npm, pinned; they only ever run
+# inside a loopback-only network namespace (tests/entrypoints/agent_sandbox.py)
+AGENTS := $(VENV)/agents/.installed
+NPM := /usr/bin/npm
+AGENT_PACKAGES := @anthropic-ai/claude-code@2.1.332 @openai/codex@0.171.0
+
 .PHONY: install serve chat test test-fast bench lint clean
 
 # torch is pinned first so pip takes the CPU wheel (a looser pin pulls a multi-GB CUDA build);
@@ -30,13 +36,22 @@ $(CHROMIUM):
 	  ($(SUDO) apt-get update && \
 	   $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y chromium)
 
+$(NPM):
+	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y nodejs npm || \
+	  ($(SUDO) apt-get update && \
+	   $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y nodejs npm)
+
+$(AGENTS): | $(STAMP) $(NPM)
+	npm install --prefix $(VENV)/agents --no-audit --no-fund --loglevel=error $(AGENT_PACKAGES)
+	touch $(AGENTS)
+
 serve: $(STAMP)
 	$(BIN)/nanoserve serve --host $(HOST) --port $(PORT)
 
 chat: $(STAMP)
 	$(BIN)/nanoserve chat
 
-test: $(STAMP) $(CHROMIUM)
+test: $(STAMP) $(CHROMIUM) $(AGENTS)
 	$(BIN)/python -m pytest -q
 
 # the edit-run loop: everything but the tests marked slow (they load the real default model)
