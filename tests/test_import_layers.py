@@ -28,6 +28,10 @@ FORBIDDEN = {
     # output path (detokenize, stop strings) is beside them, not below or above
     ("parsers", "entrypoints"), ("parsers", "engine"), ("parsers", "output"),
     ("parsers", "model"), ("parsers", "sample"), ("output", "parsers"),
+    # the draft proposers read committed token ids (sample/sequence.py's data); the engine
+    # asks them, never the other way
+    ("spec", "engine"), ("spec", "entrypoints"), ("spec", "output"), ("spec", "model"),
+    ("spec", "structured"), ("sample", "spec"), ("model", "spec"),
 }
 
 
