@@ -18,6 +18,7 @@ GiB = 1 << 30
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 QUANTIZATION_MODES = ("auto", "gguf", "int8", "fp16", "none")
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "int8")
+POOLING_METHODS = ("last", "mean")  # how embeddings pool hidden states (engine/pooler.py)
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,9 @@ class ModelConfig:
     quantization: str = "auto"
     # benchmarks of the frontend only: the model is skipped, each step "computes" at once
     zero_cost_runner: bool = False
+    # how an embedding pools the prompt's final hidden states: "last" token (decoder models)
+    # or "mean" of every position
+    pooling: str = "last"
 
     # torch is imported where a device or dtype is made, not with this module: the CLI builds
     # its flags from these defaults, and `nanoserve --help` should not wait for torch.
@@ -41,6 +45,8 @@ class ModelConfig:
         if self.quantization not in QUANTIZATION_MODES:
             raise ValueError(f"quantization={self.quantization!r} is not one of "
                              f"{list(QUANTIZATION_MODES)}")
+        if self.pooling not in POOLING_METHODS:
+            raise ValueError(f"pooling={self.pooling!r} is not one of {list(POOLING_METHODS)}")
 
     @property
     def torch_device(self) -> torch.device:
@@ -181,6 +187,9 @@ class ServerConfig:
     served_model_name: str | None = None  # None = the model's own name
     reasoning_parser: str | None = None  # "qwen3" | "deepseek_r1"
     tool_call_parser: str | None = None  # "hermes" | "llama3_json": reads tool_choice="auto"
+    # /v1/rerank and /score: "yes_no" (the logit of "yes" against "no" after a judging
+    # template, Qwen3-Reranker's method) or "cosine" (of the two texts' embeddings)
+    score_method: str = "cosine"
     chat_template: str | None = None  # the Jinja text that replaces the tokenizer's template
     api_server_count: int = 1
     shutdown_timeout: float = 30.0  # seconds in-flight requests may take to finish on SIGTERM
@@ -194,6 +203,9 @@ class ServerConfig:
     log_requests: bool = False
     # the chat page at / and the dashboard at /dashboard (entrypoints/web/); --no-web-ui: off
     web_ui: bool = True
+    # take Claude Code's `x-anthropic-billing-header: ...; cch=...;` line off the start of a
+    # system prompt, so its requests share the prefix cache (anthropic/billing_header.py)
+    strip_billing_header: bool = True
 
 
 def api_key_from_env() -> str | None:

@@ -18,6 +18,7 @@ from typing import Any
 from nanoserve.config import (
     DEFAULT_MODEL_NAME,
     KV_CACHE_DTYPES,
+    POOLING_METHODS,
     QUANTIZATION_MODES,
     CacheConfig,
     EngineConfig,
@@ -26,6 +27,7 @@ from nanoserve.config import (
     SamplerConfig,
     SchedulerConfig,
 )
+from nanoserve.speculative_config import SpeculativeConfig
 
 
 def _arg(default: Any, help: str, flag: str | None = None, **argparse_kwargs: Any) -> Any:
@@ -96,6 +98,16 @@ class EngineArgs:
         SchedulerConfig.num_speculative_tokens,
         "the most draft tokens a request takes per step, with --draft-proposer "
         "(default: %(default)s)", type=int)
+    # JSON text from the flag; LLM(speculative_config=...) may pass the dict itself
+    speculative_config: str | None = _arg(
+        None, 'speculative decoding without a draft model, as vLLM spells it: JSON such as '
+        '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 3, '
+        '"prompt_lookup_max": 5}\' or \'{"method": "suffix"}\' (default: off)',
+        metavar="JSON")
+    pooling: str = _arg(
+        ModelConfig.pooling, "how /v1/embeddings pools a prompt's final hidden states: last "
+        "(the last token's, for decoder models) | mean (every token's average; no prefix-cache "
+        "hits) (default: %(default)s)", choices=POOLING_METHODS)
     zero_cost_runner: bool = _arg(
         ModelConfig.zero_cost_runner, "benchmark the frontend: skip the model, emit tokens at once",
         flag="--zero-cost-engine", action="store_true")
@@ -119,7 +131,7 @@ class EngineArgs:
         return EngineConfig(
             model=ModelConfig(model=self.model, device=self.device, dtype=self.dtype,
                               max_model_len=self.max_model_len, seed=self.seed,
-                              quantization=self.quantization,
+                              quantization=self.quantization, pooling=self.pooling,
                               zero_cost_runner=self.zero_cost_runner),
             cache=CacheConfig(
                 block_size=self.block_size, num_blocks=self.num_kv_blocks,
@@ -127,10 +139,17 @@ class EngineArgs:
                 else int(self.kv_cache_memory_gb * GiB),
                 enable_prefix_caching=self.enable_prefix_caching,
                 kv_cache_dtype=self.kv_cache_dtype),
-            scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
-                                      max_num_batched_tokens=self.max_num_batched_tokens,
-                                      draft_proposer=self.draft_proposer,
-                                      num_speculative_tokens=self.num_speculative_tokens),
+            scheduler=self._scheduler_config(),
             sampler=SamplerConfig(logits_processors=tuple(self.logits_processors),
                                   max_logprobs=self.max_logprobs),
         )
+
+    def _scheduler_config(self) -> SchedulerConfig:
+        speculative = SpeculativeConfig.parse(self.speculative_config)
+        if speculative is not None and self.draft_proposer is not None:
+            raise ValueError("give --speculative-config or --draft-proposer, not both")
+        return SchedulerConfig(
+            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+            draft_proposer=speculative or self.draft_proposer,
+            num_speculative_tokens=speculative.num_speculative_tokens if speculative
+            else self.num_speculative_tokens)

@@ -4,8 +4,9 @@ tokens of each running request that can take them (speculative decoding).
 A proposer gets data, never engine objects: the sequence's `SequenceData` (params, prompt and
 output token ids, seed) and how many drafts it may propose. Whatever it proposes, the output is
 the same: a draft is kept only where it equals the token the target model draws there
-(sample/verify.py), so a bad proposer costs time, never tokens. Load one by 'module:Class'
-(`--draft-proposer`, `LLM(draft_proposer=...)`), as logits processors are loaded.
+(sample/verify.py), so a bad proposer costs time, never tokens. The model-free ones are named
+by `--speculative-config` (`ngram`, `suffix`: nanoserve/spec/); any other loads by
+'module:Class' (`--draft-proposer`, `LLM(draft_proposer=...)`), as logits processors do.
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ from typing import Any, Protocol
 
 from nanoserve.plugins import import_named
 from nanoserve.sample.sequence import SequenceData
+from nanoserve.spec.ngram import NgramProposer
+from nanoserve.spec.suffix import SuffixProposer
+from nanoserve.speculative_config import SpeculativeConfig
 
 
 class DraftProposer(Protocol):
@@ -24,10 +28,15 @@ class DraftProposer(Protocol):
 
 
 def load_draft_proposer(spec: Any) -> DraftProposer | None:
-    """None, an instance, a class, or 'module:Class' -> a proposer (or None); a ValueError
-    that says what is wrong otherwise."""
+    """None, a speculative config (or its dict, as msgpack brings it to the engine process),
+    an instance, a class, or 'module:Class' -> a proposer (or None); a ValueError that says
+    what is wrong otherwise."""
     if spec is None:
         return None
+    if isinstance(spec, (dict, SpeculativeConfig)):
+        config = SpeculativeConfig.parse(spec)
+        assert config is not None
+        return model_free_proposer(config)
     if isinstance(spec, str):
         name = spec
         spec = import_named(name, "draft proposer")
@@ -37,3 +46,12 @@ def load_draft_proposer(spec: Any) -> DraftProposer | None:
     if not callable(getattr(proposer, "propose", None)):
         raise ValueError(f"draft proposer {proposer!r} has no propose(seq, num_tokens) method")
     return proposer
+
+
+def model_free_proposer(config: SpeculativeConfig) -> DraftProposer:
+    """The proposer `--speculative-config` names (nanoserve/spec/)."""
+    if config.method == "ngram":
+        return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    return SuffixProposer(config.suffix_decoding_max_tree_depth,
+                          config.suffix_decoding_max_spec_factor,
+                          config.suffix_decoding_min_token_prob)

@@ -1,0 +1,83 @@
+"""`--speculative-config` / `LLM(speculative_config=...)`, as vLLM spells it: a JSON object with
+a `method` and that method's fields; absent means no speculation. Bad values fail at start-up
+with a message naming the field, the value and what is allowed."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from typing import Any
+
+_COMMON = ("method", "num_speculative_tokens")
+METHOD_FIELDS = {  # the fields each method reads (vLLM's names)
+    "ngram": (*_COMMON, "prompt_lookup_min", "prompt_lookup_max"),
+    "suffix": (*_COMMON, "suffix_decoding_max_tree_depth", "suffix_decoding_max_spec_factor",
+               "suffix_decoding_min_token_prob"),
+}
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """A model-free proposer and its settings (nanoserve/spec/)."""
+
+    method: str
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 3
+    prompt_lookup_max: int = 5
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.method not in METHOD_FIELDS:
+            raise ValueError(f"speculative_config.method must be one of "
+                             f"{', '.join(METHOD_FIELDS)}, got {self.method!r}")
+        _check_range("num_speculative_tokens", self.num_speculative_tokens, 1,
+                     MAX_SPECULATIVE_TOKENS)
+        _check_range("prompt_lookup_min", self.prompt_lookup_min, 1, 64)
+        _check_range("prompt_lookup_max", self.prompt_lookup_max, self.prompt_lookup_min, 64)
+        _check_range("suffix_decoding_max_tree_depth", self.suffix_decoding_max_tree_depth, 2,
+                     1024)
+        if not 0.0 < self.suffix_decoding_max_spec_factor <= 64.0:
+            raise ValueError("speculative_config.suffix_decoding_max_spec_factor must be in "
+                             f"(0, 64], got {self.suffix_decoding_max_spec_factor}")
+        if not 0.0 <= self.suffix_decoding_min_token_prob <= 1.0:
+            raise ValueError("speculative_config.suffix_decoding_min_token_prob must be in "
+                             f"[0, 1], got {self.suffix_decoding_min_token_prob}")
+
+    @classmethod
+    def parse(cls, value: str | dict[str, Any] | SpeculativeConfig | None
+              ) -> SpeculativeConfig | None:
+        """The config of a flag's JSON text, a dict or a config (None: no speculation)."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--speculative-config must be a JSON object: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be an object, got {value!r}")
+        method = value.get("method")
+        if method not in METHOD_FIELDS:
+            raise ValueError(f"speculative_config.method must be one of "
+                             f"{', '.join(METHOD_FIELDS)}, got {method!r}")
+        allowed = METHOD_FIELDS[method]
+        for key in value:
+            if key not in allowed:
+                raise ValueError(f"speculative_config.{key} is not a field of method "
+                                 f"{method!r}; its fields: {', '.join(allowed)}")
+        types = {f.name: f.type for f in fields(cls)}
+        for key, given in value.items():
+            wanted = float if types[key] == "float" else int if types[key] == "int" else str
+            if isinstance(given, bool) or not isinstance(given, (wanted, int) if wanted is float
+                                                         else wanted):
+                raise ValueError(f"speculative_config.{key} must be {wanted.__name__}, "
+                                 f"got {given!r}")
+        return cls(**value)
+
+
+def _check_range(name: str, value: int, low: int, high: int) -> None:
+    if not low <= value <= high:
+        raise ValueError(f"speculative_config.{name} must be in [{low}, {high}], got {value}")
