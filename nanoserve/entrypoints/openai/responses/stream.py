@@ -1,0 +1,118 @@
+"""A streamed response: the Responses API's named events, each numbered by `sequence_number`.
+
+`response.created` and `response.in_progress` (the response with no output yet), then the
+output items' events as the parsers find them (`items.py`: `response.output_item.added`,
+`response.content_part.added`, `response.output_text.delta` / `.done`,
+`response.function_call_arguments.delta` / `.done`, `response.output_item.done`, ...), then
+`response.completed`, `response.incomplete` or `response.failed` with the whole response.
+Each event is framed as OpenAI frames them, `event: <type>` then `data: <json>`, with no
+`[DONE]` at the end. An error after the 200 is an `error` event (also carrying OpenAI's error
+object, which the `openai` SDK raises) followed by `response.failed` (which Codex reads).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
+from typing import cast
+
+from nanoserve.entrypoints.async_engine import EngineDeadError, RequestTimeoutError
+from nanoserve.entrypoints.openai.errors import APIError, bad_request
+from nanoserve.entrypoints.openai.responses.items import Event, OutputItems
+from nanoserve.entrypoints.openai.responses.response import (
+    Outcome,
+    ResponseFrame,
+    outcome,
+    response_usage,
+)
+from nanoserve.entrypoints.openai.server_context import ServerContext
+from nanoserve.outputs import RequestOutput
+from nanoserve.parsers.chat_stream import ChatStreamParser
+from nanoserve.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class ResponseRun:
+    """One response's request to the engine, and the parser of its output."""
+
+    frame: ResponseFrame
+    prompt: str
+    ids: list[int]
+    params: SamplingParams
+    parser: ChatStreamParser
+
+    def num_reasoning_tokens(self, ctx: ServerContext, items: OutputItems) -> int:
+        """The reasoning text's length in tokens (re-encoded: the parser splits text, not
+        tokens)."""
+        text = items.reasoning_text
+        return len(ctx.tokenizer.encode(text, add_special_tokens=False)) if text else 0
+
+
+Framer = Callable[[Event], str]
+
+
+def _framed(numbers: Iterator[int]) -> Framer:
+    """Frames each event as `event:` and `data:` lines, numbering them in order."""
+    def frame(event: Event) -> str:
+        body = {"type": event["type"], "sequence_number": next(numbers), **event}
+        return f"event: {event['type']}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
+    return frame
+
+
+async def stream_response(ctx: ServerContext, run: ResponseRun) -> AsyncIterator[str]:
+    """The events of one streamed response (see the module)."""
+    frame = _framed(itertools.count())
+    body = run.frame.body
+    yield frame({"type": "response.created", "response": body("in_progress")})
+    yield frame({"type": "response.in_progress", "response": body("in_progress")})
+    items = OutputItems()
+    num_output = num_cached = 0
+    finish_reason = None
+    # (an async generator function, typed by what it yields)
+    generator = cast(AsyncGenerator[RequestOutput, None], ctx.engine.generate(
+        run.frame.id, run.prompt, run.ids, run.params))
+    try:
+        async for out in generator:
+            num_cached = max(num_cached, out.num_cached_tokens)
+            sample = out.outputs[0]
+            num_output += len(sample.token_ids)
+            for event in items.feed(run.parser.feed(sample.text, sample.finished)):
+                yield frame(event)
+            finish_reason = sample.finish_reason
+    except (APIError, EngineDeadError, RequestTimeoutError, ValueError) as e:
+        for text in _failed(frame, run.frame, items, _api_error(e)):
+            yield text
+        return
+    finally:
+        await generator.aclose()  # (a client that went away: its request is aborted now)
+    ended = outcome(finish_reason)
+    for event in items.finish("incomplete" if ended.status == "incomplete" else "completed"):
+        yield frame(event)
+    usage = response_usage(len(run.ids), num_output, num_cached,
+                           run.num_reasoning_tokens(ctx, items))
+    yield frame({"type": f"response.{ended.status}",
+                 "response": body(ended.status, items, usage, ended)})
+
+
+def _api_error(error: Exception) -> APIError:
+    """What went wrong after the 200, as the error a response before it would have been."""
+    if isinstance(error, APIError):
+        return error
+    if isinstance(error, EngineDeadError):
+        return APIError(503, f"the engine stopped: {error}")
+    if isinstance(error, RequestTimeoutError):
+        return APIError(408, str(error))
+    return bad_request(str(error))
+
+
+def _failed(frame: Framer, response: ResponseFrame, items: OutputItems,
+            error: APIError) -> list[str]:
+    """An error after the 200: an `error` event, then `response.failed`."""
+    info = error.body()["error"]
+    ended = Outcome("failed", error={"code": str(info["type"]), "message": error.message})
+    return [frame({"type": "error", "code": str(info["type"]), "message": error.message,
+                   "param": error.param, "error": info}),
+            frame({"type": "response.failed",
+                   "response": response.body("failed", items, None, ended)})]
