@@ -209,7 +209,7 @@ def body(**changes: Any) -> dict[str, Any]:
     (body(max_tokens=None), 400, "invalid_request_error", "max_tokens: Field required"),
     (body(max_tokens=0), 400, "invalid_request_error", "max_tokens"),
     (body(messages=[]), 400, "invalid_request_error", "messages"),
-    (body(messages=[{"role": "system", "content": "hi"}]), 400, "invalid_request_error",
+    (body(messages=[{"role": "wizard", "content": "hi"}]), 400, "invalid_request_error",
      "messages.0.role"),
     (body(messages=[{"role": "user", "content": [IMAGE]}]), 400, "invalid_request_error",
      "messages.0.content.0: image blocks are not supported"),

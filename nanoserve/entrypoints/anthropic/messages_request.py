@@ -2,7 +2,8 @@
 this, nothing of the endpoint reads the pydantic request.
 
 - `system` (a string or text blocks; Claude Code's billing line taken off its start,
-  `billing_header.py`) is the first message; its blocks join as a message's text parts do.
+  `billing_header.py`) is the first message; its blocks join as a message's text parts do. A
+  system turn inside `messages` (Claude Code 2.1 sends one) stays where it is.
 - A user turn's `tool_result` blocks become `tool` messages (in their order, text between them
   a user message), each naming the `tool_use` it answers; an assistant's `tool_use` blocks are
   its tool calls, its `thinking` its earlier reasoning (which templates do not get).
@@ -96,6 +97,8 @@ def _messages(messages: list[Message]) -> tuple[MessageInput, ...]:
         if message.role == "assistant":
             out.append(_assistant(message, i))
             call_ids.update(call.id for call in out[-1].tool_calls or ())
+        elif message.role == "system":
+            out.append(_system_turn(message, i))
         else:
             out.extend(_user(message, i, call_ids))
     return tuple(out)
@@ -116,6 +119,17 @@ def _assistant(message: Message, index: int) -> MessageInput:
             raise _refused(block, f"messages.{index}.content.{j}", "an assistant's")
     return MessageInput("assistant", "".join(texts) or None, tool_calls=tuple(calls) or None,
                         reasoning="".join(reasoning) or None)
+
+
+def _system_turn(message: Message, index: int) -> MessageInput:
+    """A system turn inside the conversation, kept where it is: moved up into the system
+    prompt it would change the prompt's prefix whenever it changes."""
+    parts = []
+    for j, block in enumerate(message.content):
+        if not isinstance(block, TextBlock):
+            raise _refused(block, f"messages.{index}.content.{j}", "a system turn's")
+        parts.append(ContentPart("text", block.text))
+    return MessageInput("system", tuple(parts))
 
 
 def _user(message: Message, index: int, call_ids: set[str]) -> list[MessageInput]:

@@ -70,7 +70,9 @@ ContentBlock = Annotated[TextBlock | UnreadableBlock | ToolUseBlock | ToolResult
 
 
 class Message(AnthropicModel):
-    role: Literal["user", "assistant"]
+    # "system": Claude Code 2.1 sends its environment notes as a system turn after the first
+    # user turn; it stays there (see messages_request.py)
+    role: Literal["user", "assistant", "system"]
     content: list[ContentBlock]
 
     _blocks = field_validator("content", mode="before")(_text_blocks)
