@@ -1,8 +1,11 @@
-"""What generation returns to the user: vLLM's RequestOutput / CompletionOutput shapes."""
+"""What generation returns to the user: vLLM's RequestOutput / CompletionOutput shapes, and
+PoolingRequestOutput for prefill-only (embedding, scoring) requests."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import numpy as np
 
 
 @dataclass
@@ -70,3 +73,26 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
     metrics: RequestMetrics | None = field(default=None, repr=False)
     prompt_logprobs: list[PositionLogprobs | None] | None = None  # None for the first token
+
+
+@dataclass
+class PoolingOutput:
+    """A pooling request's result (vLLM's shape): an embedding (task "embed", L2-normalized
+    unless asked otherwise) or the asked tokens' logits at the last prompt position ("score")."""
+
+    data: np.ndarray  # [dimensions] or [len(logit_token_ids)], float32
+
+    @property
+    def embedding(self) -> list[float]:
+        return self.data.tolist()
+
+
+@dataclass
+class PoolingRequestOutput:
+    """A finished pooling request: its prompt and its one vector (no tokens are generated)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: PoolingOutput
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
+    finished: bool = True

@@ -2,7 +2,9 @@
 
 API server -> engine core: EngineRequest, AbortRequests, Shutdown.
 Engine core -> API server: EngineReady (once), EngineOutputs (each step, and after inputs
-that change the engine's state while it is idle), RequestError, EngineDead.
+that change the engine's state while it is idle), RequestError, EngineDead. A pooling request
+(an EngineRequest with `pooling_params`) comes back as one EngineCoreOutput with no tokens and
+its vector in `pooled`.
 
 Engine core -> workers: StepInput (each step); workers -> engine core: StepOutput.
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 
+from nanoserve.pooling_params import PoolingParams
 from nanoserve.sampling_params import SamplingParams
 
 
@@ -39,6 +42,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     new_logprobs: list[TokenLogprobs] | None = None  # one per new token, if asked
     prompt_logprobs: list[TokenLogprobs] | None = None  # prompt tokens 1.., with the first
+    # a pooling request's result, once its prompt is done: [dimensions] float32 (task
+    # "embed") or [len(logit_token_ids)] float32 logits (task "score")
+    pooled: np.ndarray | None = None
 
 
 class SchedulerStats(msgspec.Struct, array_like=True):
@@ -63,6 +69,7 @@ class EngineRequest(msgspec.Struct, tag=True, array_like=True):
     params: SamplingParams
     client_index: int  # which API server gets the outputs
     prefill_leader: str | None = None
+    pooling_params: PoolingParams | None = None  # set: prefill only, a vector comes back
 
 
 class AbortRequests(msgspec.Struct, tag=True, array_like=True):
@@ -86,6 +93,8 @@ class EngineReady(msgspec.Struct, tag=True, array_like=True):
     num_blocks: int
     block_size: int
     logits_processors: list[str]  # 'module:Class' of each loaded processor
+    hidden_size: int = 0  # the length of an embedding (task "embed" without dimensions)
+    pooling: str = "last"  # how embeddings pool the prompt's hidden states (--pooling)
 
 
 class EngineOutputs(msgspec.Struct, tag=True, array_like=True):
@@ -127,6 +136,24 @@ class PromptLogprobsRows(msgspec.Struct, array_like=True):
     num_logprobs: int
 
 
+class PoolingRows(msgspec.Struct, array_like=True):
+    """Rows of the flat batch that hold one pooling request's prompt chunk this step.
+
+    A "last" pooling (or a "score") request gets an entry only for the chunk that ends its
+    prompt; a "mean" one for every chunk, whose rows the worker adds to its slot's running sum.
+    """
+
+    request_index: int  # into the step's requests
+    slot: int  # the request's slot: a mean's running sum is kept by it across chunks
+    first_row: int
+    num_rows: int
+    is_first: bool  # the chunk starts at position 0: a mean starts from zero
+    is_last: bool  # the chunk ends the prompt: the request's vector comes back this step
+    num_prompt_tokens: int
+    method: str  # "last" | "mean"
+    params: PoolingParams
+
+
 class StepInput(msgspec.Struct, array_like=True):
     """One step for every worker: flat arrays, no engine objects (the worker never sees a
     request or the scheduler). R requests are scheduled, T tokens computed, S rows sampled.
@@ -153,6 +180,7 @@ class StepInput(msgspec.Struct, array_like=True):
     prompt_logprobs: list[PromptLogprobsRows]
     new_sequences: list[NewSequence]
     released_slots: list[int]  # slots freed since the last step, cleared before new ones
+    pooling: list[PoolingRows] = []  # prefill-only requests' rows to pool
 
     @property
     def num_requests(self) -> int:
@@ -172,6 +200,8 @@ class StepOutput(msgspec.Struct, array_like=True):
     logprobs: list[TokenLogprobs | None]  # [S]; None where not asked
     prompt_logprobs: list[list[TokenLogprobs]]  # one list per StepInput.prompt_logprobs entry
     sample_seconds: float = 0.0  # time in the grammar mask and the sampler
+    # one vector per StepInput.pooling entry that `is_last`, in order (float32)
+    pooled: list[np.ndarray] = []
 
 
 _ARRAY_EXT = 1  # msgpack extension code of a numpy array
@@ -196,9 +226,9 @@ def _decode_array(code: int, data: memoryview) -> np.ndarray:
 
 _encoder = msgspec.msgpack.Encoder(enc_hook=_encode_array)
 _input_decoder = msgspec.msgpack.Decoder(EngineInput)
-_message_decoder = msgspec.msgpack.Decoder(EngineMessage)
+_message_decoder = msgspec.msgpack.Decoder(EngineMessage, ext_hook=_decode_array)
 _step_decoder = msgspec.msgpack.Decoder(StepInput, ext_hook=_decode_array)
-_step_output_decoder = msgspec.msgpack.Decoder(StepOutput)
+_step_output_decoder = msgspec.msgpack.Decoder(StepOutput, ext_hook=_decode_array)
 
 
 def encode(message: msgspec.Struct) -> bytes:

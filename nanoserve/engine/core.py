@@ -8,6 +8,8 @@ committed, one per request, or 1 + the accepted draft tokens when a proposer dra
 Structured outputs (`nanoserve/structured/`) add three things, each in its own method: a
 grammar compile started at `add_request`, compiles that failed finished before scheduling, and
 the grammar bitmask of the constrained rows, filled here and applied by the worker.
+Pooling requests (prefill only: embeddings, scores) sample nothing; the step that completes
+one's prompt finishes it and hands out its vector (`_finish_pooling`).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from nanoserve.engine.step_input import build_step_input
 from nanoserve.engine.worker import Worker
 from nanoserve.engine.zero_cost_runner import ZeroCostRunner
 from nanoserve.model.loader import LoadedModel, load_model
+from nanoserve.pooling_params import PoolingParams
 from nanoserve.protocol import (
     EngineCoreOutput,
     NewSequence,
@@ -150,19 +153,41 @@ class EngineCore:
 
     # -- the interface ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams, prefill_leader: str | None = None) -> Request:
+                    params: SamplingParams, prefill_leader: str | None = None,
+                    pooling_params: PoolingParams | None = None) -> Request:
         """Queue a request; raises ValueError if it can never run (too long, empty).
 
         `prefill_leader` names a request with the same prompt (an earlier sample of an n > 1
         request): this one is admitted once the leader's prompt blocks are in the cache.
+        With `pooling_params` the request is prefill only: it samples nothing (`params` is not
+        read) and comes back as one output with its vector in `pooled` (see `_finish_pooling`).
         """
-        request = Request(request_id, prompt_token_ids, params, self.loaded.eos_token_ids)
+        if pooling_params is not None:
+            pooling_params.check(self.loaded.arch.hidden_size, self.loaded.arch.vocab_size)
+            params = SamplingParams(max_tokens=1)  # never read: a pooling request samples nothing
+        request = Request(request_id, prompt_token_ids, params, self.loaded.eos_token_ids,
+                          pooling_params, self.config.model.pooling)
         if prefill_leader is not None:
             request.prefill_leader = self.scheduler.requests.get(prefill_leader)
         vocab = self.loaded.arch.vocab_size
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is out of range [0, {vocab})")
+        if pooling_params is None:
+            self._check_sampling(params)
+            # (not drawn for a pooling request: the unseeded requests after it keep their seeds)
+            request.sampling_seed = (params.seed if params.seed is not None
+                                     else self.seed_rng.getrandbits(64))
+        if params.structured_outputs is not None:
+            request.grammar = self.structured.grammar_for(params.structured_outputs)
+        self.scheduler.add_request(request)
+        if request.grammar is not None and not request.grammar.is_ready:
+            self.compiling[request_id] = request
+        return request
+
+    def _check_sampling(self, params: SamplingParams) -> None:
+        """Refuse what the sampler cannot do (token ids, logprobs past the cap, processors)."""
+        vocab = self.loaded.arch.vocab_size
         params.check_token_ids(vocab)
         cap = self.config.sampler.max_logprobs
         for name in ("logprobs", "prompt_logprobs"):
@@ -171,14 +196,6 @@ class EngineCore:
                 raise ValueError(f"{name} must be <= {cap} (the server's max_logprobs), "
                                  f"got {asked}")
         self.sampler.validate(params)
-        request.sampling_seed = (params.seed if params.seed is not None
-                                 else self.seed_rng.getrandbits(64))
-        if params.structured_outputs is not None:
-            request.grammar = self.structured.grammar_for(params.structured_outputs)
-        self.scheduler.add_request(request)
-        if request.grammar is not None and not request.grammar.is_ready:
-            self.compiling[request_id] = request
-        return request
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free everything it holds; False if it was not in the engine."""
@@ -214,7 +231,8 @@ class EngineCore:
         step = build_step_input(
             sched.scheduled, self.block_table, self.kv_cache.block_size,
             [NewSequence(r.slot, r.params, r.prompt_token_ids, list(r.output_token_ids),
-                         r.sampling_seed) for r in sched.admitted if r.slot is not None],
+                         r.sampling_seed) for r in sched.admitted
+             if r.slot is not None and not r.is_pooling],
             released, self._fill_grammars(sampling))
         # 3) run the model and sample, on the workers
         out = self.executor.execute_step(step)
@@ -229,7 +247,23 @@ class EngineCore:
         outputs = failed
         for s, tokens, row in zip(sampling, committed, first_rows.tolist(), strict=True):
             outputs.append(self._output(s.request, tokens, out.logprobs[row : row + len(tokens)]))
+        if step.pooling:
+            outputs += self._finish_pooling(sched.scheduled, step, out)
         self._propose_drafts()
+        return outputs
+
+    def _finish_pooling(self, scheduled: list[ScheduledRequest], step: StepInput,
+                        out: StepOutput) -> list[EngineCoreOutput]:
+        """Pooling requests whose prompt this step completed: finished (their blocks and
+        slots freed, nothing kept), each handed out with its vector and no tokens."""
+        done = [entry for entry in step.pooling if entry.is_last]
+        outputs = []
+        for entry, vector in zip(done, out.pooled, strict=True):
+            request = scheduled[entry.request_index].request
+            self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
+            outputs.append(EngineCoreOutput(request.request_id, [], "stop", None,
+                                            request.num_cached_tokens, pooled=vector))
+        self._update_stats()
         return outputs
 
     def _output(self, request: Request, tokens: list[int],
@@ -262,7 +296,7 @@ class EngineCore:
         """True when every row's draw depends only on its logits and its (seed, position) key:
         a grammar, or a sampler stage that reads the output so far, would see the drafts
         before they are accepted."""
-        return (request.grammar is None and request.slot is not None
+        return (request.grammar is None and request.slot is not None and not request.is_pooling
                 and not self.sampler.reads_history(request.slot))
 
     # -- structured outputs ---------------------------------------------------------------------

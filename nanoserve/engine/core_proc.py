@@ -69,7 +69,8 @@ class EngineCoreProc:
             vocab_size=core.loaded.arch.vocab_size, num_blocks=core.kv_cache.num_blocks,
             block_size=core.config.cache.block_size,
             logits_processors=[f"{p.__module__}:{p.__qualname__}"
-                               for p in map(type, core.sampler.processors)])
+                               for p in map(type, core.sampler.processors)],
+            hidden_size=core.loaded.arch.hidden_size, pooling=core.config.model.pooling)
 
     # -- threads ------------------------------------------------------------------------------
     def _input_loop(self) -> None:
@@ -149,7 +150,8 @@ class EngineCoreProc:
         if isinstance(message, EngineRequest):
             try:
                 self.core.add_request(message.request_id, message.prompt_token_ids,
-                                      message.params, message.prefill_leader)
+                                      message.params, message.prefill_leader,
+                                      message.pooling_params)
                 self.client_of[message.request_id] = message.client_index
             except ValueError as e:
                 self.outputs.put((message.client_index,

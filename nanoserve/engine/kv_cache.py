@@ -127,8 +127,8 @@ class KVCacheManager:
         At least one token is always left to compute, so the step that finishes the prompt
         produces logits to sample from.
         """
-        if not self.enable_prefix_caching or request.params.prompt_logprobs is not None:
-            return [], 0  # prompt logprobs need every prompt position computed
+        if not self.enable_prefix_caching or request.computes_every_position:
+            return [], 0  # prompt logprobs and mean pooling need every position computed
         hashes = self._block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVBlock] = []

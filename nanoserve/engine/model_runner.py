@@ -83,6 +83,14 @@ class ModelRunner:
     def execute(self, step: StepInput) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Logits [S, vocab] (float32) of the step's sampled rows, in their order; and, for
         each of `step.prompt_logprobs`, the logits at its rows (row j predicts its target j)."""
+        logits, prompt_logits, _ = self.execute_step(step)
+        return logits, prompt_logits
+
+    @torch.inference_mode()
+    def execute_step(self, step: StepInput
+                     ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+        """`execute`'s two results, and the final normed hidden states [T, hidden] that
+        pooling requests are pooled from (the worker's Pooler)."""
         meta = self.attention.build_metadata(step)
         hidden = self.model(self._tensor(step.token_ids), self._tensor(step.positions),
                             self.kv_caches, self.attention, meta)  # [T, hidden]
@@ -90,11 +98,15 @@ class ModelRunner:
             self.model.compute_logits(
                 hidden[entry.first_row : entry.first_row + len(entry.target_token_ids)])
             for entry in step.prompt_logprobs]
-        if not len(step.logits_rows):  # only partial prefill chunks this step
+        if not len(step.logits_rows):  # only partial prefill chunks (or pooling) this step
             empty = hidden.new_empty(0, self.model.arch.vocab_size, dtype=torch.float32)
-            return empty, prompt_logits
+            return empty, prompt_logits, hidden
         rows = self._tensor(step.logits_rows)
-        return self.model.compute_logits(hidden.index_select(0, rows)), prompt_logits
+        return self.model.compute_logits(hidden.index_select(0, rows)), prompt_logits, hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[rows, hidden] -> [rows, vocab] float32: the LM head (a "score" request's rows)."""
+        return self.model.compute_logits(hidden)
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 
+from nanoserve.pooling_params import PoolingParams
 from nanoserve.protocol import TokenLogprobs
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.structured.manager import SequenceGrammar
@@ -28,10 +29,14 @@ class RequestStatus(enum.IntEnum):
 
 
 class Request:
-    """One sequence being generated. `num_computed_tokens` counts tokens whose KV is cached."""
+    """One sequence being generated, or a prompt being pooled (`pooling_params` set: it is
+    prefilled like any prompt, samples nothing, and finishes when its prompt is computed).
+    `num_computed_tokens` counts tokens whose KV is cached."""
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 eos_token_ids: tuple[int, ...] = ()) -> None:
+                 eos_token_ids: tuple[int, ...] = (),
+                 pooling_params: PoolingParams | None = None,
+                 pooling_method: str = "last") -> None:
         self.request_id = request_id
         # the sampler's SequenceData shares these two lists: extend them in place, never rebind
         self.prompt_token_ids = list(prompt_token_ids)
@@ -55,6 +60,11 @@ class Request:
         self.grammar: SequenceGrammar | None = None
         # proposed continuations, scored in its next decode step (speculative decoding)
         self.draft_token_ids: list[int] = []
+        # prefill only: what to pool once the prompt is computed, and how ("last" | "mean";
+        # a "score" request reads the last position whatever the engine's --pooling)
+        self.pooling_params = pooling_params
+        is_embed = pooling_params is not None and pooling_params.task == "embed"
+        self.pooling_method = pooling_method if is_embed else "last"
 
     @property
     def num_tokens(self) -> int:
@@ -71,6 +81,18 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def is_pooling(self) -> bool:
+        return self.pooling_params is not None
+
+    @property
+    def computes_every_position(self) -> bool:
+        """True when every prompt position must run through the model, so the request takes
+        no prefix-cache hits: prompt logprobs read each position's logits, a mean pools each
+        position's hidden state (the last position, always computed, is all a "last" needs)."""
+        return self.params.prompt_logprobs is not None or (
+            self.is_pooling and self.pooling_method == "mean")
 
     @property
     def waits_for_leader(self) -> bool:

@@ -10,6 +10,10 @@ the start (its full blocks usually survive in the prefix cache, so the recompute
 Structured outputs: a request waits while its grammar compiles (the others are scheduled past
 it); after each step its matcher accepts the drawn token (`_advance_grammar`).
 
+Pooling requests (embeddings, scores) are prompts that never sample: scheduled, chunked and
+preempted as any prompt is, they finish once their prompt is computed (`finishes_pooling`; the
+engine core then frees them and hands out their vectors).
+
 Several tokens per step: a decoding request that holds draft tokens (`Request.draft_token_ids`,
 set by the engine's proposer) computes its last token and the drafts in one step and samples
 1 + k rows. `update_after_step` then commits a variable number of tokens per request (1 + the
@@ -43,9 +47,16 @@ class ScheduledRequest:
 
     @property
     def samples(self) -> bool:
-        """True when this step computes the request's last known token, so a new one is drawn."""
+        """True when this step computes the request's last known token, so a new one is drawn
+        (never for a pooling request: it ends with its prompt, see `finishes_pooling`)."""
         return self.start + self.num_new_tokens - len(self.draft_token_ids) \
-            == self.request.num_tokens
+            == self.request.num_tokens and not self.request.is_pooling
+
+    @property
+    def finishes_pooling(self) -> bool:
+        """True when this step computes the rest of a pooling request's prompt."""
+        return self.request.is_pooling \
+            and self.start + self.num_new_tokens == self.request.num_tokens
 
     @property
     def num_sample_rows(self) -> int:
@@ -82,7 +93,11 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in the engine")
-        if request.num_prompt_tokens >= self.max_model_len:
+        if request.is_pooling and request.num_prompt_tokens > self.max_model_len:
+            raise ValueError(
+                f"the input has {request.num_prompt_tokens} tokens, but max_model_len is "
+                f"{self.max_model_len}; shorten the input or raise max_model_len")
+        if not request.is_pooling and request.num_prompt_tokens >= self.max_model_len:
             raise ValueError(
                 f"the prompt has {request.num_prompt_tokens} tokens, but max_model_len is "
                 f"{self.max_model_len}: it leaves no room for an output token; shorten the "

@@ -5,7 +5,8 @@ runs of tokens (prefill chunks, and decodes that carry draft tokens), each reque
 order. The core keeps every running request's blocks in a per-slot `BlockTable`, written when
 a request is admitted and then only where a block is added, so a step's block table and cache
 rows are fancy indexes of one array. Sampled rows follow the scheduled order: one per sampling
-request, or 1 + k when it carries k draft tokens.
+request, or 1 + k when it carries k draft tokens. Pooling requests sample nothing: their
+rows are named in `pooling` for the worker to pool.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import numpy as np
 
 from nanoserve.engine.block_table import BlockTable
 from nanoserve.engine.scheduler import ScheduledRequest
-from nanoserve.protocol import NewSequence, PromptLogprobsRows, StepInput
+from nanoserve.protocol import NewSequence, PoolingRows, PromptLogprobsRows, StepInput
 
 
 def build_step_input(scheduled: list[ScheduledRequest], block_table: BlockTable,
@@ -63,7 +64,8 @@ def build_step_input(scheduled: list[ScheduledRequest], block_table: BlockTable,
         num_decodes=num_decodes, **rows, grammar_rows=grammar_rows,
         grammar_bitmask=grammar_bitmask,
         prompt_logprobs=_prompt_logprobs_rows(scheduled, first_row),
-        new_sequences=new_sequences, released_slots=released_slots)
+        new_sequences=new_sequences, released_slots=released_slots,
+        pooling=_pooling_rows(scheduled, first_row))
 
 
 def _sample_rows(scheduled: list[ScheduledRequest], first_row: list[int]
@@ -109,4 +111,21 @@ def _prompt_logprobs_rows(scheduled: list[ScheduledRequest], first_row: list[int
             entries.append(PromptLogprobsRows(
                 i, first_row[i] + first - s.start, request.prompt_token_ids[first + 1 : last + 1],
                 request.params.prompt_logprobs))
+    return entries
+
+
+def _pooling_rows(scheduled: list[ScheduledRequest], first_row: list[int]) -> list[PoolingRows]:
+    """The pooling requests' rows the worker reads this step: the chunk that ends a prompt, and
+    for a mean every chunk (its running sum needs each position's hidden state)."""
+    entries = []
+    for i, s in enumerate(scheduled):
+        request = s.request
+        if request.pooling_params is None:
+            continue
+        is_last = s.finishes_pooling
+        if is_last or request.pooling_method == "mean":
+            assert request.slot is not None, "a scheduled request holds a slot"
+            entries.append(PoolingRows(
+                i, request.slot, first_row[i], s.num_new_tokens, s.start == 0, is_last,
+                request.num_prompt_tokens, request.pooling_method, request.pooling_params))
     return entries

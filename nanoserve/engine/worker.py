@@ -1,4 +1,4 @@
-"""What one rank does in a step: the forward, the grammar mask, the sampler.
+"""What one rank does in a step: the forward, pooling, the grammar mask, the sampler.
 
 A worker sees only the step input (protocol.py's `StepInput`): flat token ids, positions,
 cache rows, block tables, the rows to sample and the slots added and released. It never sees
@@ -16,6 +16,7 @@ import torch
 from torch.profiler import record_function
 
 from nanoserve.engine.model_runner import ModelRunner
+from nanoserve.engine.pooler import Pooler
 from nanoserve.engine.zero_cost_runner import ZeroCostRunner
 from nanoserve.protocol import StepInput, StepOutput, TokenLogprobs
 from nanoserve.sample.logprobs import prompt_logprobs
@@ -32,6 +33,7 @@ class Worker:
         self.runner = runner
         self.sampler = sampler
         self.output_token_ids: dict[int, list[int]] = {}  # by slot, the worker's own copy
+        self.pooler = Pooler()  # prefill-only requests' vectors (and means' running sums)
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:
@@ -39,6 +41,7 @@ class Worker:
         for slot in step.released_slots:
             self.sampler.remove_request(slot)
             self.output_token_ids.pop(slot, None)
+            self.pooler.release(slot)
         for new in step.new_sequences:
             output_ids = list(new.output_token_ids)
             self.output_token_ids[new.slot] = output_ids
@@ -46,7 +49,8 @@ class Worker:
                                                   output_ids, new.seed))
         # 2) the forward, and the logits of the rows that sample
         with record_function("nanoserve.model"):
-            logits, prompt_logits = self.runner.execute(step)  # [S, vocab]
+            logits, prompt_logits, hidden = self.runner.execute_step(step)  # [S, vocab]
+            pooled = self.pooler.pool(hidden, step.pooling, self.runner.compute_logits)
         prompts: list[list[TokenLogprobs]] = [
             prompt_logprobs(rows, entry.target_token_ids, entry.num_logprobs)
             for rows, entry in zip(prompt_logits, step.prompt_logprobs, strict=True)]
@@ -63,7 +67,7 @@ class Worker:
                                       step.num_sample_rows)
         self._append_committed(step, sampled.token_ids, num_accepted)
         return StepOutput(sampled.token_ids, num_accepted, sampled.logprobs, prompts,
-                          time.perf_counter() - start)
+                          time.perf_counter() - start, pooled)
 
     def _append_committed(self, step: StepInput, token_ids: list[int],
                           num_accepted: list[int]) -> None:

@@ -7,6 +7,9 @@
 
 Structured outputs: `SamplingParams(structured_outputs=StructuredOutputsParams(json=schema))`
 (or `regex=`, `choice=`, `grammar=`, `json_object=True`) makes every output match.
+
+Embeddings from the same engine: `llm.embed(["a text", ...])[0].outputs.embedding` (pooled
+as `--pooling` says, L2-normalized; `PoolingParams(dimensions=..., normalize=...)` to change).
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from nanoserve.config import EngineConfig
 from nanoserve.engine.core import EngineCore
 from nanoserve.engine_args import EngineArgs
 from nanoserve.output.processor import OutputProcessor
-from nanoserve.outputs import RequestOutput
+from nanoserve.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
+from nanoserve.pooling_params import PoolingParams
 from nanoserve.sampling_params import RequestOutputKind, SamplingParams
 from nanoserve.structured.grammar import check_grammar
 
@@ -135,6 +139,34 @@ class LLM:
         finally:
             for engine_id in processor.engine_ids(request_id) or [request_id]:
                 self.engine.abort(engine_id)  # no-op once finished
+
+    def embed(self, prompts: Prompt | Sequence[Prompt],
+              pooling_params: PoolingParams | None = None) -> list[PoolingRequestOutput]:
+        """One embedding per prompt (text, or a dict with "prompt_token_ids"), in order: each
+        prompt prefilled once (batched, chunked), its final hidden states pooled by the
+        engine's `pooling` ("last" token by default) and L2-normalized; nothing is kept."""
+        if isinstance(prompts, str | dict):
+            prompts = [prompts]
+        params = pooling_params or PoolingParams()
+        encoded = [self._encode(p)[1] for p in prompts]
+        ids = [f"embed-{next(self._request_ids)}" for _ in encoded]
+        prompt_of = dict(zip(ids, encoded, strict=True))
+        finished: dict[str, PoolingRequestOutput] = {}
+        try:
+            for request_id, token_ids in prompt_of.items():
+                self.engine.add_request(request_id, token_ids, SamplingParams(max_tokens=1),
+                                        pooling_params=params)
+            while len(finished) < len(ids) and self.engine.has_unfinished():
+                for out in self.engine.step():
+                    if out.pooled is not None:
+                        finished[out.request_id] = PoolingRequestOutput(
+                            out.request_id, prompt_of[out.request_id],
+                            PoolingOutput(out.pooled), out.num_cached_tokens)
+        except BaseException:
+            for request_id in ids:  # leave the engine clean for the next call
+                self.engine.abort(request_id)
+            raise
+        return [finished[i] for i in ids]
 
     def _encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
