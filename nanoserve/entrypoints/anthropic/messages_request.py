@@ -27,15 +27,15 @@ from typing import Any
 
 from nanoserve.entrypoints.anthropic.billing_header import strip_billing_header
 from nanoserve.entrypoints.anthropic.protocol import (
+    AnthropicMessage,
+    AnthropicTextBlock,
+    AnthropicThinkingBlock,
+    AnthropicTool,
+    AnthropicToolResultBlock,
+    AnthropicToolUseBlock,
+    AnthropicUnreadableBlock,
     CountTokensRequest,
-    Message,
     MessagesRequest,
-    TextBlock,
-    ThinkingBlock,
-    Tool,
-    ToolResultBlock,
-    ToolUseBlock,
-    UnreadableBlock,
 )
 from nanoserve.entrypoints.chat_input import (
     ChatInput,
@@ -68,8 +68,8 @@ def messages_input(req: CountTokensRequest, *, strip_billing: bool = True,
     choice = req.tool_choice
     last = req.messages[-1]  # an assistant's text last is a prefill the answer continues
     is_prefill = last.role == "assistant" and not any(
-        isinstance(block, ToolUseBlock) for block in last.content) and any(
-        isinstance(block, TextBlock) and block.text for block in last.content)
+        isinstance(block, AnthropicToolUseBlock) for block in last.content) and any(
+        isinstance(block, AnthropicTextBlock) and block.text for block in last.content)
     return ChatInput(
         messages=_system(req.system, strip_billing) + _messages(req.messages),
         tools=None if req.tools is None else tuple(_tool(tool) for tool in req.tools),
@@ -81,7 +81,8 @@ def messages_input(req: CountTokensRequest, *, strip_billing: bool = True,
                                  kwargs=_template_kwargs(req)))
 
 
-def _system(blocks: list[TextBlock] | None, strip_billing: bool) -> tuple[MessageInput, ...]:
+def _system(blocks: list[AnthropicTextBlock] | None,
+            strip_billing: bool) -> tuple[MessageInput, ...]:
     texts = [block.text for block in blocks or []]
     if strip_billing:
         texts = strip_billing_header(texts)
@@ -90,7 +91,7 @@ def _system(blocks: list[TextBlock] | None, strip_billing: bool) -> tuple[Messag
     return (MessageInput("system", tuple(ContentPart("text", text) for text in texts)),)
 
 
-def _messages(messages: list[Message]) -> tuple[MessageInput, ...]:
+def _messages(messages: list[AnthropicMessage]) -> tuple[MessageInput, ...]:
     out: list[MessageInput] = []
     call_ids: set[str] = set()  # the tool_use blocks so far, which tool results answer
     for i, message in enumerate(messages):
@@ -104,74 +105,76 @@ def _messages(messages: list[Message]) -> tuple[MessageInput, ...]:
     return tuple(out)
 
 
-def _assistant(message: Message, index: int) -> MessageInput:
+def _assistant(message: AnthropicMessage, index: int) -> MessageInput:
     texts: list[str] = []
     reasoning: list[str] = []
     calls: list[ToolCallInput] = []
     for j, block in enumerate(message.content):
-        if isinstance(block, TextBlock):
+        if isinstance(block, AnthropicTextBlock):
             texts.append(block.text)
-        elif isinstance(block, ThinkingBlock):
+        elif isinstance(block, AnthropicThinkingBlock):
             reasoning.append(block.thinking)
-        elif isinstance(block, ToolUseBlock):
+        elif isinstance(block, AnthropicToolUseBlock):
             calls.append(ToolCallInput(block.id, block.name, json.dumps(block.input)))
-        elif isinstance(block, UnreadableBlock | ToolResultBlock):
+        elif isinstance(block, AnthropicUnreadableBlock | AnthropicToolResultBlock):
             raise _refused(block, f"messages.{index}.content.{j}", "an assistant's")
     return MessageInput("assistant", "".join(texts) or None, tool_calls=tuple(calls) or None,
                         reasoning="".join(reasoning) or None)
 
 
-def _system_turn(message: Message, index: int) -> MessageInput:
+def _system_turn(message: AnthropicMessage, index: int) -> MessageInput:
     """A system turn inside the conversation, kept where it is: moved up into the system
     prompt it would change the prompt's prefix whenever it changes."""
     parts = []
     for j, block in enumerate(message.content):
-        if not isinstance(block, TextBlock):
+        if not isinstance(block, AnthropicTextBlock):
             raise _refused(block, f"messages.{index}.content.{j}", "a system turn's")
         parts.append(ContentPart("text", block.text))
     return MessageInput("system", tuple(parts))
 
 
-def _user(message: Message, index: int, call_ids: set[str]) -> list[MessageInput]:
+def _user(message: AnthropicMessage, index: int, call_ids: set[str]) -> list[MessageInput]:
     """The turn's text, and a `tool` message per tool result, in their order."""
     out: list[MessageInput] = []
     parts: list[ContentPart] = []
     for j, block in enumerate(message.content):
         where = f"messages.{index}.content.{j}"
-        if isinstance(block, TextBlock):
+        if isinstance(block, AnthropicTextBlock):
             parts.append(ContentPart("text", block.text))
-        elif isinstance(block, ToolResultBlock):
+        elif isinstance(block, AnthropicToolResultBlock):
             if parts:
                 out.append(MessageInput("user", tuple(parts)))
                 parts = []
             out.append(_tool_result(block, where, call_ids))
-        elif isinstance(block, UnreadableBlock | ToolUseBlock | ThinkingBlock):
+        elif isinstance(block, AnthropicUnreadableBlock | AnthropicToolUseBlock
+                        | AnthropicThinkingBlock):
             raise _refused(block, where, "a user's")
     if parts or not out:
         out.append(MessageInput("user", tuple(parts)))
     return out
 
 
-def _tool_result(block: ToolResultBlock, where: str, call_ids: set[str]) -> MessageInput:
+def _tool_result(block: AnthropicToolResultBlock, where: str, call_ids: set[str]) -> MessageInput:
     if block.tool_use_id not in call_ids:
         raise bad_request(f"{where}.tool_use_id: {block.tool_use_id!r} answers no tool_use "
                           "block of an earlier assistant message", f"{where}.tool_use_id")
     texts = []
     for k, part in enumerate(block.content):
-        if isinstance(part, UnreadableBlock):
+        if isinstance(part, AnthropicUnreadableBlock):
             raise _refused(part, f"{where}.content.{k}", "a tool result's")
         texts.append(part.text)
     return MessageInput("tool", "\n".join(texts), tool_call_id=block.tool_use_id)
 
 
 def _refused(block: Any, where: str, whose: str) -> Exception:
-    reason = ("the models this server runs read text only" if isinstance(block, UnreadableBlock)
+    reason = ("the models this server runs read text only"
+              if isinstance(block, AnthropicUnreadableBlock)
               else "Anthropic's API does not take it there either")
     return bad_request(f"{where}: {block.type} blocks are not supported in {whose} content; "
                        f"{reason}", where)
 
 
-def _tool(tool: Tool) -> ToolInput:
+def _tool(tool: AnthropicTool) -> ToolInput:
     function = ToolFunction(tool.name, tool.description, tool.input_schema)
     template: dict[str, Any] = {"name": tool.name, "parameters": tool.input_schema}
     if tool.description is not None:

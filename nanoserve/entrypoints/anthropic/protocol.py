@@ -26,50 +26,52 @@ def _text_blocks(value: Any) -> Any:
     return [{"type": "text", "text": value}] if isinstance(value, str) else value
 
 
-class TextBlock(AnthropicModel):
+class AnthropicTextBlock(AnthropicModel):
     type: Literal["text"]
     text: str
 
 
-class UnreadableBlock(AnthropicModel):
+class AnthropicUnreadableBlock(AnthropicModel):
     """A block of a kind the models here cannot read: refused with a 400 naming it."""
 
     type: Literal["image", "document", "search_result", "container_upload"]
 
 
-class ToolUseBlock(AnthropicModel):
+class AnthropicToolUseBlock(AnthropicModel):
     type: Literal["tool_use"]
     id: str
     name: str
     input: dict[str, Any]
 
 
-class ToolResultBlock(AnthropicModel):
+class AnthropicToolResultBlock(AnthropicModel):
     type: Literal["tool_result"]
     tool_use_id: str
-    content: list[Annotated[TextBlock | UnreadableBlock, Field(discriminator="type")]] = []
+    content: list[Annotated[AnthropicTextBlock | AnthropicUnreadableBlock,
+                            Field(discriminator="type")]] = []
     is_error: bool = False
 
     _blocks = field_validator("content", mode="before")(_text_blocks)
 
 
-class ThinkingBlock(AnthropicModel):
+class AnthropicThinkingBlock(AnthropicModel):
     type: Literal["thinking"]
     thinking: str
     signature: str | None = None
 
 
-class RedactedThinkingBlock(AnthropicModel):
+class AnthropicRedactedThinkingBlock(AnthropicModel):
     """Earlier reasoning that Anthropic encrypted: nothing here can read it, so it is dropped."""
 
     type: Literal["redacted_thinking"]
 
 
-ContentBlock = Annotated[TextBlock | UnreadableBlock | ToolUseBlock | ToolResultBlock
-                         | ThinkingBlock | RedactedThinkingBlock, Field(discriminator="type")]
+ContentBlock = Annotated[AnthropicTextBlock | AnthropicUnreadableBlock | AnthropicToolUseBlock
+                         | AnthropicToolResultBlock | AnthropicThinkingBlock
+                         | AnthropicRedactedThinkingBlock, Field(discriminator="type")]
 
 
-class Message(AnthropicModel):
+class AnthropicMessage(AnthropicModel):
     # "system": Claude Code 2.1 sends its environment notes as a system turn after the first
     # user turn; it stays there (see messages_request.py)
     role: Literal["user", "assistant", "system"]
@@ -78,7 +80,7 @@ class Message(AnthropicModel):
     _blocks = field_validator("content", mode="before")(_text_blocks)
 
 
-class Tool(AnthropicModel):
+class AnthropicTool(AnthropicModel):
     """A client tool. Anthropic's server tools (`web_search_20250305`, `bash_20250124`, ...)
     run on Anthropic's side, which this server is not: a 400 naming the tool."""
 
@@ -98,30 +100,30 @@ class Tool(AnthropicModel):
         return value
 
 
-class ToolChoice(AnthropicModel):
+class AnthropicToolChoice(AnthropicModel):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None  # the tool, with type "tool"
     disable_parallel_tool_use: bool = False
 
     @model_validator(mode="after")
-    def _named(self) -> ToolChoice:
+    def _named(self) -> AnthropicToolChoice:
         if self.type == "tool" and not self.name:
             raise ValueError('tool_choice of type "tool" needs the name of the tool to use')
         return self
 
 
-class Thinking(AnthropicModel):
+class AnthropicThinking(AnthropicModel):
     type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: int | None = Field(None, ge=1)
 
 
-class OutputFormat(AnthropicModel):
+class AnthropicOutputFormat(AnthropicModel):
     type: Literal["json_schema"]
     json_schema: dict[str, Any] = Field(alias="schema")
 
 
-class OutputConfig(AnthropicModel):
-    format: OutputFormat | None = None
+class AnthropicOutputConfig(AnthropicModel):
+    format: AnthropicOutputFormat | None = None
     effort: str | None = None  # accepted; the models here have no effort setting
 
 
@@ -129,11 +131,11 @@ class CountTokensRequest(AnthropicModel):
     """What shapes the prompt: `count_tokens` counts exactly what `create` would prefill."""
 
     model: str
-    messages: list[Message] = Field(min_length=1)
-    system: list[TextBlock] | None = None
-    tools: list[Tool] | None = None
-    tool_choice: ToolChoice | None = None
-    thinking: Thinking | None = None
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    system: list[AnthropicTextBlock] | None = None
+    tools: list[AnthropicTool] | None = None
+    tool_choice: AnthropicToolChoice | None = None
+    thinking: AnthropicThinking | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extra, as on chat completions
 
     _blocks = field_validator("system", mode="before")(_text_blocks)
@@ -147,6 +149,6 @@ class MessagesRequest(CountTokensRequest):
     top_p: float | None = None
     top_k: int | None = None
     metadata: dict[str, Any] | None = None
-    output_config: OutputConfig | None = None
-    output_format: OutputFormat | None = None  # the structured-outputs beta's earlier name
+    output_config: AnthropicOutputConfig | None = None
+    output_format: AnthropicOutputFormat | None = None  # the structured-outputs beta's name
     extra_args: dict[str, Any] | None = None  # for custom logits processors, as on chat

@@ -15,14 +15,14 @@ class ResponseModel(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
-class MessageUsage(ResponseModel):
+class AnthropicMessageUsage(ResponseModel):
     input_tokens: int  # the prompt tokens computed for this request
     output_tokens: int
     cache_creation_input_tokens: int
     cache_read_input_tokens: int  # the prompt tokens the prefix cache served
 
 
-class MessageResponse(ResponseModel):
+class AnthropicMessageResponse(ResponseModel):
     id: str
     type: Literal["message"]
     role: Literal["assistant"]
@@ -31,7 +31,7 @@ class MessageResponse(ResponseModel):
     content: list[dict[str, Any]]
     stop_reason: StopReason
     stop_sequence: str | None
-    usage: MessageUsage
+    usage: AnthropicMessageUsage
 
 
 class CountTokensResponse(ResponseModel):

@@ -12,8 +12,8 @@ from fastapi.responses import Response
 from nanoserve.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest
 from nanoserve.entrypoints.anthropic.response_models import (
     AnthropicErrorResponse,
+    AnthropicMessageResponse,
     CountTokensResponse,
-    MessageResponse,
 )
 from nanoserve.entrypoints.anthropic.serving_messages import count_tokens, create_message
 from nanoserve.entrypoints.openai.server_context import ServerContext
@@ -49,7 +49,7 @@ def add_messages_routes(app: FastAPI, ctx: ServerContext, *,
     take Claude Code's billing line off the system prompt (`billing_header.py`)."""
 
     @app.post("/v1/messages", response_model=None,
-              responses=_responses(MessageResponse, *_REASONS, streams=True))
+              responses=_responses(AnthropicMessageResponse, *_REASONS, streams=True))
     async def messages(req: MessagesRequest, raw: Request) -> Response:
         return await create_message(ctx, req, raw, strip_billing=strip_billing_header)
 
