@@ -15,7 +15,7 @@ from nanoserve.engine_args import EngineArgs
 
 
 def add_bench_commands(bench: argparse.ArgumentParser, build_llm: LLMFactory) -> None:
-    """Add throughput, sampler, step, quality, structured, detokenize and serve under
+    """Add throughput, sampler, step, embed, quality, structured, detokenize and serve under
     `bench`; each sets `func`."""
     sub = bench.add_subparsers(dest="bench", required=True)
 
@@ -49,6 +49,11 @@ def add_bench_commands(bench: argparse.ArgumentParser, build_llm: LLMFactory) ->
     step.add_argument("--repeats", type=int, default=10, help="timed steps (default: 10)")
     EngineArgs.add_cli_args(step)
     step.set_defaults(func=partial(_run_step, build_llm=build_llm))
+
+    embed = sub.add_parser("embed", help="embedding throughput (inputs/s, tokens/s) vs "
+                           "transformers on the same weights and pooling")
+    _add_embed_args(embed)
+    embed.set_defaults(func=partial(_run_embed, build_llm=build_llm))
 
     quality = sub.add_parser("quality", help="perplexity and greedy agreement of each "
                              "--quantization mode beside exact float32 (none)")
@@ -124,6 +129,18 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
 
 
+def _add_embed_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--num-inputs", type=int, default=128)
+    p.add_argument("--input-len", type=int, default=128, help="tokens per input")
+    p.add_argument("--hf-batch-size", type=int, default=32,
+                   help="transformers' static batch (default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=2,
+                   help="rounds, the engines taking turns (default: %(default)s)")
+    p.add_argument("--skip-transformers", action="store_true",
+                   help="measure nanoserve only (no ratio)")
+    EngineArgs.add_cli_args(p)
+
+
 def _add_chaos_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default=None,
                    help="base URL of a running nanoserve (default: start `nanoserve serve` on "
@@ -170,6 +187,12 @@ def _run_step(args: argparse.Namespace, build_llm: LLMFactory) -> int:
 
     run_step_profile(build_llm(EngineArgs.from_cli_args(args)).engine, args)
     return 0
+
+
+def _run_embed(args: argparse.Namespace, build_llm: LLMFactory) -> int:
+    from nanoserve.bench.embed import run_embed_bench
+
+    return run_embed_bench(args, build_llm)
 
 
 def _run_quality(args: argparse.Namespace, build_llm: LLMFactory) -> int:

@@ -1,10 +1,12 @@
 """AsyncEngine: the API server's asyncio face of the engine-core process.
 
 `generate()` sends a request's token ids to the engine core and yields RequestOutputs as they
-are made. One task receives the engine's messages and runs them through the OutputProcessor
+are made; `encode()` sends a prefill-only one (an embedding or a score) and returns its
+vector. One task receives the engine's messages and runs them through the OutputProcessor
 (detokenization, stop strings, logprob formatting) -- in this process, so the engine never
-waits on text -- then hands each update to its request's queue. A request whose consumer goes
-away (a client disconnect cancels it) is aborted in the engine core at once.
+waits on text -- then hands each update to its request's queue (a pooling output goes straight
+to its request). A request whose consumer goes away (a client disconnect cancels it) is
+aborted in the engine core at once.
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ from typing import Any
 from nanoserve.engine.core_client import EngineCoreClient
 from nanoserve.entrypoints.request_logger import RequestLogger
 from nanoserve.output.processor import OutputProcessor, TimingObserver
-from nanoserve.outputs import RequestOutput
+from nanoserve.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
+from nanoserve.pooling_params import PoolingParams
 from nanoserve.protocol import (
     AbortRequests,
+    EngineCoreOutput,
     EngineDead,
     EngineOutputs,
     EngineReady,
@@ -61,6 +65,8 @@ class AsyncEngine:
         self.engine_alive = engine_alive
         self.processor = OutputProcessor(tokenizer, observer)
         self.queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        # pooling requests in flight: each gets its one output (never through the processor)
+        self.pooling: dict[str, asyncio.Future[EngineCoreOutput]] = {}
         self._num_sequences = 0  # the n of each request in `queues`, summed
         self.stats = SchedulerStats()
         self.dead_reason: str | None = None
@@ -81,7 +87,7 @@ class AsyncEngine:
 
     @property
     def num_in_flight(self) -> int:
-        return len(self.queues)
+        return len(self.queues) + len(self.pooling)
 
     @property
     def num_sequences_in_flight(self) -> int:
@@ -146,6 +152,61 @@ class AsyncEngine:
             if not finished:  # cancelled, disconnected, or an error on our side: stop it
                 self._abort_nowait(request_id)
 
+    async def encode(self, request_id: str, prompt_token_ids: list[int],
+                     pooling_params: PoolingParams) -> PoolingRequestOutput:
+        """A prefill-only request: its vector once the engine has pooled its prompt. It counts
+        as one sequence in flight; cancelled (its client went away) or past its deadline
+        (RequestTimeoutError), it is aborted in the engine."""
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        if request_id in self.pooling or request_id in self.queues:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[EngineCoreOutput] = loop.create_future()
+        self.pooling[request_id] = future
+        self._num_sequences += 1
+        try:
+            await self.client.send(EngineRequest(
+                request_id, prompt_token_ids, SamplingParams(max_tokens=1),
+                self.client.client_index, None, pooling_params))
+            try:
+                async with asyncio.timeout(self.request_timeout):
+                    out = await asyncio.shield(future)
+            except TimeoutError:
+                raise RequestTimeoutError(
+                    f"the request ran past the server's deadline of {self.request_timeout:g} s "
+                    "(--request-timeout) and was stopped") from None
+        finally:
+            self._num_sequences -= 1
+            self.pooling.pop(request_id, None)
+            if not future.done() and self.dead_reason is None:  # cancelled or timed out
+                self._abort_pooling_nowait(request_id)
+        assert out.pooled is not None
+        return PoolingRequestOutput(request_id, prompt_token_ids, PoolingOutput(out.pooled),
+                                    out.num_cached_tokens)
+
+    def _abort_pooling_nowait(self, request_id: str) -> None:
+        try:
+            self.client.send_nowait(AbortRequests([request_id]))
+        except Exception as e:  # zmq.Again (queue full) or a closed socket
+            logger.warning("could not send the abort of %s to the engine core: %r",
+                           request_id, e)
+
+    def _deliver_pooled(self, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
+        """Hand each pooling output to its request; the rest, for the output processor."""
+        rest = []
+        for eo in outputs:
+            future = self.pooling.get(eo.request_id)
+            if future is None:
+                rest.append(eo)
+            elif not future.done():
+                if eo.pooled is None:
+                    future.set_exception(ValueError(
+                        f"the engine finished the request without a vector ({eo.finish_reason})"))
+                else:
+                    future.set_result(eo)
+        return rest
+
     async def _next(self, queue: asyncio.Queue[RequestOutput | BaseException],
                     deadline: float | None) -> RequestOutput | BaseException:
         """The request's next update; past its deadline, RequestTimeoutError (checked before
@@ -178,7 +239,10 @@ class AsyncEngine:
             message = await self.client.recv()
             if isinstance(message, EngineOutputs):
                 self.stats = message.stats
-                result = self.processor.process(message.outputs)
+                outputs = message.outputs
+                if self.pooling:
+                    outputs = self._deliver_pooled(outputs)
+                result = self.processor.process(outputs)
                 for output in result.outputs:
                     queue = self.queues.get(output.request_id)
                     if queue is not None and not self._reader_stalled(output.request_id, queue):
@@ -215,6 +279,10 @@ class AsyncEngine:
         return True
 
     def _fail_engine_request(self, message: RequestError) -> None:
+        future = self.pooling.get(message.request_id)
+        if future is not None and not future.done():
+            future.set_exception(ValueError(message.message))
+            return
         sample = self.processor.samples.get(message.request_id)
         if sample is None:
             return
@@ -236,5 +304,8 @@ class AsyncEngine:
         self.dead_reason = reason
         for queue in self.queues.values():
             queue.put_nowait(EngineDeadError(reason))
+        for future in self.pooling.values():
+            if not future.done():
+                future.set_exception(EngineDeadError(reason))
         if self.on_dead is not None:
             self.on_dead()

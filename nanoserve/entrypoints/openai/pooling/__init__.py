@@ -1,0 +1,1 @@
+"""Prefill-only endpoints beside generation: /v1/embeddings, /v1/rerank (and /rerank), /score."""
