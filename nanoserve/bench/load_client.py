@@ -91,8 +91,10 @@ def parse_event(payload: str) -> StreamEvent:
         return StreamEvent(error=f"server error: {json.dumps(chunk['error'])[:300]}")
     event = StreamEvent()
     choices = chunk.get("choices") or []
-    if choices and isinstance(choices[0], dict):
-        event.text = choices[0].get("text") or ""
+    if choices and isinstance(choices[0], dict):  # completions' text, or chat's delta
+        delta = choices[0].get("delta")
+        event.text = choices[0].get("text") or (
+            delta.get("content") if isinstance(delta, dict) else None) or ""
     usage = chunk.get("usage")
     if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
         event.completion_tokens = usage["completion_tokens"]
@@ -105,6 +107,7 @@ class RequestRecord:
     start: float
     end: float = 0.0
     chunk_times: list[float] = field(default_factory=list)  # chunks with non-empty text
+    text: str = ""  # the streamed text, in order
     usage_tokens: int | None = None
     error: str | None = None
 
@@ -204,11 +207,12 @@ def parse_levels(text: str) -> list[int]:
     return levels
 
 async def send_request(client: httpx.AsyncClient, url: str, body: dict[str, Any],
-                       headers: dict[str, str]) -> RequestRecord:
-    """One streamed completion; never raises (errors are recorded)."""
+                       headers: dict[str, str], path: str = "/v1/completions") -> RequestRecord:
+    """One streamed completion (or chat completion, by `path`); never raises (errors are
+    recorded)."""
     record = RequestRecord(start=time.perf_counter())
     try:
-        async with client.stream("POST", url.rstrip("/") + "/v1/completions", json=body,
+        async with client.stream("POST", url.rstrip("/") + path, json=body,
                                  headers=headers) as response:
             if response.status_code != 200:
                 text = (await response.aread()).decode(errors="replace")
@@ -233,18 +237,20 @@ async def _read_stream(response: httpx.Response, record: RequestRecord) -> None:
             return
         if event.text:
             record.chunk_times.append(time.perf_counter())
+            record.text += event.text
         if event.completion_tokens is not None:
             record.usage_tokens = event.completion_tokens
     record.error = "the stream ended without data: [DONE]"
 
 async def run_level(client: httpx.AsyncClient, url: str, bodies: Sequence[dict[str, Any]],
-                    concurrency: int, headers: dict[str, str]) -> list[RequestRecord]:
+                    concurrency: int, headers: dict[str, str],
+                    path: str = "/v1/completions") -> list[RequestRecord]:
     """Send every body with at most `concurrency` requests in flight; records in body order."""
     semaphore = asyncio.Semaphore(concurrency)
 
     async def limited(body: dict[str, Any]) -> RequestRecord:
         async with semaphore:
-            return await send_request(client, url, body, headers)
+            return await send_request(client, url, body, headers, path)
 
     return list(await asyncio.gather(*(limited(body) for body in bodies)))
 

@@ -33,10 +33,9 @@ def load_draft_proposer(spec: Any) -> DraftProposer | None:
     what is wrong otherwise."""
     if spec is None:
         return None
-    if isinstance(spec, (dict, SpeculativeConfig)):
-        config = SpeculativeConfig.parse(spec)
-        assert config is not None
-        return model_free_proposer(config)
+    if isinstance(spec, (dict, SpeculativeConfig)):  # (a dict holds every field, checked)
+        return model_free_proposer(spec if isinstance(spec, SpeculativeConfig)
+                                   else SpeculativeConfig(**spec))
     if isinstance(spec, str):
         name = spec
         spec = import_named(name, "draft proposer")

@@ -3,10 +3,15 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
+from nanoserve.config import EngineConfig
+from nanoserve.engine.drafts import load_draft_proposer
 from nanoserve.engine_args import EngineArgs
 from nanoserve.sampling_params import SamplingParams
+from nanoserve.spec.ngram import NgramProposer
+from nanoserve.spec.suffix import SuffixProposer
 from nanoserve.speculative_config import SpeculativeConfig
 
 
@@ -39,6 +44,17 @@ def test_vllm_spelling_parses_from_json_and_dicts() -> None:
 def test_bad_values_are_start_up_errors_naming_the_field(value: str, message: str) -> None:
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
         EngineArgs(speculative_config=value).to_config()
+
+
+def test_the_config_reaches_the_engine_process_as_msgpack() -> None:
+    config = EngineArgs(speculative_config='{"method": "suffix", "suffix_decoding_max_tree_depth'
+                                           '": 8}').to_config()
+    decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(config), type=EngineConfig)
+    proposer = load_draft_proposer(decoded.scheduler.draft_proposer)
+    assert isinstance(proposer, SuffixProposer) and proposer.max_depth == 8
+    ngram = EngineArgs(speculative_config='{"method": "ngram"}').to_config()
+    decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(ngram), type=EngineConfig)
+    assert isinstance(load_draft_proposer(decoded.scheduler.draft_proposer), NgramProposer)
 
 
 def test_not_both_a_proposer_class_and_a_config() -> None:
