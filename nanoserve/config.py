@@ -187,8 +187,10 @@ class ServerConfig:
     served_model_name: str | None = None  # None = the model's own name
     reasoning_parser: str | None = None  # "qwen3" | "deepseek_r1"
     tool_call_parser: str | None = None  # "hermes" | "llama3_json": reads tool_choice="auto"
-    # /v1/rerank and /score: "yes_no" (the logit of "yes" against "no" after a judging
-    # template, Qwen3-Reranker's method) or "cosine" (of the two texts' embeddings)
+    # /v1/rerank and /score: "cosine" (of the two texts' embeddings) or "yes_no" (the logit of
+    # "yes" against "no" after a judging prompt, Qwen3-Reranker's method). On the default
+    # model, 16 hand-made queries x 4 documents: cosine puts the answer first 11 times (MRR
+    # 0.82), yes_no 6 (MRR 0.64; chance: 4, 0.52), and cosine takes a third of the time.
     score_method: str = "cosine"
     chat_template: str | None = None  # the Jinja text that replaces the tokenizer's template
     api_server_count: int = 1

@@ -136,7 +136,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     server = ServerConfig(
         host=args.host, port=args.port, api_key=args.api_key or api_key_from_env(),
         served_model_name=args.served_model_name, reasoning_parser=args.reasoning_parser,
-        tool_call_parser=args.tool_call_parser,
+        tool_call_parser=args.tool_call_parser, score_method=args.score_method,
         chat_template=None if args.chat_template is None else read_chat_template(
             args.chat_template),
         api_server_count=args.api_server_count, shutdown_timeout=args.shutdown_timeout,
@@ -150,7 +150,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             slow_reader_timeout=args.slow_reader_timeout,
             max_unread_updates=args.max_unread_updates),
         allowed_origins=tuple(args.allowed_origins), log_requests=args.log_requests,
-        web_ui=not args.no_web_ui)
+        web_ui=not args.no_web_ui, strip_billing_header=not args.keep_billing_header)
     return run_serve(engine_args.to_config(), server)
 
 
@@ -209,7 +209,13 @@ def build_parser() -> argparse.ArgumentParser:
                    default=ServerConfig.reasoning_parser)
     g.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS,
                    default=ServerConfig.tool_call_parser,
-                   help='the model\'s tool-call format, read when tool_choice is "auto"')
+                   help='the model\'s tool-call format, read when tool_choice is "auto" '
+                        "(default: the one the chat template writes; hermes if it has none)")
+    g.add_argument("--score-method", choices=("yes_no", "cosine"),
+                   default=ServerConfig.score_method,
+                   help="how /v1/rerank and /score score a document: yes_no (the logit of "
+                        "'yes' against 'no' after a judging prompt, as Qwen3-Reranker) | cosine "
+                        "(of the two embeddings) (default: %(default)s)")
     g.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                    help="a Jinja chat template (a file, or the text) replacing the model's")
     g.add_argument("--api-server-count", type=int, default=ServerConfig.api_server_count)
@@ -231,6 +237,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "http://localhost:3000, or '*' (default: none, no CORS headers)")
     g.add_argument("--no-web-ui", action="store_true",
                    help="serve neither the chat page (/) nor the dashboard (/dashboard)")
+    g.add_argument("--keep-billing-header", action="store_true",
+                   help="keep the x-anthropic-billing-header line Claude Code puts at the start "
+                        "of its system prompt (by default it is removed: its cch= changes every "
+                        "request, which would defeat the prefix cache)")
     add_limit_args(serve)
     EngineArgs.add_cli_args(serve)
     serve.set_defaults(func=cmd_serve)

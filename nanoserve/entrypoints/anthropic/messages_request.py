@@ -63,7 +63,7 @@ def messages_input(req: CountTokensRequest, *, strip_billing: bool = True,
             max_tokens=None, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
             stop=req.stop_sequences,
             thinking_token_budget=budget if has_reasoning_tokens else None,
-            extra_args=req.extra_args, stream=req.stream)
+            ignore_eos=req.ignore_eos, extra_args=req.extra_args, stream=req.stream)
         response_format = _response_format(req)
     choice = req.tool_choice
     last = req.messages[-1]  # an assistant's text last is a prefill the answer continues

@@ -14,6 +14,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import nanoserve
 from nanoserve.config import ServerConfig
+from nanoserve.entrypoints.anthropic.errors import AnthropicErrorShape
+from nanoserve.entrypoints.anthropic.routes import add_messages_routes
 from nanoserve.entrypoints.async_engine import EngineDeadError, RequestTimeoutError
 from nanoserve.entrypoints.openai.auth import PUBLIC_PATHS, APIKeyMiddleware
 from nanoserve.entrypoints.openai.chat_prompt import render_prompt
@@ -28,6 +30,7 @@ from nanoserve.entrypoints.openai.errors import (
 )
 from nanoserve.entrypoints.openai.limits import BodyLimitMiddleware
 from nanoserve.entrypoints.openai.openapi import GENERATE_ERRORS, install_openapi, responses
+from nanoserve.entrypoints.openai.pooling.routes import add_pooling_routes
 from nanoserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -42,6 +45,7 @@ from nanoserve.entrypoints.openai.response_models import (
     TokenizeResponse,
     VersionResponse,
 )
+from nanoserve.entrypoints.openai.responses.routes import add_responses_routes
 from nanoserve.entrypoints.openai.server_context import ServerContext
 from nanoserve.entrypoints.openai.serving_chat import create_chat_completion
 from nanoserve.entrypoints.openai.serving_completion import create_completion
@@ -59,6 +63,8 @@ def build_app(ctx: ServerContext, config: ServerConfig | None = None) -> FastAPI
                   redoc_url=None)
     add_error_handlers(app)
     add_routes(app, ctx)
+    add_pooling_routes(app, ctx, config.score_method)  # embeddings, rerank, score
+    add_messages_routes(app, ctx, strip_billing_header=config.strip_billing_header)
     public_paths = PUBLIC_PATHS
     if config.web_ui:  # the chat page and dashboard: public files, keyed calls
         app.include_router(web_router(WebPageInfo(
@@ -74,6 +80,8 @@ def build_app(ctx: ServerContext, config: ServerConfig | None = None) -> FastAPI
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
                            allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])
+    # outermost: every error on the Messages paths in Anthropic's shape, the 401s and 413s too
+    app.add_middleware(AnthropicErrorShape)
     return app
 
 
@@ -130,6 +138,8 @@ def add_routes(app: FastAPI, ctx: ServerContext) -> None:
               responses=responses(ChatCompletionResponse, *GENERATE_ERRORS, streams=True))
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
         return await create_chat_completion(ctx, req, raw)
+
+    add_responses_routes(app, ctx)
 
     @app.post("/tokenize", responses=responses(TokenizeResponse, 400, 401, 404, 413))
     async def tokenize(req: TokenizeRequest) -> dict[str, Any]:

@@ -1,8 +1,9 @@
 """API-key authentication as pure ASGI middleware (it keeps client-disconnect events intact).
 
-Every route but /health needs `Authorization: Bearer <key>` (vLLM #18892 left /tokenize and
-others open). Keys are compared as SHA-256 digests with `secrets.compare_digest`, in constant
-time whatever the length of the guess.
+Every route but /health needs `Authorization: Bearer <key>` or, as Anthropic's clients send
+it, `x-api-key: <key>` (vLLM #18892 left /tokenize and others open). Keys are compared as
+SHA-256 digests with `secrets.compare_digest`, in constant time whatever the length of the
+guess.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ class APIKeyMiddleware:
             await self.app(scope, receive, send)
             return
         body = json.dumps(error_body(401, "missing or invalid API key: send "
-                                          "'Authorization: Bearer <key>'")).encode()
+                                          "'Authorization: Bearer <key>' or "
+                                          "'x-api-key: <key>'")).encode()
         await send({"type": "http.response.start", "status": 401,
                     "headers": [(b"content-type", b"application/json"),
                                 (b"www-authenticate", b"Bearer")]})
@@ -39,10 +41,13 @@ class APIKeyMiddleware:
 
     def _allowed(self, scope: dict[str, Any]) -> bool:
         for name, value in scope.get("headers", ()):
+            key = None
             if name == b"authorization":
                 scheme, _, token = value.decode("latin-1").partition(" ")
-                if scheme.lower() != "bearer":
-                    return False
-                return secrets.compare_digest(hashlib.sha256(token.strip().encode()).digest(),
-                                              self.digest)
+                key = token if scheme.lower() == "bearer" else None
+            elif name == b"x-api-key":
+                key = value.decode("latin-1")
+            if key is not None and secrets.compare_digest(
+                    hashlib.sha256(key.strip().encode()).digest(), self.digest):
+                return True
         return False
