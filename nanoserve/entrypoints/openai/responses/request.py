@@ -121,10 +121,10 @@ def _item(raw: Any, i: int) -> BaseModel:
         raise bad_request(f"input.{i}.type {kind!r} is not supported; items may be "
                           + ", ".join(_ITEMS) + " (item_reference needs stored responses: "
                           + _STATELESS + ")", f"input.{i}.type")
-    return validated(model, raw, f"input.{i}")
+    return _validated(model, raw, f"input.{i}")
 
 
-def validated(model: type[BaseModel], raw: dict[str, Any], where: str) -> Any:
+def _validated(model: type[BaseModel], raw: dict[str, Any], where: str) -> Any:
     """`raw` as `model`; pydantic's first complaint as a 400 naming `where.<field>`."""
     try:
         return model.model_validate(raw)
@@ -205,7 +205,7 @@ def _texts(parts: list[Any], where: str) -> list[str]:
         if not isinstance(raw, InputPart | dict):
             raise bad_request(f"{where}.{j} must be a content part object, got "
                               f"{type(raw).__name__}", f"{where}.{j}")
-        part = raw if isinstance(raw, InputPart) else validated(InputPart, raw, f"{where}.{j}")
+        part = raw if isinstance(raw, InputPart) else _validated(InputPart, raw, f"{where}.{j}")
         if part.type not in _TEXT_PARTS:
             raise bad_request(f"{where}.{j}.type {part.type!r} is not supported; this model "
                               "reads text only (input_text, output_text)", f"{where}.{j}.type")
@@ -227,7 +227,7 @@ def _tools(raw: list[dict[str, Any]] | None) -> tuple[tuple[ToolInput, ...] | No
             ignored.append(str(tool.get("type")))
             continue
         spec: dict[str, Any] = {key: tool[key] for key in _FUNCTION_FIELDS if key in tool}
-        function = validated(FunctionDefinition, spec, f"tools.{i}")
+        function = _validated(FunctionDefinition, spec, f"tools.{i}")
         template = {"type": "function", "function": function.model_dump(exclude_none=True)}
         tools.append(ToolInput(ToolFunction(function.name, function.description,
                                             function.parameters), template))
