@@ -100,6 +100,9 @@ class SchedulerConfig:
     # drafts a request takes per step; no proposer means one token per request per step.
     draft_proposer: Any = None
     num_speculative_tokens: int = 4
+    # drafts are proposed only while a step's rows (decodes + drafts) stay within this, and
+    # no prompt chunk waits (engine/drafts.py says why)
+    speculative_max_rows: int = 8
 
     def __post_init__(self) -> None:
         if self.num_speculative_tokens < 0:

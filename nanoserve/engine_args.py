@@ -98,6 +98,10 @@ class EngineArgs:
         SchedulerConfig.num_speculative_tokens,
         "the most draft tokens a request takes per step, with --draft-proposer "
         "(default: %(default)s)", type=int)
+    speculative_max_rows: int = _arg(
+        SchedulerConfig.speculative_max_rows,
+        "drafts are proposed only while a step's decode rows plus drafts stay within this and "
+        "no prompt chunk waits (default: %(default)s)", type=int)
     # JSON text from the flag; LLM(speculative_config=...) may pass the dict itself
     speculative_config: str | None = _arg(
         None, 'speculative decoding without a draft model, as vLLM spells it: JSON such as '
@@ -151,5 +155,6 @@ class EngineArgs:
         return SchedulerConfig(
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
             draft_proposer=speculative or self.draft_proposer,
+            speculative_max_rows=self.speculative_max_rows,
             num_speculative_tokens=speculative.num_speculative_tokens if speculative
             else self.num_speculative_tokens)

@@ -60,6 +60,12 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     num_computed_tokens: int = 0  # tokens run through the model (prefill and decode)
     sample_seconds: float = 0.0  # time inside the sampler
     kv_blocks_in_use: int = 0  # blocks held by requests (the usage gauge, counted)
+    # speculative decoding, as vLLM counts it: requests that drafted in a step, their draft
+    # tokens, the drafts kept, and the drafts kept at each draft position (0 = the first)
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = msgspec.field(default_factory=list)
 
 
 # -- API server -> engine core ------------------------------------------------------------------

@@ -25,7 +25,12 @@ from torch.profiler import record_function
 
 from nanoserve.config import EngineConfig, GiB
 from nanoserve.engine.block_table import BlockTable
-from nanoserve.engine.drafts import load_draft_proposer
+from nanoserve.engine.drafts import (
+    ACCEPTANCE_WEIGHT,
+    draft_budget,
+    load_draft_proposer,
+    worth_drafting,
+)
 from nanoserve.engine.executor import Executor, InProcessExecutor
 from nanoserve.engine.kv_cache import KVCacheManager
 from nanoserve.engine.memory import keep_freed_memory_in_heap
@@ -243,6 +248,7 @@ class EngineCore:
         new_token_ids = [out.sampled_token_ids[row : row + taken]
                          for row, taken in zip(first_rows.tolist(), out.num_accepted, strict=True)]
         committed = self.scheduler.update_after_step(sched, new_token_ids)
+        self._count_drafts(sampling, out.num_accepted)
         self._update_stats(sched.num_tokens)
         outputs = failed
         for s, tokens, row in zip(sampling, committed, first_rows.tolist(), strict=True):
@@ -278,19 +284,48 @@ class EngineCore:
 
     # -- draft tokens -----------------------------------------------------------------------------
     def _propose_drafts(self) -> None:
-        """Ask the proposer for each running request's next draft tokens (if one is set)."""
+        """Ask the proposer for each running request's next draft tokens (if one is set),
+        only where a step stays cheap (see `draft_budget`)."""
         if self.proposer is None:
             return
+        running = self.scheduler.running
+        is_prefill_waiting = bool(self.scheduler.waiting) or any(
+            r.num_computed_tokens < r.num_tokens - 1 for r in running)
+        budget = draft_budget(len(running), is_prefill_waiting,
+                              self.config.scheduler.speculative_max_rows)
         k = self.config.scheduler.num_speculative_tokens
-        for request in self.scheduler.running:
+        for request in running:
             # drafts must fit the model's length; a max_tokens inside the window is cut as
             # any stop is (scheduler.py)
-            room = min(k, self.max_model_len - request.num_tokens)
+            room = min(k, self.max_model_len - request.num_tokens, budget,
+                       worth_drafting(request.draft_acceptance, request.steps_without_drafts, k))
+            request.steps_without_drafts += 1
             if room > 0 and request.num_computed_tokens == request.num_tokens - 1 \
                     and self._can_take_drafts(request):
                 request.draft_token_ids = list(self.proposer.propose(SequenceData(
                     request.slot or 0, request.params, request.prompt_token_ids,
                     request.output_token_ids, request.sampling_seed), room))[:room]
+                budget -= len(request.draft_token_ids)
+                if request.draft_token_ids:
+                    request.steps_without_drafts = 0
+
+    def _count_drafts(self, sampling: list[ScheduledRequest], num_accepted: list[int]) -> None:
+        """vLLM's spec_decode counters: each drafting request's drafts and those kept (the
+        draws that equalled them, before any stop cut the window)."""
+        stats = self.stats
+        for s, taken in zip(sampling, num_accepted, strict=True):
+            if not s.draft_token_ids:
+                continue
+            kept = taken - 1
+            s.request.draft_acceptance = ((1 - ACCEPTANCE_WEIGHT) * s.request.draft_acceptance
+                                          + ACCEPTANCE_WEIGHT * kept / len(s.draft_token_ids))
+            stats.spec_decode_num_drafts += 1
+            stats.spec_decode_num_draft_tokens += len(s.draft_token_ids)
+            stats.spec_decode_num_accepted_tokens += kept
+            per_position = stats.spec_decode_num_accepted_tokens_per_pos
+            per_position.extend([0] * (len(s.draft_token_ids) - len(per_position)))
+            for position in range(kept):
+                per_position[position] += 1
 
     def _can_take_drafts(self, request: Request) -> bool:
         """True when every row's draw depends only on its logits and its (seed, position) key:

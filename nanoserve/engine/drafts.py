@@ -11,6 +11,7 @@ by `--speculative-config` (`ngram`, `suffix`: nanoserve/spec/); any other loads 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -19,6 +20,32 @@ from nanoserve.sample.sequence import SequenceData
 from nanoserve.spec.ngram import NgramProposer
 from nanoserve.spec.suffix import SuffixProposer
 from nanoserve.speculative_config import SpeculativeConfig
+
+# When drafting pays. A draft row costs a step a little while the step reads weights more
+# than it computes (a few rows on the CPU) and a lot past that, so drafts are proposed only
+# while decode rows + drafts stay under `--speculative-max-rows` and no prompt chunk waits;
+# and each request drafts only as far as its own recent acceptance makes worth it.
+ACCEPTANCE_WEIGHT = 0.3  # of the latest drafting step in a request's acceptance average
+MIN_DRAFT_ODDS = 0.3  # the j-th draft is proposed while acceptance ** j stays above this
+PROBE_INTERVAL = 16  # steps after which a request that stopped drafting tries one draft
+
+
+def draft_budget(num_decode_rows: int, is_prefill_waiting: bool, max_rows: int) -> int:
+    """Draft tokens the next step may take in all: none beside a prompt chunk, else what
+    keeps the step within `max_rows` rows."""
+    return 0 if is_prefill_waiting else max(0, max_rows - num_decode_rows)
+
+
+def worth_drafting(acceptance: float, steps_without_drafts: int, k: int) -> int:
+    """How many drafts a request with this acceptance average should take (up to k): those
+    whose odds of being kept, acceptance ** j, stay above MIN_DRAFT_ODDS; one now and then
+    (a probe) when none would, so that a request whose text turns repetitive drafts again."""
+    if acceptance >= 1.0:
+        return k
+    worth = 0 if acceptance <= 0.0 else int(math.log(MIN_DRAFT_ODDS) / math.log(acceptance))
+    if worth == 0 and steps_without_drafts >= PROBE_INTERVAL:
+        return 1
+    return min(k, worth)
 
 
 class DraftProposer(Protocol):

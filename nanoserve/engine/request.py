@@ -60,6 +60,10 @@ class Request:
         self.grammar: SequenceGrammar | None = None
         # proposed continuations, scored in its next decode step (speculative decoding)
         self.draft_token_ids: list[int] = []
+        # how often this request's drafts have been kept lately (an average over its drafting
+        # steps, 1.0 until it has drafted), and the steps it has gone without drafting
+        self.draft_acceptance = 1.0
+        self.steps_without_drafts = 0
         # prefill only: what to pool once the prompt is computed, and how ("last" | "mean";
         # a "score" request reads the last position whatever the engine's --pooling)
         self.pooling_params = pooling_params

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 import pytest
 
@@ -68,8 +70,9 @@ PASSAGE = ("The lighthouse keeper climbed the spiral stairs every evening at dus
 
 
 def run_engine(speculative_config: str | None, prompt: list[int],
-               params: list[SamplingParams]) -> tuple[list[list[int]], int]:
-    """Each request's output ids and the number of steps, on the default model's gguf path."""
+               params: list[SamplingParams]) -> tuple[list[list[int]], int, Any]:
+    """Each request's output ids, the number of steps and the engine's stats, on the default
+    model's gguf path."""
     from nanoserve.engine.core import EngineCore
 
     engine = EngineCore(EngineArgs(device="cpu", dtype="float32", quantization="gguf",
@@ -83,7 +86,7 @@ def run_engine(speculative_config: str | None, prompt: list[int],
         steps += 1
         for out in engine.step():
             outputs[out.request_id].extend(out.new_token_ids)
-    return list(outputs.values()), steps
+    return list(outputs.values()), steps, engine.stats
 
 
 @pytest.mark.slow
@@ -98,8 +101,14 @@ def test_speculation_commits_several_tokens_and_changes_none() -> None:
     prompt = tokenizer.encode(f"Copy this sentence twice.\n{PASSAGE}\n{PASSAGE}\n")
     params = [SamplingParams(temperature=0.0, max_tokens=32),
               SamplingParams(temperature=0.7, top_p=0.9, seed=11, max_tokens=32)]
-    plain, plain_steps = run_engine(None, prompt, params)
+    plain, plain_steps, plain_stats = run_engine(None, prompt, params)
+    assert plain_stats.spec_decode_num_drafts == 0
     for config in ('{"method": "ngram"}', '{"method": "suffix"}'):
-        drafted, steps = run_engine(config, prompt, params)
+        drafted, steps, stats = run_engine(config, prompt, params)
         assert drafted == plain, config
         assert steps < plain_steps, (config, steps, plain_steps)
+        # vLLM's counters: kept drafts, per position never more than the position before
+        assert 0 < stats.spec_decode_num_accepted_tokens <= stats.spec_decode_num_draft_tokens
+        per_position = stats.spec_decode_num_accepted_tokens_per_pos
+        assert sum(per_position) == stats.spec_decode_num_accepted_tokens
+        assert per_position == sorted(per_position, reverse=True)

@@ -47,10 +47,22 @@ class _EngineCollector(Collector):
                  s.prefix_cache_queries),
                 ("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                  s.prefix_cache_hits),
-                ("num_preemptions", "Requests preempted (KV cache full).", s.num_preemptions)):
+                ("num_preemptions", "Requests preempted (KV cache full).", s.num_preemptions),
+                ("spec_decode_num_drafts", "Speculative steps: requests that drafted.",
+                 s.spec_decode_num_drafts),
+                ("spec_decode_num_draft_tokens", "Draft tokens proposed.",
+                 s.spec_decode_num_draft_tokens),
+                ("spec_decode_num_accepted_tokens", "Draft tokens accepted (equal to the "
+                 "model's own draws).", s.spec_decode_num_accepted_tokens)):
             counter = CounterMetricFamily(PREFIX + name, doc, labels=label)
             counter.add_metric([self.model], value)
             yield counter
+        per_position = CounterMetricFamily(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted at each draft position.", labels=["model_name", "position"])
+        for position, value in enumerate(s.spec_decode_num_accepted_tokens_per_pos):
+            per_position.add_metric([self.model, str(position)], value)
+        yield per_position
 
 
 class Metrics:
