@@ -8,9 +8,11 @@ by a seeded draw:
 - slow reader (`--slow-share`): a stream that stops reading for a random 1-4 s after its first
   chunk, then reads to the end (it must still get its whole answer, and not slow the others);
 - finish (the rest): streamed or not, in turns, read at once.
-All are greedy completions with EOS ignored, so a finished answer has one right text: each
-finished request is sent again afterwards, undisturbed (same concurrency, no misbehaving
-neighbours), and the two texts must be equal.
+All are greedy with EOS ignored, so a finished answer has one right text: each finished
+request is sent again afterwards, undisturbed (same concurrency, no misbehaving neighbours),
+to the same route, and the two texts must be equal. The requests go, in turns, to each route
+of `--endpoints` (completions, chat completions, Anthropic's messages, OpenAI's responses:
+`chaos_endpoints.py`).
 
 Before the run a warm-up round of the same shape (so that start-up allocations are not counted
 as growth) and after it, once the server is idle: requests running and waiting, KV blocks in
@@ -34,6 +36,7 @@ from typing import Any
 
 import httpx
 
+from nanoserve.bench.chaos_endpoints import path, read_answer, read_event, request_body
 from nanoserve.bench.load_client import make_client, make_prompts, served_model_name, sse_data
 from nanoserve.config import DEFAULT_MODEL_NAME
 
@@ -48,6 +51,7 @@ class Outcome:
     behaviour: str
     streamed: bool
     prompt: str
+    endpoint: str = "completions"
     text: str = ""
     finish_reason: str | None = None
     error: str | None = None
@@ -81,29 +85,30 @@ def plan(num_requests: int, args: argparse.Namespace) -> list[str]:
 
 
 # -- one client ---------------------------------------------------------------------------------
-async def run_client(client: httpx.AsyncClient, url: str, body: dict[str, Any],
+async def run_client(client: httpx.AsyncClient, url: str, endpoint: str, body: dict[str, Any],
                      behaviour: str, rng: random.Random, headers: dict[str, str]) -> Outcome:
     """One request with its behaviour; never raises (what went wrong is in the outcome)."""
     streamed = behaviour in ("disconnect", "slow") or (behaviour == "finish"
                                                        and rng.random() < 0.5)
-    out = Outcome(behaviour, streamed, body["prompt"])
-    endpoint = url.rstrip("/") + "/v1/completions"
+    out = Outcome(behaviour, streamed, body.get("prompt") or body.get("input")
+                  or body["messages"][0]["content"], endpoint)
+    target = url.rstrip("/") + path(endpoint)
     try:
         if not streamed:
             timeout = rng.uniform(0.2, 2.0) if behaviour == "timeout" else None
-            response = await client.post(endpoint, json=body, headers=headers,
+            response = await client.post(target, json=body, headers=headers,
                                          timeout=timeout or client.timeout)
             data = response.json()
             if response.status_code != 200:
                 out.error = f"HTTP {response.status_code}: {data}"
             else:
-                out.text = data["choices"][0]["text"]
-                out.finish_reason = data["choices"][0]["finish_reason"]
-                out.completed = True
+                answer = read_answer(endpoint, data)
+                out.text, out.finish_reason, out.completed = answer.text, \
+                    answer.finish_reason, True
             return out
         stop_after = rng.randint(1, 8) if behaviour == "disconnect" else None
         pause = rng.uniform(1.0, 4.0) if behaviour == "slow" else None
-        async with client.stream("POST", endpoint, json={**body, "stream": True},
+        async with client.stream("POST", target, json={**body, "stream": True},
                                  headers=headers) as response:
             if response.status_code != 200:
                 out.error = f"HTTP {response.status_code}"
@@ -116,13 +121,15 @@ async def run_client(client: httpx.AsyncClient, url: str, body: dict[str, Any],
                 if payload == "[DONE]":
                     out.completed = True
                     break
-                event = json.loads(payload)
-                if "error" in event:
-                    out.error = str(event["error"])
+                piece = read_event(endpoint, json.loads(payload))
+                if piece.error is not None:
+                    out.error = piece.error
                     break
-                choice = event["choices"][0]
-                out.text += choice.get("text") or ""
-                out.finish_reason = choice.get("finish_reason") or out.finish_reason
+                out.text += piece.text
+                out.finish_reason = piece.finish_reason or out.finish_reason
+                if piece.is_done:
+                    out.completed = True
+                    break
                 chunks += 1
                 if stop_after is not None and chunks >= stop_after:
                     break  # leaving the block closes the connection mid-stream
@@ -136,18 +143,29 @@ async def run_client(client: httpx.AsyncClient, url: str, body: dict[str, Any],
 
 
 async def run_clients(url: str, model: str, prompts: Sequence[str], behaviours: Sequence[str],
-                      args: argparse.Namespace, headers: dict[str, str]) -> list[Outcome]:
+                      args: argparse.Namespace, headers: dict[str, str],
+                      endpoints: Sequence[str] | None = None) -> list[Outcome]:
+    """Each prompt as one client; the i-th goes to `endpoints[i]` (by default the routes of
+    --endpoints in turns)."""
     semaphore = asyncio.Semaphore(args.concurrency)
     rngs = [random.Random(args.seed * 7919 + i) for i in range(len(prompts))]
+    routes = args_endpoints(args)
+    chosen = list(endpoints) if endpoints is not None else [
+        routes[i % len(routes)] for i in range(len(prompts))]
 
     async with make_client(args.concurrency) as client:
         async def limited(i: int) -> Outcome:
-            body = {"model": model, "prompt": prompts[i], "max_tokens": args.output_len,
-                    "temperature": 0.0, "ignore_eos": True}
+            body = request_body(chosen[i], model, prompts[i], args.output_len)
             async with semaphore:
-                return await run_client(client, url, body, behaviours[i], rngs[i], headers)
+                return await run_client(client, url, chosen[i], body, behaviours[i], rngs[i],
+                                        headers)
 
         return list(await asyncio.gather(*(limited(i) for i in range(len(prompts)))))
+
+
+def args_endpoints(args: argparse.Namespace) -> list[str]:
+    given = getattr(args, "endpoints", "completions")
+    return [name.strip() for name in given.split(",") if name.strip()]
 
 
 # -- the server's state ---------------------------------------------------------------------------
@@ -222,7 +240,9 @@ class ChaosReport:
 
     def lines(self) -> list[str]:
         counts = Counter((o.behaviour, o.completed) for o in self.outcomes)
-        rows = [f"{len(self.outcomes)} requests in {self.seconds:.1f} s:"]
+        routes = Counter(o.endpoint for o in self.outcomes)
+        rows = [f"{len(self.outcomes)} requests in {self.seconds:.1f} s "
+                f"({', '.join(f'{n} {name}' for name, n in routes.items())}):"]
         for behaviour in BEHAVIOURS:
             total = counts[(behaviour, True)] + counts[(behaviour, False)]
             rows.append(f"  {behaviour:<10} {total:4d}  completed {counts[(behaviour, True)]:4d}"
@@ -272,7 +292,8 @@ def run_chaos(url: str, args: argparse.Namespace, pid: int | None = None) -> Cha
     # the same requests again, undisturbed: greedy answers must not depend on the neighbours
     survivors = [o for o in outcomes if o.behaviour in ("finish", "slow") and o.completed]
     again = asyncio.run(run_clients(url, model, [o.prompt for o in survivors],
-                                    ["finish"] * len(survivors), args, headers))
+                                    ["finish"] * len(survivors), args, headers,
+                                    [o.endpoint for o in survivors]))
     mismatches = [(o.prompt, o.text, a.text) for o, a in zip(survivors, again, strict=True)
                   if o.text != a.text]
     wait_idle(url, headers)

@@ -11,6 +11,7 @@ import argparse
 from functools import partial
 
 from nanoserve.bench import LLMFactory
+from nanoserve.bench.chaos_endpoints import ENDPOINTS
 from nanoserve.engine_args import EngineArgs
 
 
@@ -105,6 +106,12 @@ def add_bench_commands(bench: argparse.ArgumentParser, build_llm: LLMFactory) ->
     _add_chaos_args(chaos)
     chaos.set_defaults(func=_run_chaos)
 
+    spec = sub.add_parser(
+        "spec", help="speculative decoding off vs on: copying workloads and open chat, the "
+                     "same requests, tok/s and ITL, outputs compared")
+    _add_spec_args(spec)
+    spec.set_defaults(func=_run_spec)
+
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
     """The flags of `nanoserve bench serve` (a client: no engine flags)."""
@@ -158,6 +165,9 @@ def _add_chaos_args(p: argparse.ArgumentParser) -> None:
                    help="streams that stop reading for 1-4 s after the first chunk")
     p.add_argument("--input-len", type=int, default=128, help="prompt tokens (about)")
     p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--endpoints", default=",".join(ENDPOINTS),
+                   help="the routes the clients use, in turns (default: all of "
+                        f"{', '.join(ENDPOINTS)})")
     p.add_argument("--rss-bound", type=float, default=0.05,
                    help="allowed growth of the server's resident memory (default: 5%%)")
     p.add_argument("--api-key", default=None, help="sent as `Authorization: Bearer KEY`")
@@ -217,3 +227,15 @@ def _run_serve(args: argparse.Namespace) -> int:
     from nanoserve.bench.serve import run_serve_bench
 
     return run_serve_bench(args)
+
+
+def _add_spec_args(p: argparse.ArgumentParser) -> None:
+    from nanoserve.bench.spec import add_spec_args
+
+    add_spec_args(p)
+
+
+def _run_spec(args: argparse.Namespace) -> int:
+    from nanoserve.bench.spec import run_spec_bench
+
+    return run_spec_bench(args)

@@ -12,7 +12,8 @@ from nanoserve.bench.chaos import plan, run_chaos
 
 def chaos_args(**overrides: Any) -> argparse.Namespace:
     values = dict(num_requests=48, concurrency=16, disconnect_share=1 / 3, timeout_share=1 / 6,
-                  slow_share=0.1, input_len=32, output_len=48, api_key=None, model=None, seed=3)
+                  slow_share=0.1, input_len=32, output_len=48, api_key=None, model=None, seed=3,
+                  endpoints="completions,chat,messages,responses")
     return argparse.Namespace(**{**values, **overrides})
 
 
@@ -30,6 +31,9 @@ def test_chaos_leaves_nothing_behind(tiny_model_dir: Any) -> None:
     finally:
         assert server.stop() == 0
     print("\n".join(report.lines()))
+    assert {o.endpoint for o in report.outcomes} == {"completions", "chat", "messages",
+                                                     "responses"}
+    assert not [o.error for o in report.outcomes if o.error and "HTTP" in o.error]
     cut = [o for o in report.outcomes if o.behaviour == "disconnect"]
     assert cut and not any(o.completed for o in cut)
     assert not report.unfinished_survivors, report.unfinished_survivors[:2]

@@ -93,6 +93,7 @@ class ResponsesRequest(OpenAIModel):
     temperature: float | None = documented(None, minimum=0, maximum=MAX_FLOAT32)
     top_p: float | None = documented(None, exclusiveMinimum=0, maximum=1)
     stream: bool = False
+    ignore_eos: bool = False  # vLLM's extra sampling field (benchmarks: fixed-length output)
     reasoning: dict[str, Any] | None = None
     store: bool | None = None
     include: list[str] | None = None

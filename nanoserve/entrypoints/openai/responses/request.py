@@ -84,7 +84,7 @@ def responses_input(req: ResponsesRequest) -> ResponsesInput:
         response_format=ResponseFormatInput(
             response_format=_response_format(req.text.format if req.text else None)),
         sampling=SamplingInput(max_tokens=req.max_output_tokens, temperature=req.temperature,
-                               top_p=req.top_p, stream=req.stream))
+                               top_p=req.top_p, ignore_eos=req.ignore_eos, stream=req.stream))
     return ResponsesInput(chat, indices)
 
 
