@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -164,6 +165,9 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[EngineCoreOutput] = loop.create_future()
         self.pooling[request_id] = future
+        if self.request_logger is not None:
+            self.request_logger.log_pooling(request_id, prompt_token_ids, pooling_params.task)
+        started = time.monotonic()
         self._num_sequences += 1
         try:
             await self.client.send(EngineRequest(
@@ -182,6 +186,8 @@ class AsyncEngine:
             if not future.done() and self.dead_reason is None:  # cancelled or timed out
                 self._abort_pooling_nowait(request_id)
         assert out.pooled is not None
+        if self.processor.observer is not None:
+            self.processor.observer.pooled(time.monotonic() - started, len(prompt_token_ids))
         return PoolingRequestOutput(request_id, prompt_token_ids, PoolingOutput(out.pooled),
                                     out.num_cached_tokens)
 

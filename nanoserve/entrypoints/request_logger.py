@@ -32,3 +32,14 @@ class RequestLogger:
         else:
             logger.info("request %s: %d prompt tokens, n=%d, max_tokens=%s", request_id,
                         len(prompt_token_ids), params.n, params.max_tokens)
+
+    def log_pooling(self, request_id: str, prompt_token_ids: list[int], task: str) -> None:
+        """An embedding or score request: its size (and with `log_prompts` its ids)."""
+        if not logger.isEnabledFor(logging.INFO):
+            return
+        if self.log_prompts:
+            logger.info("request %s: %d prompt tokens, pooling %s, prompt_token_ids=%s",
+                        request_id, len(prompt_token_ids), task, prompt_token_ids)
+        else:
+            logger.info("request %s: %d prompt tokens, pooling %s", request_id,
+                        len(prompt_token_ids), task)

@@ -81,6 +81,9 @@ class TimingObserver(Protocol):
 
     def finished(self, state: RequestState) -> None: ...
 
+    def pooled(self, seconds: float, num_prompt_tokens: int) -> None:
+        """A prefill-only (embedding, score) request ended after `seconds` (no tokens)."""
+
 
 class OutputProcessor:
     """Per-request frontend state and the one loop over each step's outputs."""

@@ -147,3 +147,19 @@ def test_generation_beside_embeddings_is_unchanged(client: openai.OpenAI) -> Non
         beside = pool.submit(complete)
         assert beside.result() == alone
         assert len(embeds.result().data) == 16
+
+
+def test_embeddings_are_counted_in_the_metrics(server: RunningServer,
+                                               client: openai.OpenAI) -> None:
+    """Each input is a request to /metrics, as vLLM counts pooling requests: a success, its
+    prompt tokens and its latency."""
+    before = {name: server.metric(name) for name in (
+        "nanoserve:request_success_total", "nanoserve:prompt_tokens_total",
+        "nanoserve:e2e_request_latency_seconds_count")}
+    out = client.embeddings.create(model=MODEL, input=["one metric", "two metrics"])
+    assert server.metric("nanoserve:request_success_total") == \
+        before["nanoserve:request_success_total"] + 2
+    assert server.metric("nanoserve:prompt_tokens_total") == \
+        before["nanoserve:prompt_tokens_total"] + out.usage.prompt_tokens
+    assert server.metric("nanoserve:e2e_request_latency_seconds_count") == \
+        before["nanoserve:e2e_request_latency_seconds_count"] + 2

@@ -111,5 +111,12 @@ class Metrics:
             self.request_success.labels(self.model,
                                         sample.completion.finish_reason or "abort").inc()
 
+    def pooled(self, seconds: float, num_prompt_tokens: int) -> None:
+        """An embedding or score request: its prompt tokens, its latency, a success (vLLM
+        counts pooling requests in the same families)."""
+        self.prompt_tokens.inc(num_prompt_tokens)
+        self.e2e.observe(seconds)
+        self.request_success.labels(self.model, "stop").inc()
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
