@@ -26,8 +26,13 @@ _ERROR_REASONS = {
 # what every generating route can answer besides 200
 GENERATE_ERRORS = (400, 401, 404, 408, 413, 429, 503)
 # an event stream: `data: <chunk JSON>` events, then `data: [DONE]`; an error after the 200
-# is one `data: {"error": ...}` event before `[DONE]`
-_EVENT_STREAM = {"text/event-stream": {"schema": {"type": "string"}}}
+# is one `data: {"error": ...}` event before `[DONE]`. Before OpenAPI 3.2's `itemSchema`, a
+# stream's `schema` describes each event as clients parse it (its `data` text, and the
+# `event` name the Messages and Responses APIs send), as schemathesis reads it.
+_EVENT_STREAM = {"text/event-stream": {"schema": {
+    "type": "object", "required": ["data"],
+    "properties": {"data": {"type": "string"}, "event": {"type": "string"},
+                   "id": {"type": "string"}, "retry": {"type": "integer"}}}}}
 
 
 def responses(model: type | None, *errors: int, streams: bool = False,
