@@ -16,6 +16,7 @@ from nanoserve.entrypoints.anthropic.response_models import (
     CountTokensResponse,
 )
 from nanoserve.entrypoints.anthropic.serving_messages import count_tokens, create_message
+from nanoserve.entrypoints.openai.openapi import EVENT_STREAM
 from nanoserve.entrypoints.openai.server_context import ServerContext
 
 # the statuses each route can answer besides 200, and why (the type is Anthropic's)
@@ -36,7 +37,7 @@ def _responses(model: type, *errors: int, streams: bool = False
     ok: dict[str, Any] = {"description": "success", "model": model}
     if streams:
         ok["description"] = "the message, or with `stream: true` Anthropic's named events"
-        ok["content"] = {"text/event-stream": {"schema": {"type": "string"}}}
+        ok["content"] = dict(EVENT_STREAM)
     out: dict[int | str, dict[str, Any]] = {200: ok}
     for status in errors:
         out[status] = {"model": AnthropicErrorResponse, "description": _REASONS[status]}

@@ -29,7 +29,7 @@ GENERATE_ERRORS = (400, 401, 404, 408, 413, 429, 503)
 # is one `data: {"error": ...}` event before `[DONE]`. Before OpenAPI 3.2's `itemSchema`, a
 # stream's `schema` describes each event as clients parse it (its `data` text, and the
 # `event` name the Messages and Responses APIs send), as schemathesis reads it.
-_EVENT_STREAM = {"text/event-stream": {"schema": {
+EVENT_STREAM = {"text/event-stream": {"schema": {
     "type": "object", "required": ["data"],
     "properties": {"data": {"type": "string"}, "event": {"type": "string"},
                    "id": {"type": "string"}, "retry": {"type": "integer"}}}}}
@@ -45,7 +45,7 @@ def responses(model: type | None, *errors: int, streams: bool = False,
     elif media_type != "application/json":
         ok["content"] = {media_type: {"schema": {"type": "string"}}}
     if streams:
-        ok["content"] = dict(_EVENT_STREAM)
+        ok["content"] = dict(EVENT_STREAM)
         ok["description"] = "the whole response, or with `stream: true` an event stream"
     out: dict[int | str, dict[str, Any]] = {200: ok}
     for status in errors:
