@@ -101,8 +101,9 @@ class SchedulerConfig:
     draft_proposer: Any = None
     num_speculative_tokens: int = 4
     # drafts are proposed only while a step's rows (decodes + drafts) stay within this, and
-    # no prompt chunk waits (engine/drafts.py says why)
-    speculative_max_rows: int = 8
+    # no prompt chunk waits (engine/drafts.py). 4, the knee of `bench step --rows-curve` on
+    # the 2-core CPU at context 256: 1-4 rows cost 1.00/1.15/1.27/1.40x one row, 5 rows 2.25x
+    speculative_max_rows: int = 4
 
     def __post_init__(self) -> None:
         if self.num_speculative_tokens < 0:

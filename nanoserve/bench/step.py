@@ -13,12 +13,18 @@ steps run under `torch.profiler` and every operator's own (self) CPU time is put
 `EngineCore.step` marks its phases with `record_function` scopes (`nanoserve.*`) for this.
 The profiler adds a few microseconds per operator, so the buckets are scaled to the unprofiled
 median step time, which is printed too.
+
+`--rows-curve K` adds what speculative decoding needs to know: one request's step as it scores
+1 + k rows (k draft tokens, k = 0..K), against the one-row step. The drafts are set on the
+request before each step (a token that is always rejected), so every step scores all its rows.
 """
 
 from __future__ import annotations
 
 import argparse
 import re
+import statistics
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -113,4 +119,37 @@ def run_step_profile(engine: EngineCore, args: argparse.Namespace) -> list[StepP
     profiles = [profile_decode_step(engine, size, args.context_len, args.repeats)
                 for size in sizes]
     print(format_profiles(profiles))
+    if args.rows_curve:
+        curve = rows_curve(engine, args.context_len, args.rows_curve, args.repeats)
+        print()
+        print(format_rows_curve(curve, args.context_len))
     return profiles
+
+
+def rows_curve(engine: EngineCore, context_len: int, max_drafts: int,
+               repeats: int) -> list[tuple[int, float]]:
+    """(rows, median step seconds) of one decoding request scoring 1 + k rows, k = 0..K."""
+    (request_id,) = start_decoding(engine, 1, context_len, (max_drafts + 1) * (repeats + 1) + 2,
+                                   "rows")
+    (request,) = engine.scheduler.running
+    curve = []
+    for k in range(max_drafts + 1):
+        times = []
+        for i in range(repeats + 1):
+            request.draft_token_ids = [0] * k  # token 0 is never drawn here: all rejected
+            start = time.perf_counter()
+            engine.step()
+            if i:  # the first is a warm-up for this shape
+                times.append(time.perf_counter() - start)
+        curve.append((1 + k, statistics.median(times)))
+    engine.abort(request_id)
+    return curve
+
+
+def format_rows_curve(curve: list[tuple[int, float]], context_len: int) -> str:
+    one_row = curve[0][1]
+    lines = [f"one request, context {context_len}: a step scoring 1 + k rows",
+             "| rows | step | vs 1 row |", "|---:|---:|---:|"]
+    lines += [f"| {rows} | {seconds * 1e3:.1f} ms | {seconds / one_row:.2f}x |"
+              for rows, seconds in curve]
+    return "\n".join(lines)

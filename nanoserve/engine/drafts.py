@@ -22,7 +22,9 @@ from nanoserve.spec.suffix import SuffixProposer
 from nanoserve.speculative_config import SpeculativeConfig
 
 # When drafting pays. A draft row costs a step a little while the step reads weights more
-# than it computes (a few rows on the CPU) and a lot past that, so drafts are proposed only
+# than it computes (up to 4 rows on the 2-core CPU at context 256, +13% a row; 5 rows cost
+# 2.25x one: `bench step --rows-curve`, docs/benchmarks.md) and a lot past that, and each
+# row re-reads its context (+31% a row at 1,024 tokens), so drafts are proposed only
 # while decode rows + drafts stay under `--speculative-max-rows` and no prompt chunk waits;
 # and each request drafts only as far as its own recent acceptance makes worth it.
 ACCEPTANCE_WEIGHT = 0.3  # of the latest drafting step in a request's acceptance average
