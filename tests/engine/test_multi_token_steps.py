@@ -54,9 +54,17 @@ class RecordingExecutor:
         self.inner.shutdown()
 
 
+# the seam under test takes every draft: no row budget (engine/drafts.py's policy is tested
+# in tests/engine/test_draft_policy.py)
+NO_ROW_BUDGET = 256
+
+
 @pytest.fixture(scope="module")
 def engine() -> EngineCore:
-    return make_engine(None, quantization="gguf")
+    engine = make_engine(None, quantization="gguf")
+    engine.config = replace(engine.config, scheduler=replace(
+        engine.config.scheduler, speculative_max_rows=NO_ROW_BUDGET))
+    return engine
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +170,8 @@ def test_a_stop_inside_a_window_ends_the_output_there(
 
 @pytest.fixture(scope="module")
 def llms() -> tuple[LLM, LLM]:
-    return LLM(quantization="gguf"), LLM(quantization="gguf", draft_proposer=ScriptedDrafts)
+    return LLM(quantization="gguf"), LLM(quantization="gguf", draft_proposer=ScriptedDrafts,
+                                         speculative_max_rows=NO_ROW_BUDGET)
 
 
 def test_a_stop_string_inside_a_window_offline(llms: tuple[LLM, LLM]) -> None:

@@ -32,7 +32,8 @@ QUESTION = "Q: What is the capital of France?\nA:"  # greedy: an answer, then EO
 def server() -> Iterator[RunningServer]:
     with pytest.MonkeyPatch.context() as monkeypatch:
         monkeypatch.setenv("PYTHONPATH", str(HERE))  # where scripted_drafts lives
-        running = RunningServer("--draft-proposer", "scripted_drafts:ScriptedDrafts")
+        running = RunningServer("--draft-proposer", "scripted_drafts:ScriptedDrafts",
+                                "--speculative-max-rows", "256")  # every draft taken
     yield running
     assert running.stop() == 0
 
