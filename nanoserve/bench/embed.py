@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from nanoserve.bench import LLMFactory, OfflineLLM
-from nanoserve.bench.throughput import load_transformers, random_prompts
+from nanoserve.bench.throughput import random_prompts, timed_load_transformers
 from nanoserve.engine_args import EngineArgs
 
 
@@ -84,11 +84,8 @@ def run_embed_bench(args: argparse.Namespace, build_llm: LLMFactory) -> int:
     print(f"nanoserve loaded {llm.engine.loaded.name} in {time.perf_counter() - start:.1f} s "
           f"({llm.engine.config.model.torch_device}, threads={torch.get_num_threads()}, "
           f"pooling={pooling}, weights={llm.engine.loaded.quantization})")
-    reference = None
-    if not args.skip_transformers:
-        start = time.perf_counter()
-        reference = load_transformers(llm.engine.loaded.path)
-        print(f"transformers loaded the same weights in {time.perf_counter() - start:.1f} s")
+    reference = None if args.skip_transformers else timed_load_transformers(
+        llm.engine.loaded.path)
     best: dict[str, Round] = {}
     agreement: list[float] = []
     for round_ in range(args.repeats):

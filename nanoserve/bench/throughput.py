@@ -71,6 +71,14 @@ def load_transformers(model_path: Path) -> Any:
     return model.eval()
 
 
+def timed_load_transformers(model_path: Path) -> Any:
+    """`load_transformers`, saying how long it took."""
+    start = time.perf_counter()
+    model = load_transformers(model_path)
+    print(f"transformers loaded the same weights in {time.perf_counter() - start:.1f} s")
+    return model
+
+
 @torch.inference_mode()
 def time_transformers(model: Any, prompts: list[list[int]], output_len: int) -> Result:
     """One static batch (prompts are all the same length, so no padding)."""
@@ -97,11 +105,8 @@ def run_throughput_bench(args: argparse.Namespace, build_llm: LLMFactory) -> int
     llm = build_llm(engine_args)
     print(f"nanoserve loaded {llm.engine.loaded.name} in {time.perf_counter() - start:.1f} s "
           f"({llm.engine.config.model.torch_device}, threads={torch.get_num_threads()})")
-    reference = None
-    if not args.skip_transformers:
-        start = time.perf_counter()
-        reference = load_transformers(llm.engine.loaded.path)
-        print(f"transformers loaded the same weights in {time.perf_counter() - start:.1f} s")
+    reference = None if args.skip_transformers else timed_load_transformers(
+        llm.engine.loaded.path)
     sizes = [args.num_prompts] + ([] if args.skip_single or args.num_prompts == 1 else [1])
     best: dict[tuple[str, int], Result] = {}  # (engine, sequences) -> its fastest round
     for size in sizes:

@@ -33,18 +33,14 @@ def add_pooling_routes(app: FastAPI, ctx: ServerContext, score_method: str) -> N
     async def embeddings(req: EmbeddingRequest, raw: Request) -> JSONResponse:
         return await create_embedding(ctx, req, raw)
 
-    @app.post("/v1/rerank", responses=responses(RerankResponse, *GENERATE_ERRORS))
     async def rerank(req: RerankRequest, raw: Request) -> JSONResponse:
         return await create_rerank(ctx, req, raw, score_method)
 
-    # Jina's and vLLM's unversioned path, and Cohere's v2 (the same fields)
-    @app.post("/rerank", responses=responses(RerankResponse, *GENERATE_ERRORS))
-    async def rerank_unversioned(req: RerankRequest, raw: Request) -> JSONResponse:
-        return await create_rerank(ctx, req, raw, score_method)
-
-    @app.post("/v2/rerank", responses=responses(RerankResponse, *GENERATE_ERRORS))
-    async def rerank_v2(req: RerankRequest, raw: Request) -> JSONResponse:
-        return await create_rerank(ctx, req, raw, score_method)
+    # one handler on Jina's and vLLM's paths (versioned and not) and Cohere's v2: same fields
+    for path, name in (("/v1/rerank", "rerank"), ("/rerank", "rerank_unversioned"),
+                       ("/v2/rerank", "rerank_v2")):
+        app.add_api_route(path, rerank, methods=["POST"], name=name,
+                          responses=responses(RerankResponse, *GENERATE_ERRORS))
 
     @app.post("/score", responses=responses(ScoreResponse, *GENERATE_ERRORS))
     async def score(req: ScoreRequest, raw: Request) -> JSONResponse:
