@@ -99,9 +99,9 @@ class EngineCore:
         model_runner = ModelRunner(loaded.model, num_blocks, block_size, device, kv_dtype)
         runner: ModelRunner | ZeroCostRunner = model_runner
         self.proposer = load_draft_proposer(config.scheduler.draft_proposer)
+        max_rows = num_slots * (1 + (config.scheduler.num_speculative_tokens
+                                     if self.proposer is not None else 0))  # sampled a step
         if config.model.zero_cost_runner:
-            max_rows = num_slots * (1 + (config.scheduler.num_speculative_tokens
-                                         if self.proposer is not None else 0))
             runner = ZeroCostRunner(model_runner, max_rows)
         # the sampler lives in the worker; the core reads it only to validate requests
         self.sampler = Sampler(
@@ -111,8 +111,7 @@ class EngineCore:
         self.executor: Executor = InProcessExecutor(Worker(runner, self.sampler))
         self.seed_rng = random.Random(config.model.seed)
         self.structured = StructuredOutputManager(
-            loaded.tokenizer, loaded.arch.vocab_size, loaded.eos_token_ids,
-            config.scheduler.max_num_seqs, device)
+            loaded.tokenizer, loaded.arch.vocab_size, loaded.eos_token_ids, max_rows, device)
         self.compiling: dict[str, Request] = {}  # requests whose grammar is compiling
         self.stats = SchedulerStats()  # brought up to date by every step and abort
         # Everything loaded so far (the model, the tokenizer, the imported libraries: millions
@@ -302,9 +301,12 @@ class EngineCore:
             request.steps_without_drafts += 1
             if room > 0 and request.num_computed_tokens == request.num_tokens - 1 \
                     and self._can_take_drafts(request):
-                request.draft_token_ids = list(self.proposer.propose(SequenceData(
+                drafts = list(self.proposer.propose(SequenceData(
                     request.slot or 0, request.params, request.prompt_token_ids,
                     request.output_token_ids, request.sampling_seed), room))[:room]
+                if request.grammar is not None:
+                    drafts = self.structured.valid_drafts(request.grammar, drafts)
+                request.draft_token_ids = drafts
                 budget -= len(request.draft_token_ids)
                 if request.draft_token_ids:
                     request.steps_without_drafts = 0
@@ -328,21 +330,21 @@ class EngineCore:
                 per_position[position] += 1
 
     def _can_take_drafts(self, request: Request) -> bool:
-        """True when every row's draw depends only on its logits and its (seed, position) key:
-        a grammar, or a sampler stage that reads the output so far, would see the drafts
-        before they are accepted."""
-        return (request.grammar is None and request.slot is not None and not request.is_pooling
-                and not self.sampler.reads_history(request.slot))
+        """True unless the request samples nothing or uses a custom logits processor that
+        cannot see draft rows (every built-in stage and the grammar mask take draft rows as a
+        one-token decode after the drafts before them: sample/stages.py, `_fill_grammars`)."""
+        return (request.slot is not None and not request.is_pooling
+                and not self.sampler.refuses_drafts(request.slot))
 
     # -- structured outputs ---------------------------------------------------------------------
     def _fill_grammars(self, sampling: list[ScheduledRequest]) -> tuple[np.ndarray, np.ndarray]:
-        """The grammar bitmask of the sampled rows with a grammar (one row per sampled
-        position; a request with a grammar takes no drafts, so it samples one row)."""
-        grammars = [s.request.grammar for s in sampling]
-        if all(grammar is None for grammar in grammars):
+        """The grammar bitmask of the sampled rows with a grammar: one row per sampled
+        position, a window's row j after its matcher took the j drafts before it."""
+        if all(s.request.grammar is None for s in sampling):
             return NO_GRAMMAR_ROWS, NO_GRAMMAR_BITMASK
         with record_function("nanoserve.grammar"):
-            return self.structured.fill_bitmask(grammars)
+            return self.structured.fill_bitmask(
+                [(s.request.grammar, s.draft_token_ids) for s in sampling])
 
     def _finish_failed_grammars(self) -> list[EngineCoreOutput]:
         """Forget finished compiles; finish (with "error") the requests whose compile failed.

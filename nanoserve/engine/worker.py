@@ -22,7 +22,6 @@ from nanoserve.protocol import StepInput, StepOutput, TokenLogprobs
 from nanoserve.sample.logprobs import prompt_logprobs
 from nanoserve.sample.sampler import Sampler
 from nanoserve.sample.sequence import SequenceData
-from nanoserve.sample.verify import count_accepted
 from nanoserve.structured.bitmask import apply_bitmask
 
 
@@ -61,12 +60,11 @@ class Worker:
                 apply_bitmask(logits, torch.from_numpy(step.grammar_bitmask),
                               torch.from_numpy(step.grammar_rows), packed=True)
         with record_function("nanoserve.sample"):
-            batch = self.sampler.make_batch(step.sample_slots, step.sample_positions)
+            batch = self.sampler.make_batch(step.sample_slots, step.sample_positions,
+                                            step.draft_token_ids, step.num_sample_rows)
             sampled = self.sampler.sample(logits, batch)
-        num_accepted = count_accepted(sampled.token_ids, step.draft_token_ids,
-                                      step.num_sample_rows)
-        self._append_committed(step, sampled.token_ids, num_accepted)
-        return StepOutput(sampled.token_ids, num_accepted, sampled.logprobs, prompts,
+        self._append_committed(step, sampled.token_ids, sampled.num_accepted)
+        return StepOutput(sampled.token_ids, sampled.num_accepted, sampled.logprobs, prompts,
                           time.perf_counter() - start, pooled)
 
     def _append_committed(self, step: StepInput, token_ids: list[int],

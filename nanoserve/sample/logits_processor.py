@@ -14,7 +14,12 @@ the engine grows in place (read them; never change them). Per-request arguments 
     apply(self, logits: Tensor, batch: ProcessorBatch) -> None  # each step, in place
 
 `ProcessorBatch` holds the step's rows this processor acts on: `rows` (indices into `logits`),
-`rows_gpu`, `slots`, and `seqs` (each row's `SequenceData`). For example:
+`rows_gpu`, `slots`, `seqs` (each row's `SequenceData`) and `num_pending`. With speculative
+decoding a request owns several rows in a step, one per draft position; row j's `seqs` entry
+ends with the j draft tokens before it (`num_pending[i]` of them, not yet committed), so a
+processor that reads `output_token_ids` sees what a one-token decode would. A class that keeps
+state across steps must not take pending tokens into it; it declares `supports_speculation =
+True` once it handles them, and until then the requests it acts on get no drafts. For example:
 
     class BanToken(LogitsProcessor):
         '''extra_args={"ban_token": id}: that token is never drawn.'''
@@ -62,10 +67,16 @@ class ProcessorBatch:
     rows_gpu: torch.Tensor
     slots: np.ndarray  # each row's slot
     seqs: list[SequenceData]  # each row's sequence: params, prompt and output token ids
+    # [rows] int64: draft tokens at the end of each row's output_token_ids, not yet committed
+    num_pending: np.ndarray | None = None
 
 
 class LogitsProcessor:
     """Base class of custom logits processors (see the module docstring)."""
+
+    # True: `apply` is right for draft rows (it reads `num_pending`, or keeps no state across
+    # steps); False: the requests this processor acts on take no draft tokens
+    supports_speculation = False
 
     def __init__(self, num_slots: int, vocab_size: int, device: torch.device) -> None:
         self.num_slots = num_slots

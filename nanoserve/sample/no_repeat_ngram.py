@@ -6,7 +6,8 @@ transformers' `no_repeat_ngram_size`. It stops the loops small models fall into 
 a repeated sentence) without the blunt, global effect of a repetition penalty.
 
 Each request's n-grams are indexed incrementally: a step adds only the n-grams its new token
-completes, then looks up the last n - 1 tokens.
+completes, then looks up the last n - 1 tokens. A draft row's pending tokens are never indexed:
+the n-grams they complete are checked beside the index, for that row only.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ ARG = "no_repeat_ngram_size"
 
 class NoRepeatNGram(LogitsProcessor):
     """Bans tokens that would repeat an n-gram of the prompt or output."""
+
+    supports_speculation = True
 
     def __init__(self, num_slots: int, vocab_size: int, device: torch.device) -> None:
         super().__init__(num_slots, vocab_size, device)
@@ -54,24 +57,37 @@ class NoRepeatNGram(LogitsProcessor):
     def apply(self, logits: torch.Tensor, batch: ProcessorBatch) -> None:
         ban_rows: list[int] = []
         ban_ids: list[int] = []
-        for row, slot, seq in zip(batch.rows, batch.slots, batch.seqs, strict=True):
-            banned = self._banned(int(slot), seq.prompt_token_ids, seq.output_token_ids)
+        num_pending = (batch.num_pending if batch.num_pending is not None
+                       else [0] * len(batch.rows))
+        for row, slot, seq, pending in zip(batch.rows, batch.slots, batch.seqs, num_pending,
+                                           strict=True):
+            banned = self._banned(int(slot), seq.prompt_token_ids, seq.output_token_ids,
+                                  int(pending))
             ban_rows += [int(row)] * len(banned)
             ban_ids += banned
         ban(logits, ban_rows, ban_ids)
 
-    def _banned(self, slot: int, prompt: Sequence[int], output: Sequence[int]) -> list[int]:
+    def _banned(self, slot: int, prompt: Sequence[int], output: Sequence[int],
+                num_pending: int = 0) -> list[int]:
+        """Tokens that would complete an n-gram of prompt + output; the last `num_pending`
+        tokens of `output` are drafts: their n-grams count for this row and are not indexed."""
         n = self.size[slot]
         followers = self.followers[slot]
         num_tokens = len(prompt) + len(output)
-        for end in range(max(self.num_indexed[slot], n), num_tokens + 1):
+        num_committed = num_tokens - num_pending
+        for end in range(max(self.num_indexed[slot], n), num_committed + 1):
             gram = _window(prompt, output, end - n, end)
             followers.setdefault(tuple(gram[:-1]), set()).add(gram[-1])
-        self.num_indexed[slot] = num_tokens + 1
+        self.num_indexed[slot] = max(self.num_indexed[slot], num_committed + 1)
         if num_tokens < n - 1:
             return []
-        return sorted(followers.get(tuple(_window(prompt, output, num_tokens - n + 1,
-                                                  num_tokens)), ()))
+        context = tuple(_window(prompt, output, num_tokens - n + 1, num_tokens))
+        banned = set(followers.get(context, ()))
+        for end in range(max(num_committed + 1, n), num_tokens + 1):  # pending n-grams
+            gram = _window(prompt, output, end - n, end)
+            if tuple(gram[:-1]) == context:
+                banned.add(gram[-1])
+        return sorted(banned)
 
 
 def _window(prompt: Sequence[int], output: Sequence[int], start: int, end: int) -> list[int]:

@@ -4,9 +4,11 @@ Pipeline, in vLLM's order (bias adds and penalties scale, so the order is part o
 contract): raw logprobs -> float32 -> allowed_token_ids, bad_words -> min_tokens, logit_bias
 -> repetition/frequency/presence penalties -> custom processors -> thinking budget ->
 temperature (greedy rows take the argmax here) -> min-p -> top-k/top-p -> the draw ->
-processed logprobs. Each stage touches only the rows that use it; a stage no row uses costs a
-numpy lookup. No Python loop over the batch except where a stage needs a request's token
-history (bad_words, thinking budget), and then only over the rows that use it.
+processed logprobs; then the drafts each window accepts (verify.py). Each stage touches only
+the rows that use it; a stage no row uses costs a numpy lookup. No Python loop over the batch
+except where a stage needs a request's token history (bad_words, thinking budget), and then
+only over the rows that use it. A draft row (a request's window of draft tokens, one row per
+position) sees what a one-token decode after its pending drafts would see, in every stage.
 
 On the CPU, the penalties and everything from temperature to the draw run in C++ (fused.py,
 csrc/sampling.cpp), one row per task, reading each row in place once or twice; the PyTorch
@@ -20,7 +22,7 @@ temporaries were most of the 16 ms (docs/benchmarks.md).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -42,6 +44,7 @@ from nanoserve.sample.stages import (
 )
 from nanoserve.sample.state import ReasoningTokens, SamplingState
 from nanoserve.sample.truncation import draw_candidates, draw_full, truncate
+from nanoserve.sample.verify import count_accepted
 from nanoserve.sampling_params import SamplingParams
 
 
@@ -49,6 +52,8 @@ from nanoserve.sampling_params import SamplingParams
 class SamplerOutput:
     token_ids: list[int]  # one per row
     logprobs: list[TokenLogprobs | None]  # one per row; None where not asked
+    # per request (per row when the batch has no windows): 1 + its drafts accepted
+    num_accepted: list[int]
 
 
 class Sampler:
@@ -111,26 +116,34 @@ class Sampler:
                 processor.remove_request(slot)
                 uses[slot] = False
 
-    def reads_history(self, slot: int) -> bool:
-        """True when a stage of the slot's pipeline reads its output so far (penalties, bad
-        words, min_tokens, the thinking budget, a custom processor): rows drawn past draft
-        tokens would see the drafts as output before they are accepted, so such a sequence
-        takes no drafts (every other stage depends only on its logits and (seed, position))."""
-        uses = self.state.uses
-        return (bool(uses["penalties"][slot] or uses["bad_words"][slot]
-                     or uses["min_tokens"][slot] or uses["thinking"][slot])
-                or any(bool(flags[slot]) for flags in self.processor_uses))
+    def refuses_drafts(self, slot: int) -> bool:
+        """True when the slot's sequence uses a custom processor that does not declare
+        `supports_speculation`: its rows past draft tokens could not be drawn as a one-token
+        decode would draw them, so the sequence takes no drafts. Every built-in stage reads a
+        draft row's pending tokens (stages.py)."""
+        return any(bool(flags[slot]) and not processor.supports_speculation
+                   for processor, flags in zip(self.processors, self.processor_uses,
+                                               strict=True))
 
-    def make_batch(self, slots: np.ndarray, positions: np.ndarray | None = None
-                   ) -> SamplingBatch:
-        """The step's rows from each row's slot ([R] int64) and the output index each draws
-        ([R] int64; by default each slot's next output: a row per slot)."""
+    def make_batch(self, slots: np.ndarray, positions: np.ndarray | None = None,
+                   draft_token_ids: np.ndarray | None = None,
+                   num_sample_rows: np.ndarray | None = None) -> SamplingBatch:
+        """The step's rows from each row's slot ([R] int64), the output index each draws ([R]
+        int64; by default each slot's next output: a row per slot) and, for a step with draft
+        tokens, the draft each row is checked against ([R], -1 on a window's last row) and the
+        rows of each request's window ([requests])."""
         if positions is None:
             seq = self.state.seq
             positions = np.fromiter((len(seq(s).output_token_ids) for s in slots),
                                     dtype=np.int64, count=len(slots))
+        offsets = None
+        if num_sample_rows is not None and len(num_sample_rows) != len(slots):
+            firsts = np.cumsum(num_sample_rows) - num_sample_rows
+            offsets = np.arange(len(slots)) - np.repeat(firsts, num_sample_rows)
         return SamplingBatch(slots, torch.from_numpy(slots).to(self.device),
-                             torch.from_numpy(positions).to(self.device))
+                             torch.from_numpy(positions).to(self.device), positions,
+                             draft_token_ids if offsets is not None else None, offsets,
+                             num_sample_rows if offsets is not None else None)
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
@@ -153,10 +166,24 @@ class Sampler:
         processed_rows = batch.rows(state.uses["logprobs_processed"])
         token_ids, final = self._choose_tokens(logits, batch, processed_rows)
         token_ids_cpu = token_ids.tolist()  # the step's one device -> host copy
-        state.update_after_sample(batch.slots, batch.slots_gpu, token_ids, token_ids_cpu)
+        # 4) accept each window's drafts that equal the draws; count only committed tokens
+        if batch.has_drafts:
+            assert batch.draft_token_ids is not None and batch.num_sample_rows is not None
+            assert batch.offsets is not None
+            num_accepted = count_accepted(token_ids_cpu, batch.draft_token_ids,
+                                          batch.num_sample_rows)
+            committed = np.flatnonzero(
+                batch.offsets < np.repeat(num_accepted, batch.num_sample_rows))
+            at = batch.rows_gpu(committed)
+            state.update_after_sample(batch.slots[committed], batch.slots_gpu[at],
+                                      token_ids[at], [token_ids_cpu[r] for r in committed])
+        else:
+            num_accepted = [1] * (batch.num_rows if batch.num_sample_rows is None
+                                  else len(batch.num_sample_rows))
+            state.update_after_sample(batch.slots, batch.slots_gpu, token_ids, token_ids_cpu)
         return SamplerOutput(token_ids_cpu,
                              self._logprobs(batch, token_ids, raw_rows, raw, processed_rows,
-                                            final))
+                                            final), num_accepted)
 
     def _choose_tokens(self, logits: torch.Tensor, batch: SamplingBatch,
                        processed_rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -204,8 +231,15 @@ class Sampler:
             rows = batch.rows(uses)
             if len(rows):
                 slots = batch.slots[rows]
-                processor.apply(logits, ProcessorBatch(
-                    rows, batch.rows_gpu(rows), slots, [self.state.seq(s) for s in slots]))
+                seqs = [self.state.seq(s) for s in slots]
+                num_pending = (batch.offsets[rows] if batch.offsets is not None
+                               else np.zeros(len(rows), dtype=np.int64))
+                if num_pending.any():  # draft rows see their pending tokens as output
+                    seqs = [replace(seq, output_token_ids=batch.output_before(
+                        int(row), seq.output_token_ids)) if pending else seq
+                        for row, seq, pending in zip(rows, seqs, num_pending, strict=True)]
+                processor.apply(logits, ProcessorBatch(rows, batch.rows_gpu(rows), slots,
+                                                       seqs, num_pending))
 
     def _draw(self, logits: torch.Tensor, batch: SamplingBatch, rows: np.ndarray,
               need_final: bool) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -202,6 +202,13 @@ class GrammarMatcher:
         self.num_accepted += 1
         return True
 
+    def copy(self) -> GrammarMatcher:
+        """An independent matcher at the same place (~20 µs): draft tokens are tried on a copy,
+        since llguidance's rollback does not restore a matcher that an EOS stopped."""
+        copied = GrammarMatcher(self._matcher.deep_copy())
+        copied.num_accepted = self.num_accepted
+        return copied
+
     def is_terminated(self) -> bool:
         """True when the grammar is complete and allows nothing more (the request stops)."""
         return self._matcher.is_stopped()

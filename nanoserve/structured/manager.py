@@ -76,11 +76,13 @@ class SequenceGrammar:
 
 
 class StructuredOutputManager:
-    """The engine core's grammar compiler and per-step bitmask (one row per sampling row)."""
+    """The engine core's grammar compiler and per-step bitmask (one row per sampling row;
+    `max_num_rows`: the most a step samples, drafts included)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int],
                  max_num_rows: int, device: torch.device) -> None:
         self.compiler = GrammarCompiler(tokenizer, vocab_size, eos_token_ids)
+        self.eos_token_ids = frozenset(eos_token_ids)
         # [max_num_rows, ceil(vocab / 32)] int32, reused every step; pinned for a quick copy
         self.bitmask = allocate_bitmask(max_num_rows, vocab_size,
                                         pin_memory=device.type == "cuda")
@@ -106,14 +108,36 @@ class StructuredOutputManager:
         apply_bitmask(logits, self.bitmask[: logits.shape[0]], [i for _, i in rows])
         return len(rows)
 
-    def fill_bitmask(self, grammars: Sequence[SequenceGrammar | None]
+    def fill_bitmask(self, windows: Sequence[tuple[SequenceGrammar | None, Sequence[int]]]
                      ) -> tuple[np.ndarray, np.ndarray]:
         """The constrained rows' masks, for a worker to apply: (rows [G] int64, their bitmask
-        [G, ceil(vocab / 32)] int32), `grammars[i]` being row i's grammar (None: free)."""
-        rows = [i for i, grammar in enumerate(grammars) if grammar is not None]
-        fill_bitmask_rows([(grammar.matcher, j) for j, grammar in
-                           enumerate(g for g in grammars if g is not None)], self.bitmask)
+        [G, ceil(vocab / 32)] int32). `windows[i]` is sampling request i's grammar (None: free)
+        and its draft tokens; it owns 1 + len(drafts) consecutive rows. Row j of a window is
+        filled from a copy of the matcher that has taken `drafts[:j]` (checked against the
+        grammar when proposed: `valid_drafts`); the sequence's own matcher stays where it is."""
+        rows: list[int] = []
+        first_row = 0
+        for grammar, drafts in windows:
+            if grammar is not None:
+                matcher = grammar.matcher.copy() if drafts else grammar.matcher
+                for j in range(len(drafts) + 1):
+                    matcher.fill_bitmask(self.bitmask, len(rows))
+                    rows.append(first_row + j)
+                    if j < len(drafts) and not matcher.accept(drafts[j]):
+                        raise AssertionError(f"a checked draft token {drafts[j]} was refused")
+            first_row += 1 + len(drafts)
         return np.asarray(rows, dtype=np.int64), self.bitmask[: len(rows)].numpy()
+
+    def valid_drafts(self, grammar: SequenceGrammar, drafts: Sequence[int]) -> list[int]:
+        """The drafts before the first one the grammar refuses, and before any end of
+        sequence (the request would end there: what follows is never drawn)."""
+        probe = grammar.matcher.copy()
+        kept: list[int] = []
+        for token in drafts:
+            if token in self.eos_token_ids or not probe.accept(token):
+                break
+            kept.append(token)
+        return kept
 
     @staticmethod
     def wait_for_any(grammars: Sequence[SequenceGrammar], timeout: float) -> None:

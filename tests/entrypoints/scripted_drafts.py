@@ -6,16 +6,19 @@ directory on PYTHONPATH; or `LLM(draft_proposer=ScriptedDrafts)`).
 drafts `script[L : L + k]`. A script of the true continuation (the output of a run without
 drafts) is accepted whole; `"draft_garbage_every": m` replaces every m-th drafted position
 with a token the model would not write, so windows commit 1 to k + 1 tokens. `Garbage` drafts
-only such tokens. Whatever is drafted, the output must equal the run without drafts.
+only such tokens; `Adversarial` corrupts the script at random places, or drafts random tokens.
+Whatever is drafted, the output must equal the run without drafts.
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 
 from nanoserve.sample.sequence import SequenceData
 
 GARBAGE_TOKEN = 49151  # the vocabulary's last id: never the model's likeliest token here
+VOCAB_SIZE = 49152  # the default model's
 
 
 class ScriptedDrafts:
@@ -37,3 +40,21 @@ class Garbage:
 
     def propose(self, seq: SequenceData, num_tokens: int) -> Sequence[int]:
         return [GARBAGE_TOKEN] * num_tokens
+
+
+class Adversarial:
+    """The true continuation corrupted at random places: `draft_script` as in ScriptedDrafts,
+    each drafted position replaced by a random token with probability `draft_corrupt_rate`
+    (default 0.25); random tokens alone for a request without a script. The randomness is
+    keyed by (seed, output length), so a run is repeatable."""
+
+    def propose(self, seq: SequenceData, num_tokens: int) -> Sequence[int]:
+        extra = seq.params.extra_args or {}
+        start = len(seq.output_token_ids)
+        rng = random.Random(seq.seed * 100_003 + start)
+        script = extra.get("draft_script")
+        if script is None:
+            return [rng.randrange(VOCAB_SIZE) for _ in range(num_tokens)]
+        rate = float(extra.get("draft_corrupt_rate", 0.25))
+        return [rng.randrange(VOCAB_SIZE) if rng.random() < rate else token
+                for token in script[start : start + num_tokens]]
