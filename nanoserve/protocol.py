@@ -66,6 +66,8 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: list[int] = msgspec.field(default_factory=list)
+    num_steps: int = 0  # steps that ran the model
+    propose_seconds: float = 0.0  # time in the draft proposer (`nanoserve bench proposer`)
 
 
 # -- API server -> engine core ------------------------------------------------------------------

@@ -109,6 +109,13 @@ def add_bench_commands(bench: argparse.ArgumentParser, build_llm: LLMFactory) ->
     _add_chaos_args(chaos)
     chaos.set_defaults(func=_run_chaos)
 
+    proposer = sub.add_parser(
+        "proposer", help="what the draft proposers cost per step, against a one-stream "
+        "decode step (offline)")
+    _add_proposer_args(proposer)
+    EngineArgs.add_cli_args(proposer)
+    proposer.set_defaults(func=partial(_run_proposer, build_llm=build_llm))
+
     spec = sub.add_parser(
         "spec", help="speculative decoding off vs on: copying workloads and open chat, the "
                      "same requests, tok/s and ITL, outputs compared")
@@ -242,3 +249,15 @@ def _run_spec(args: argparse.Namespace) -> int:
     from nanoserve.bench.spec import run_spec_bench
 
     return run_spec_bench(args)
+
+
+def _add_proposer_args(p: argparse.ArgumentParser) -> None:
+    from nanoserve.bench.proposer import add_proposer_args
+
+    add_proposer_args(p)
+
+
+def _run_proposer(args: argparse.Namespace, build_llm: LLMFactory) -> int:
+    from nanoserve.bench.proposer import run_proposer_bench
+
+    return run_proposer_bench(args, build_llm)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import gc
 import logging
 import random
+import time
 from typing import Any
 
 import numpy as np
@@ -254,7 +255,10 @@ class EngineCore:
             outputs.append(self._output(s.request, tokens, out.logprobs[row : row + len(tokens)]))
         if step.pooling:
             outputs += self._finish_pooling(sched.scheduled, step, out)
+        self.stats.num_steps += 1
+        start = time.perf_counter()
         self._propose_drafts()
+        self.stats.propose_seconds += time.perf_counter() - start
         return outputs
 
     def _finish_pooling(self, scheduled: list[ScheduledRequest], step: StepInput,

@@ -102,11 +102,12 @@ def test_speculation_commits_several_tokens_and_changes_none() -> None:
     params = [SamplingParams(temperature=0.0, max_tokens=32),
               SamplingParams(temperature=0.7, top_p=0.9, seed=11, max_tokens=32)]
     plain, plain_steps, plain_stats = run_engine(None, prompt, params)
-    assert plain_stats.spec_decode_num_drafts == 0
+    assert plain_stats.spec_decode_num_drafts == 0 and plain_stats.num_steps == plain_steps
     for config in ('{"method": "ngram"}', '{"method": "suffix"}'):
         drafted, steps, stats = run_engine(config, prompt, params)
         assert drafted == plain, config
         assert steps < plain_steps, (config, steps, plain_steps)
+        assert stats.num_steps == steps and stats.propose_seconds > 0.0
         # vLLM's counters: kept drafts, per position never more than the position before
         assert 0 < stats.spec_decode_num_accepted_tokens <= stats.spec_decode_num_draft_tokens
         per_position = stats.spec_decode_num_accepted_tokens_per_pos
