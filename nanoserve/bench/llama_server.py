@@ -22,7 +22,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
@@ -157,12 +157,14 @@ def _run(cmd: list[str]) -> None:
 
 def start_llama_server(binary: Path, gguf_path: Path, port: int, parallel: int = 32,
                        ctx_size: int | None = None, threads: int = 2,
-                       log_path: Path | None = None) -> subprocess.Popen[bytes]:
+                       log_path: Path | None = None,
+                       extra_args: Sequence[str] = ()) -> subprocess.Popen[bytes]:
     """Start `llama-server` on 127.0.0.1:port serving `gguf_path` with `parallel` slots.
 
     llama-server splits `--ctx-size` across its slots, so the default gives each slot 512
-    tokens (room for 128 + 128 and then some). Its log goes to `log_path` (default: a
-    temporary file, named on stderr), never to a pipe nobody reads.
+    tokens (room for 128 + 128 and then some). `extra_args` go after the flags set here (the
+    speculation of `bench spec`, say). Its log goes to `log_path` (default: a temporary file,
+    named on stderr), never to a pipe nobody reads.
     """
     ctx_size = ctx_size or parallel * 512
     if log_path is None:
@@ -173,7 +175,7 @@ def start_llama_server(binary: Path, gguf_path: Path, port: int, parallel: int =
            "--parallel", str(parallel), "--ctx-size", str(ctx_size),
            "--threads", str(threads), "--threads-batch", str(threads),
            # on by default in recent versions; older ones need it for continuous batching
-           "--cont-batching"]
+           "--cont-batching", *extra_args]
     _log(f"starting: {' '.join(cmd)} (log: {log_path})")
     with log_path.open("wb") as log:
         return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,

@@ -1,13 +1,18 @@
-"""`nanoserve bench spec`: speculative decoding off and on, the same requests, the same run.
+"""`nanoserve bench spec`: speculative decoding off and on, the same requests, the same run,
+beside llama.cpp's `llama-server` with its own n-gram speculation on the same GGUF file.
 
 Each round starts one `nanoserve serve` per method (`off`, then each `--speculative-config`
-method), in turns, and sends every workload (`spec_workloads.py`): the copying ones at
+method), then one llama-server per `--peer-spec-types` configuration and level (spec_peer.py),
+in turns, and sends every workload (`spec_workloads.py`): the copying ones at
 `--copy-concurrency` (one stream by default), open chat at each of `--chat-concurrency`.
 Requests are chat completions, streamed, with natural EOS (loops would inflate acceptance);
 each alternates greedy and seeded (`temperature 0.7, top_p 0.9`, a seed per request), so with
 outputs identical on and off the tok/s compare the same streams. The figures are medians over
-`--rounds`; the table shows each method's ratio against `off`, and whether every text equalled
-off's. Acceptance comes from the server's `nanoserve:spec_decode_*` counters where exported.
+`--rounds`; the table shows each server's ratio against nanoserve `off`, each nanoserve
+method's against the fastest llama-server configuration of the row, and whether every text
+equalled off's. Acceptance comes from nanoserve's `nanoserve:spec_decode_*` counters and from
+the `timings` llama-server sends; nanoserve exports no step counter, so the share of steps
+that drafted is not shown.
 """
 
 from __future__ import annotations
@@ -18,29 +23,47 @@ import statistics
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
 
-from nanoserve.bench.load_client import make_client, run_level, summarize
+from nanoserve.bench.load_client import ratio, run_level, summarize
+from nanoserve.bench.spec_peer import (
+    PEER_PREFIX,
+    Drafts,
+    add_peer_args,
+    peer_label,
+    peer_server,
+    peer_spec_types,
+    tee_client,
+    timings_drafts,
+)
 from nanoserve.bench.spec_workloads import COPY_WORKLOADS, workload_prompts
 from nanoserve.config import DEFAULT_MODEL_NAME
 
 _CHAT = "/v1/chat/completions"
 _COUNTERS = ("nanoserve:spec_decode_num_drafts", "nanoserve:spec_decode_num_draft_tokens",
              "nanoserve:spec_decode_num_accepted_tokens")
+TARGET_VS_PEER = 1.5  # the issue's bar: copying at one stream vs llama-server at its best
+
+Plan = Sequence[tuple[str, int]]  # (workload, concurrency) in the order they run
 
 
 @dataclass
 class Cell:
-    """One (method, workload, concurrency): the figures of each round."""
+    """One (server, workload, concurrency): the figures of each round."""
 
     tokens_per_s: list[float] = field(default_factory=list)
     itl_p50: list[float] = field(default_factory=list)
     itl_p99: list[float] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)  # the first round's, in request order
-    accepted_per_draft: float | None = None
+    drafts: Drafts | None = None  # summed over the rounds
     failures: int = 0
+
+    @property
+    def speed(self) -> float:
+        return statistics.median(self.tokens_per_s)
 
 
 def request_bodies(model: str, workload: str, count: int, max_tokens: int) -> list[dict[str, Any]]:
@@ -65,72 +88,166 @@ def counters(url: str) -> dict[str, float]:
     return found
 
 
-async def run_workloads(url: str, plan: Sequence[tuple[str, int]], args: argparse.Namespace,
-                        cells: dict[tuple[str, int], Cell]) -> None:
-    async with make_client(max(level for _, level in plan)) as client:
+def counter_drafts(before: dict[str, float], after: dict[str, float]) -> Drafts:
+    """nanoserve's draft counters over one level."""
+    drafts, tokens, accepted = (after.get(n, 0.0) - before.get(n, 0.0) for n in _COUNTERS)
+    return Drafts(drafts, tokens, accepted)
+
+
+async def run_workloads(url: str, plan: Plan, args: argparse.Namespace,
+                        cells: dict[tuple[str, int], Cell], is_peer: bool = False) -> None:
+    """Every (workload, level) of `plan` against one server, into `cells`."""
+    client, transport = tee_client(max(level for _, level in plan))
+    async with client:
         for workload, level in plan:
             count = max(level, args.requests_per_level)
             bodies = request_bodies(args.model_name, workload, count, args.max_tokens)
-            before = counters(url)
+            before = {} if is_peer else counters(url)
+            transport.responses.clear()
             records = await run_level(client, url, bodies, level, {}, path=_CHAT)
-            after = counters(url)
+            drafts = timings_drafts(transport.responses) if is_peer \
+                else counter_drafts(before, counters(url))
             stats = summarize(records, level)
             cell = cells.setdefault((workload, level), Cell())
             cell.tokens_per_s.append(stats.tokens_per_s)
             cell.itl_p50.append(stats.itl[0] * 1e3)
             cell.itl_p99.append(stats.itl[2] * 1e3)
             cell.failures += stats.failures
+            cell.drafts = drafts if cell.drafts is None else cell.drafts + drafts
             if not cell.texts:
                 cell.texts = [r.text for r in records]
-            drafts = after.get(_COUNTERS[0], 0.0) - before.get(_COUNTERS[0], 0.0)
-            if drafts:
-                accepted = after[_COUNTERS[2]] - before.get(_COUNTERS[2], 0.0)
-                cell.accepted_per_draft = accepted / drafts
             print(f"  {workload} at {level}: {stats.tokens_per_s:.1f} tok/s", file=sys.stderr)
 
 
 def run_spec_bench(args: argparse.Namespace) -> int:
-    from nanoserve.bench.serve import nanoserve_server
+    """Interleaved rounds of every server; print the report.
 
+    Exit status 1 if any request failed, 2 if a server could not be built or started, else 0.
+    """
     methods = ["off", *[m for m in args.methods.split(",") if m and m != "off"]]
+    peers = peer_spec_types(args)
     plan = [(w, level) for w in COPY_WORKLOADS for level in _levels(args.copy_concurrency)]
     plan += [("chat", level) for level in _levels(args.chat_concurrency)]
     args.model_name = args.model or DEFAULT_MODEL_NAME
-    results: dict[str, dict[tuple[str, int], Cell]] = {m: {} for m in methods}
-    for round_index in range(args.rounds):
-        for method in methods:
-            extra = list(args.server_args.split())
-            if method != "off":
-                extra += ["--speculative-config", _config_json(method, args)]
-            print(f"round {round_index + 1}: {method}", file=sys.stderr)
-            with nanoserve_server(args.model, extra) as (url, _):
-                if args.model is None:
-                    args.model_name = httpx.get(url + "/v1/models").json()["data"][0]["id"]
-                asyncio.run(run_workloads(url, plan, args, results[method]))
-    for line in format_report(results, methods, plan, args):
+    servers = methods + [peer_label(t) for t in peers]
+    results: dict[str, dict[tuple[str, int], Cell]] = {s: {} for s in servers}
+    try:
+        peer_files = _peer_files(args.model) if peers else None
+        for round_index in range(args.rounds):
+            for method in methods:
+                print(f"round {round_index + 1}: {method}", file=sys.stderr)
+                _run_nanoserve(method, plan, args, results[method])
+            for spec_type in peers:
+                assert peer_files is not None
+                print(f"round {round_index + 1}: {peer_label(spec_type)}", file=sys.stderr)
+                _run_peer(peer_files, spec_type, plan, args, results[peer_label(spec_type)])
+    except (RuntimeError, TimeoutError, ValueError) as e:
+        print(f"nanoserve bench spec: error: {e}", file=sys.stderr)
+        return 2
+    for line in format_report(results, servers, plan, args):
         print(line)
     return 1 if any(c.failures for cells in results.values() for c in cells.values()) else 0
 
 
-def format_report(results: dict[str, dict[tuple[str, int], Cell]], methods: Sequence[str],
-                  plan: Sequence[tuple[str, int]], args: argparse.Namespace) -> list[str]:
+def _run_nanoserve(method: str, plan: Plan, args: argparse.Namespace,
+                   cells: dict[tuple[str, int], Cell]) -> None:
+    from nanoserve.bench.serve import nanoserve_server
+
+    extra = list(args.server_args.split())
+    if method != "off":
+        extra += ["--speculative-config", _config_json(method, args)]
+    with nanoserve_server(args.model, extra) as (url, _):
+        if args.model is None:
+            args.model_name = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+        asyncio.run(run_workloads(url, plan, args, cells))
+
+
+def _run_peer(files: tuple[Path, Path], spec_type: str, plan: Plan, args: argparse.Namespace,
+              cells: dict[tuple[str, int], Cell]) -> None:
+    """One llama-server configuration: a server per level, with a slot per stream."""
+    binary, gguf = files
+    for level in dict.fromkeys(level for _, level in plan):
+        with peer_server(binary, gguf, spec_type, level, args) as url:
+            part = [(w, lv) for w, lv in plan if lv == level]
+            asyncio.run(run_workloads(url, part, args, cells, is_peer=True))
+
+
+def _peer_files(model: str | None) -> tuple[Path, Path]:
+    """llama-server (built on first use) and the GGUF file both servers serve."""
+    from nanoserve.bench.llama_server import ensure_llama_server
+    from nanoserve.bench.serve import gguf_for_llama_server
+
+    gguf = gguf_for_llama_server(model)  # first: a model that is no GGUF fails before a build
+    return ensure_llama_server(), gguf
+
+
+def best_peer(results: dict[str, dict[tuple[str, int], Cell]], servers: Sequence[str],
+              key: tuple[str, int]) -> tuple[str, float] | None:
+    """The fastest llama-server configuration on one row (`none` included: llama-server at
+    its best) and its median tok/s; None without a peer."""
+    speeds = [(s, results[s][key].speed) for s in servers if s.startswith(PEER_PREFIX)]
+    return max(speeds, key=lambda pair: pair[1]) if speeds else None
+
+
+def format_report(results: dict[str, dict[tuple[str, int], Cell]], servers: Sequence[str],
+                  plan: Plan, args: argparse.Namespace) -> list[str]:
+    """The table, a row per (workload, level, server), then the copying rows against the
+    fastest llama-server configuration."""
+    width = max(7, *(len(s) for s in servers))
     lines = [f"chat completions, streamed, natural EOS, max_tokens {args.max_tokens}, half "
              f"greedy and half seeded; medians of {args.rounds} interleaved rounds; "
              f"{args.num_speculative_tokens} draft tokens",
-             f"{'workload':<9} {'conc':>4} {'method':<7} {'tok/s':>7} {'vs off':>7} "
-             f"{'ITL p50':>8} {'p99':>7} {'acc/draft':>9} {'same text':>9}"]
-    for workload, level in plan:
-        base = results["off"][(workload, level)]
-        for method in methods:
-            cell = results[method][(workload, level)]
-            speed = statistics.median(cell.tokens_per_s)
-            ratio = speed / statistics.median(base.tokens_per_s)
-            accepted = "-" if cell.accepted_per_draft is None else f"{cell.accepted_per_draft:.2f}"
-            same = "-" if method == "off" else ("yes" if cell.texts == base.texts else "NO")
-            lines.append(f"{workload:<9} {level:>4} {method:<7} {speed:>7.1f} {ratio:>6.2f}x "
+             "vs llama: against the fastest llama-server configuration of the row; acc/tok: "
+             "accepted per draft token; acc len: 1 + accepted / drafting steps",
+             f"{'workload':<9} {'conc':>4} {'server':<{width}} {'tok/s':>7} {'vs off':>7} "
+             f"{'vs llama':>8} {'ITL p50':>8} {'p99':>7} {'acc/tok':>7} {'acc len':>7} "
+             f"{'same text':>9}"]
+    for key in plan:
+        base = results["off"][key]
+        best = best_peer(results, servers, key)
+        for server in servers:
+            cell = results[server][key]
+            is_peer = server.startswith(PEER_PREFIX)
+            if best is None or (is_peer and server != best[0]):
+                vs_peer = "-"
+            else:
+                vs_peer = "best" if is_peer else f"{ratio(cell.speed, best[1]):.2f}x"
+            same = "-" if server == "off" or is_peer else (
+                "yes" if cell.texts == base.texts else "NO")
+            lines.append(f"{key[0]:<9} {key[1]:>4} {server:<{width}} {cell.speed:>7.1f} "
+                         f"{ratio(cell.speed, base.speed):>6.2f}x {vs_peer:>8} "
                          f"{statistics.median(cell.itl_p50):>8.1f} "
-                         f"{statistics.median(cell.itl_p99):>7.1f} {accepted:>9} {same:>9}")
+                         f"{statistics.median(cell.itl_p99):>7.1f} "
+                         f"{_figure(cell, 'accepted_per_draft_token'):>7} "
+                         f"{_figure(cell, 'mean_accepted_length'):>7} {same:>9}")
+    return lines + target_lines(results, servers, plan)
+
+
+def target_lines(results: dict[str, dict[tuple[str, int], Cell]], servers: Sequence[str],
+                 plan: Plan) -> list[str]:
+    """Each nanoserve method on the copying workloads at one stream against the fastest
+    llama-server configuration there, and the lowest of those ratios."""
+    keys = [key for key in plan if key[0] in COPY_WORKLOADS and key[1] == 1]
+    bests = {key: best_peer(results, servers, key) for key in keys}
+    if not keys or any(best is None for best in bests.values()):
+        return []
+    lines = [f"copying at one stream vs the fastest llama-server configuration "
+             f"(target >= {TARGET_VS_PEER:.2f}x):"]
+    for server in servers:
+        if server.startswith(PEER_PREFIX):
+            continue
+        ratios = {key: ratio(results[server][key].speed, best[1])
+                  for key, best in bests.items() if best is not None}
+        figures = "  ".join(f"{key[0]} {r:.2f}x" for key, r in ratios.items())
+        lowest = min(ratios.values())
+        verdict = "meets" if lowest >= TARGET_VS_PEER else "below"
+        lines.append(f"  {server:<8} {figures}  lowest {lowest:.2f}x ({verdict})")
     return lines
+
+
+def _figure(cell: Cell, name: str) -> str:
+    value = None if cell.drafts is None else getattr(cell.drafts, name)
+    return "-" if value is None else f"{value:.2f}"
 
 
 def _config_json(method: str, args: argparse.Namespace) -> str:
@@ -146,7 +263,8 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="the model to serve (default: the default)")
     p.add_argument("--methods", default="off,ngram,suffix",
                    help="speculative methods to compare against off (default: %(default)s)")
-    p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--num-speculative-tokens", type=int, default=4,
+                   help="draft tokens per step, nanoserve's and llama-server's")
     p.add_argument("--copy-concurrency", default="1",
                    help="streams for the copying workloads (default: %(default)s)")
     p.add_argument("--chat-concurrency", default="1,8,32",
@@ -156,4 +274,5 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=384)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--server-args", default="",
-                   help="extra flags for every server, one string")
+                   help="extra flags for every nanoserve server, one string")
+    add_peer_args(p)
