@@ -78,6 +78,7 @@ class EngineRequest(msgspec.Struct, tag=True, array_like=True):
     client_index: int  # which API server gets the outputs
     prefill_leader: str | None = None
     pooling_params: PoolingParams | None = None  # set: prefill only, a vector comes back
+    tenant: str = ""  # the digest of the API key the request presented ("" without one)
 
 
 class AbortRequests(msgspec.Struct, tag=True, array_like=True):

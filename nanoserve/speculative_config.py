@@ -12,7 +12,7 @@ _COMMON = ("method", "num_speculative_tokens")
 METHOD_FIELDS = {  # the fields each method reads (vLLM's names)
     "ngram": (*_COMMON, "prompt_lookup_min", "prompt_lookup_max"),
     "suffix": (*_COMMON, "suffix_decoding_max_tree_depth", "suffix_decoding_max_spec_factor",
-               "suffix_decoding_min_token_prob"),
+               "suffix_decoding_min_token_prob", "suffix_decoding_max_cached_requests"),
 }
 MAX_SPECULATIVE_TOKENS = 16
 
@@ -28,6 +28,8 @@ class SpeculativeConfig:
     suffix_decoding_max_tree_depth: int = 24
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
+    # past outputs matched across requests of one tenant (API key); 0 = off (vLLM: 10000)
+    suffix_decoding_max_cached_requests: int = 0
 
     def __post_init__(self) -> None:
         if self.method not in METHOD_FIELDS:
@@ -45,6 +47,8 @@ class SpeculativeConfig:
         if not 0.0 <= self.suffix_decoding_min_token_prob <= 1.0:
             raise ValueError("speculative_config.suffix_decoding_min_token_prob must be in "
                              f"[0, 1], got {self.suffix_decoding_min_token_prob}")
+        _check_range("suffix_decoding_max_cached_requests",
+                     self.suffix_decoding_max_cached_requests, 0, 100_000)
 
     @classmethod
     def parse(cls, value: str | dict[str, Any] | SpeculativeConfig | None

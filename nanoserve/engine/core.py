@@ -159,19 +159,22 @@ class EngineCore:
     # -- the interface ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams, prefill_leader: str | None = None,
-                    pooling_params: PoolingParams | None = None) -> Request:
+                    pooling_params: PoolingParams | None = None, tenant: str = "") -> Request:
         """Queue a request; raises ValueError if it can never run (too long, empty).
 
         `prefill_leader` names a request with the same prompt (an earlier sample of an n > 1
         request): this one is admitted once the leader's prompt blocks are in the cache.
         With `pooling_params` the request is prefill only: it samples nothing (`params` is not
         read) and comes back as one output with its vector in `pooled` (see `_finish_pooling`).
+        `tenant`: who sent it (the digest of its API key), for proposers that learn across
+        requests.
         """
         if pooling_params is not None:
             pooling_params.check(self.loaded.arch.hidden_size, self.loaded.arch.vocab_size)
             params = SamplingParams(max_tokens=1)  # never read: a pooling request samples nothing
         request = Request(request_id, prompt_token_ids, params, self.loaded.eos_token_ids,
                           pooling_params, self.config.model.pooling)
+        request.tenant = tenant
         if prefill_leader is not None:
             request.prefill_leader = self.scheduler.requests.get(prefill_leader)
         vocab = self.loaded.arch.vocab_size
@@ -249,6 +252,7 @@ class EngineCore:
                          for row, taken in zip(first_rows.tolist(), out.num_accepted, strict=True)]
         committed = self.scheduler.update_after_step(sched, new_token_ids)
         self._count_drafts(sampling, out.num_accepted)
+        self._tell_proposer_of_finished(sampling)
         self._update_stats(sched.num_tokens)
         outputs = failed
         for s, tokens, row in zip(sampling, committed, first_rows.tolist(), strict=True):
@@ -305,15 +309,29 @@ class EngineCore:
             request.steps_without_drafts += 1
             if room > 0 and request.num_computed_tokens == request.num_tokens - 1 \
                     and self._can_take_drafts(request):
-                drafts = list(self.proposer.propose(SequenceData(
-                    request.slot or 0, request.params, request.prompt_token_ids,
-                    request.output_token_ids, request.sampling_seed), room))[:room]
+                drafts = list(self.proposer.propose(self._sequence(request), room))[:room]
                 if request.grammar is not None:
                     drafts = self.structured.valid_drafts(request.grammar, drafts)
                 request.draft_token_ids = drafts
                 budget -= len(request.draft_token_ids)
                 if request.draft_token_ids:
                     request.steps_without_drafts = 0
+
+    @staticmethod
+    def _sequence(request: Request) -> SequenceData:
+        return SequenceData(request.slot or 0, request.params, request.prompt_token_ids,
+                            request.output_token_ids, request.sampling_seed, request.tenant)
+
+    def _tell_proposer_of_finished(self, sampling: list[ScheduledRequest]) -> None:
+        """Hand each request that stopped or hit its length to a proposer that keeps past
+        outputs (`request_finished`)."""
+        finished = getattr(self.proposer, "request_finished", None)
+        if finished is None:
+            return
+        for s in sampling:
+            if s.request.status in (RequestStatus.FINISHED_STOPPED,
+                                    RequestStatus.FINISHED_LENGTH):
+                finished(self._sequence(s.request))
 
     def _count_drafts(self, sampling: list[ScheduledRequest], num_accepted: list[int]) -> None:
         """vLLM's spec_decode counters: each drafting request's drafts and those kept (the

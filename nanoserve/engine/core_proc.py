@@ -151,7 +151,7 @@ class EngineCoreProc:
             try:
                 self.core.add_request(message.request_id, message.prompt_token_ids,
                                       message.params, message.prefill_leader,
-                                      message.pooling_params)
+                                      message.pooling_params, message.tenant)
                 self.client_of[message.request_id] = message.client_index
             except ValueError as e:
                 self.outputs.put((message.client_index,

@@ -51,7 +51,9 @@ def worth_drafting(acceptance: float, steps_without_drafts: int, k: int) -> int:
 
 
 class DraftProposer(Protocol):
-    """Proposes up to `num_tokens` tokens to follow a sequence's output so far."""
+    """Proposes up to `num_tokens` tokens to follow a sequence's output so far. A proposer
+    that learns across requests may also have `request_finished(seq)`, called with each
+    request that finished (stopped or hit its length), its whole output in `seq`."""
 
     def propose(self, seq: SequenceData, num_tokens: int) -> Sequence[int]: ...
 
@@ -82,4 +84,5 @@ def model_free_proposer(config: SpeculativeConfig) -> DraftProposer:
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
     return SuffixProposer(config.suffix_decoding_max_tree_depth,
                           config.suffix_decoding_max_spec_factor,
-                          config.suffix_decoding_min_token_prob)
+                          config.suffix_decoding_min_token_prob,
+                          config.suffix_decoding_max_cached_requests)

@@ -63,6 +63,7 @@ class Request:
         # how often this request's drafts have been kept lately (an average over its drafting
         # steps, 1.0 until it has drafted), and the steps it has gone without drafting
         self.draft_acceptance = 1.0
+        self.tenant = ""  # the digest of the API key it came with (SequenceData.tenant)
         self.steps_without_drafts = 0
         # prefill only: what to pool once the prompt is computed, and how ("last" | "mean";
         # a "score" request reads the last position whatever the engine's --pooling)

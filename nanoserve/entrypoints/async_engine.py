@@ -20,6 +20,7 @@ from typing import Any
 
 from nanoserve.engine.core_client import EngineCoreClient
 from nanoserve.entrypoints.request_logger import RequestLogger
+from nanoserve.entrypoints.tenant import current_tenant
 from nanoserve.output.processor import OutputProcessor, TimingObserver
 from nanoserve.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
 from nanoserve.pooling_params import PoolingParams
@@ -134,7 +135,8 @@ class AsyncEngine:
         try:
             for engine_id, sample_params, leader in engine_requests:
                 await self.client.send(EngineRequest(engine_id, prompt_token_ids, sample_params,
-                                                     self.client.client_index, leader))
+                                                     self.client.client_index, leader,
+                                                     tenant=current_tenant.get()))
             while True:
                 item = await self._next(queue, deadline)
                 self.last_read[request_id] = asyncio.get_running_loop().time()

@@ -24,3 +24,6 @@ class SequenceData:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]  # grows by one token per step, appended by the engine
     seed: int  # the seed of the draw: params.seed, or one drawn at admission
+    # who asked: the digest of the API key the request presented ("" without one); draft
+    # proposers that learn across requests keep what they learn per tenant
+    tenant: str = ""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections import Counter
 
@@ -105,3 +106,30 @@ def test_a_copied_passage_gets_full_drafts() -> None:
     for proposer in (NgramProposer(3, 5), SuffixProposer()):
         assert list(proposer.propose(sequence(1, prompt, output), 4)) == passage[10:14]
     assert NgramProposer().propose(sequence(2, random_tokens(rng, 50, 10**6), []), 4) == []
+
+
+def test_past_outputs_draft_for_the_same_tenant_only_and_are_off_by_default() -> None:
+    """suffix_decoding_max_cached_requests: a finished output is matched by the next requests
+    of its tenant (the digest of an API key), never by another tenant's, and not at all when 0."""
+    rng = random.Random(4)
+    answer = random_tokens(rng, 60, vocab=500)
+    question = [700, 701, 702]
+    on = SuffixProposer(suffix_decoding_max_cached_requests=4)
+    off = SuffixProposer()
+    for proposer in (on, off):
+        proposer.request_finished(dataclasses.replace(
+            sequence(0, question, list(answer)), tenant="alice"))
+    # the same question again: the answer has begun, and its prompt holds none of it
+    again = answer[:6]
+    assert list(on.propose(dataclasses.replace(sequence(1, question, again),
+                                               tenant="alice"), 4)) == answer[6:10]
+    assert list(on.propose(dataclasses.replace(sequence(2, question, list(again)),
+                                               tenant="bob"), 4)) == []
+    assert list(off.propose(dataclasses.replace(sequence(3, question, list(again)),
+                                                tenant="alice"), 4)) == []
+    # the oldest outputs go once more than max_cached_requests have finished
+    for _ in range(6):
+        on.request_finished(dataclasses.replace(
+            sequence(0, question, random_tokens(rng, 30, vocab=500)), tenant="alice"))
+    assert list(on.propose(dataclasses.replace(sequence(4, question, list(again)),
+                                               tenant="alice"), 4)) == []

@@ -42,6 +42,10 @@ def test_vllm_spelling_parses_from_json_and_dicts() -> None:
     ('{"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 3}',
      "prompt_lookup_max must be in [5, 64], got 3"),
     ('{"method": "suffix", "suffix_decoding_min_token_prob": 2}', "must be in [0, 1], got 2"),
+    ('{"method": "suffix", "suffix_decoding_max_cached_requests": -1}',
+     "suffix_decoding_max_cached_requests must be in [0, 100000], got -1"),
+    ('{"method": "ngram", "suffix_decoding_max_cached_requests": 8}',
+     "suffix_decoding_max_cached_requests is not a field of method 'ngram'"),
 ])
 def test_bad_values_are_start_up_errors_naming_the_field(value: str, message: str) -> None:
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
@@ -50,10 +54,12 @@ def test_bad_values_are_start_up_errors_naming_the_field(value: str, message: st
 
 def test_the_config_reaches_the_engine_process_as_msgpack() -> None:
     config = EngineArgs(speculative_config='{"method": "suffix", "suffix_decoding_max_tree_depth'
-                                           '": 8}').to_config()
+                                           '": 8, "suffix_decoding_max_cached_requests": 5}'
+                        ).to_config()
     decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(config), type=EngineConfig)
     proposer = load_draft_proposer(decoded.scheduler.draft_proposer)
     assert isinstance(proposer, SuffixProposer) and proposer.max_depth == 8
+    assert proposer.max_cached_requests == 5
     ngram = EngineArgs(speculative_config='{"method": "ngram"}').to_config()
     decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(ngram), type=EngineConfig)
     assert isinstance(load_draft_proposer(decoded.scheduler.draft_proposer), NgramProposer)

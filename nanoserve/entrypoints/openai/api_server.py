@@ -50,6 +50,7 @@ from nanoserve.entrypoints.openai.server_context import ServerContext
 from nanoserve.entrypoints.openai.serving_chat import create_chat_completion
 from nanoserve.entrypoints.openai.serving_completion import create_completion
 from nanoserve.entrypoints.openai.token_limits import check_prompt_ids
+from nanoserve.entrypoints.tenant import TenantMiddleware
 from nanoserve.entrypoints.web.router import PUBLIC_PATHS as WEB_PUBLIC_PATHS
 from nanoserve.entrypoints.web.router import WebPageInfo, web_router
 
@@ -74,6 +75,7 @@ def build_app(ctx: ServerContext, config: ServerConfig | None = None) -> FastAPI
     # the last added runs first: CORS answers browsers' preflights before the key is asked
     # for, and the key is checked before a large body is read
     app.add_middleware(BodyLimitMiddleware, limit=config.limits.max_request_body_bytes)
+    app.add_middleware(TenantMiddleware)  # whose key: for proposers that learn across requests
     if config.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key, public_paths=public_paths)
     if config.allowed_origins:  # off by default: no page elsewhere may call the API
