@@ -99,6 +99,9 @@ async def run_workloads(url: str, plan: Plan, args: argparse.Namespace,
     """Every (workload, level) of `plan` against one server, into `cells`."""
     client, transport = tee_client(max(level for _, level in plan))
     async with client:
+        # one untimed request first: a fresh server's first one pays for loading and warming
+        warm_up = request_bodies(args.model_name, "chat", 1, 16)
+        await run_level(client, url, warm_up, 1, {}, path=_CHAT)
         for workload, level in plan:
             count = max(level, args.requests_per_level)
             bodies = request_bodies(args.model_name, workload, count, args.max_tokens)
