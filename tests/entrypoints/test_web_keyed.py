@@ -1,6 +1,7 @@
-"""The chat page and the dashboard in a real headless Chromium against a server with an API key
-and a reasoning parser (one server for both, since starting one costs seconds): the key flow,
-the reasoning block, the dashboard's live tokens/s, and the URL `nanoserve serve` prints."""
+"""The chat page and the dashboard in a real headless Chromium against a server with an API key,
+a reasoning parser and suffix speculation (one server for all, since starting one costs
+seconds): the key flow, the reasoning block, the dashboard's live tokens/s and draft acceptance,
+and the URL `nanoserve serve` prints."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ def server(tiny_reasoning_model_dir: Path,
            tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     log_path = tmp_path_factory.mktemp("keyed-server") / "server.log"
     server = RunningServer(str(tiny_reasoning_model_dir), "--reasoning-parser", "qwen3",
-                          "--served-model-name", MODEL, api_key=API_KEY, log=log_path)
+                          "--served-model-name", MODEL, "--speculative-config",
+                          '{"method": "suffix"}', api_key=API_KEY, log=log_path)
     yield server
     assert server.stop() == 0
 
@@ -103,7 +105,8 @@ def test_dashboard_shows_tokens_per_second_while_a_request_runs(
     finished_before = server.metric("nanoserve:request_success_total")
     answers: list[httpx.Response] = []
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Go on and on."}],
-            "max_tokens": 900, "ignore_eos": True}  # seconds of tokens on the tiny model
+            "max_tokens": 900, "ignore_eos": True,  # seconds of tokens on the tiny model
+            "temperature": 0.0}  # greedy: the random model falls into a loop, drafts follow
     worker = threading.Thread(
         target=lambda: answers.append(server.post("/v1/chat/completions", body)))
     worker.start()
@@ -117,6 +120,11 @@ def test_dashboard_shows_tokens_per_second_while_a_request_runs(
         assert server.metric("nanoserve:request_success_total") == finished_before
         expect(page.locator("#tokens .value")).to_contain_text("tok/s")
         expect(page.locator("#tokens svg polyline")).to_have_count(1)  # plotted too
+        # the tiny model's endless answer repeats itself: drafts are made and kept
+        page.wait_for_function(
+            "() => Number(document.querySelector('#acceptance .value').dataset.value) > 0",
+            timeout=30_000)
+        expect(page.locator("#acceptance .value")).to_contain_text("% kept")
     finally:
         worker.join()
     assert answers[0].status_code == 200, answers[0].text

@@ -169,7 +169,7 @@ def test_rows_of_one_context_attended_together_equal_each_row_alone(
     q_seed, k_cache, v_cache, table, _ = case
     gen = torch.Generator().manual_seed(start)
     rows = [0] * len(window) + [1] + [0] * 3  # the window, another request, a short window
-    lens = torch.tensor(window + [40] + window[:3], dtype=torch.int32)
+    lens = torch.tensor([*window, 40, *window[:3]], dtype=torch.int32)
     q = 2 * torch.randn(len(rows), q_seed.shape[1], q_seed.shape[2], generator=gen)
     together = decode_attention(q, k_cache, v_cache, table[rows].contiguous(), lens)
     for i, row in enumerate(rows):

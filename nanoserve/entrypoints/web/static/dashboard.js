@@ -10,7 +10,7 @@ const INTERVAL_MS = 1000 * Math.max(0.1,
 const POINTS = 120; // two minutes of one-second points
 const PERCENTILE_WINDOW_S = 60;
 const history = []; // {t: seconds, metrics: Map}, long enough for the percentile window
-const series = { running: [], waiting: [], tps: [], kv: [], prefix: [],
+const series = { running: [], waiting: [], tps: [], kv: [], prefix: [], acceptance: [],
   ttft: [[], [], []], itl: [[], [], []] };
 const $ = (id) => document.getElementById(id);
 
@@ -74,9 +74,15 @@ function update(metrics) {
   // generation_tokens counts tokens as they are generated, so its rate includes requests still
   // running
   const generated = (m) => total(m, `${P}generation_tokens_total`);
+  // speculative decoding: draft tokens proposed and kept (vLLM's spec_decode counters)
+  const drafted = (m) => total(m, `${P}spec_decode_num_draft_tokens_total`);
+  const kept = (m) => total(m, `${P}spec_decode_num_accepted_tokens_total`);
   let tps = null;
   let hitRate = null;
+  let keptRate = null;
   if (last) {
+    const newDrafts = drafted(metrics) - drafted(last.metrics);
+    keptRate = newDrafts > 0 ? (100 * (kept(metrics) - kept(last.metrics))) / newDrafts : null;
     const dt = t - last.t;
     tps = Math.max(generated(metrics) - generated(last.metrics), 0) / dt;
     const queries = total(metrics, `${P}prefix_cache_queries_total`)
@@ -96,6 +102,7 @@ function update(metrics) {
   push(series.tps, tps);
   push(series.kv, kv);
   push(series.prefix, hitRate);
+  push(series.acceptance, keptRate);
   show("requests", `${running} running \u00b7 ${waiting} waiting`, running,
     [series.running, series.waiting]);
   show("tokens", tps === null ? "\u2013" : `${tps.toFixed(1)} tok/s`, tps ?? 0, [series.tps]);
@@ -104,11 +111,22 @@ function update(metrics) {
   const overall = queried > 0 ? (100 * total(metrics, `${P}prefix_cache_hits_total`)) / queried
     : 0;
   show("prefix-cache", `${overall.toFixed(0)} % since start`, overall, [series.prefix], 100);
+  acceptance(metrics, drafted(metrics), kept(metrics));
   latency("ttft", metrics, `${P}time_to_first_token_seconds`);
   latency("itl", metrics, `${P}inter_token_latency_seconds`);
   const model = metrics.get(`${P}num_requests_running`)?.[0]?.labels.model_name;
   if (model) $("title").textContent = `${model} \u00b7 nanoserve dashboard`;
   status(`updated ${new Date().toLocaleTimeString()}`);
+}
+
+/** The share of draft tokens kept since start, and the tokens a drafting step commits. */
+function acceptance(metrics, drafted, kept) {
+  const steps = total(metrics, `${P}spec_decode_num_drafts_total`);
+  const share = drafted > 0 ? (100 * kept) / drafted : 0;
+  const text = drafted > 0
+    ? `${share.toFixed(0)} % kept \u00b7 ${(1 + kept / steps).toFixed(2)} tokens a drafting step`
+    : "no draft tokens yet (speculative decoding off, or nothing to draft)";
+  show("acceptance", text, share, [series.acceptance], 100);
 }
 
 /** p50, p90 and p99 of a latency histogram over the last minute, in milliseconds. */
