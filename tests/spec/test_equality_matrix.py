@@ -143,3 +143,21 @@ def test_every_variant_equals_the_run_without_drafts(llm: LLM, matrix: Any,
         assert accepted > 0.2 * drafted, (accepted, drafted)
     finishes = {b.outputs[0].finish_reason for b in plain}
     assert finishes == {"stop", "length"}
+
+
+@pytest.mark.parametrize("name", ["penalties", "grammar", "stop_string", "min_tokens_lifted"])
+def test_a_variant_alone_with_drafts_equals_the_batch_without(llm: LLM, matrix: Any,
+                                                              name: str) -> None:
+    """The same requests one at a time, each drafting by itself (the row budget all its own),
+    give what the batch without drafts gave."""
+    found, scripted, plain = matrix
+    names = [n for _ in PROMPTS for n in found]
+    for i, (n, params) in enumerate(zip(names, scripted, strict=True)):
+        if n != name:
+            continue
+        llm.engine.proposer = load_draft_proposer(Adversarial)
+        try:
+            (alone,) = llm.generate(PROMPTS[i // len(found)], params)
+        finally:
+            llm.engine.proposer = None
+        assert summary(alone) == summary(plain[i]), (name, i)
