@@ -8,16 +8,8 @@
 // too, its scale applied once per dot product (to the score of a key, to the softmax weight of
 // a value); q, the scores, the softmax and the accumulators are float32 for every cache.
 //
-// One work item is (row group, KV head, partition of the context). A row group is one query row
-// or several consecutive ones that read the same blocks (a request's speculative verify window,
-// a prompt chunk: each query one token further into the same context). It loads each key and
-// value row once and uses it, while it sits in L1, for the G = H / Hkv query heads of every row
-// in the group that share it: each row's own arithmetic (its tiles, its online softmax, its
-// sums, in the same order) is exactly what it would be alone, so grouping changes no bit, and
-// a group of R rows reads the context once instead of R times. Measured (2 cores, 30 layers'
-// float16 caches, interleaved with the per-row version): prompt chunks of 256 and 1,024 tokens
-// 14-20% faster (75-97 -> 61-77 ms, 1,208-1,234 -> 1,057-1,060 ms); a verify window of 4-8 rows
-// 0-10% (compute, not loads, is most of a row's cost there). The context is walked in
+// One work item is (request, KV head, partition of the context). It loads each key and value
+// row once and uses it for the G = H / Hkv query heads that share it. The context is walked in
 // tiles of kTileTokens: scores for the tile (G dot products per key), one max/exp/sum per tile
 // (online softmax: the running sums are rescaled once per tile, not per token), then P·V.
 // Contexts longer than kPartitionTokens are split into partitions of that many tokens, attended
@@ -44,9 +36,6 @@ using namespace attention_tiles;
 
 // Contexts longer than this are split into partitions attended in parallel (see the top).
 constexpr int64_t kPartitionTokens = 512;  // a multiple of kTileTokens
-// Rows per group at most: a prompt chunk still spreads over the threads, and the group's scaled
-// queries stay small (16 x 9 heads x 64 floats).
-constexpr int64_t kMaxGroupRows = 16;
 
 template <typename T>
 struct Problem {
@@ -62,45 +51,13 @@ struct Problem {
 // One thread's working memory: the scaled queries, a tile's scores and its rows' addresses.
 template <typename T>
 struct Scratch {
-  std::vector<float> q, scores, corr;  // q: [kMaxGroupRows, G, D], each row's scaled heads
+  std::vector<float> q, scores, corr;
   std::vector<int8_t> q8;  // q's heads as int8 rows, for an int8 cache's integer scores
   std::vector<const T*> keys, values;  // two tiles' worth: this one and the next
   explicit Scratch(int64_t group, int64_t dim)
-      : q(kMaxGroupRows * group * dim), scores(group * kTileTokens), corr(group),
-        q8(kMaxGroupRows * group * row_elements<int8_t>(dim)), keys(2 * kTileTokens),
-        values(2 * kTileTokens) {}
+      : q(group * dim), scores(group * kTileTokens), corr(group),
+        q8(group * row_elements<int8_t>(dim)), keys(2 * kTileTokens), values(2 * kTileTokens) {}
 };
-
-// Consecutive rows [first, first + count) attended together (see the top).
-struct RowGroup {
-  int64_t first, count;
-};
-
-// Rows join the group before them while their context is no shorter than the previous row's
-// and their block table agrees with it over every block the previous row reads (so the group
-// can walk the last row's table): a verify window's or a prompt chunk's rows, never two
-// requests' unless they read the very same blocks.
-template <typename T>
-std::vector<RowGroup> group_rows(const Problem<T>& pb, int64_t batch) {
-  std::vector<RowGroup> groups;
-  const int64_t bs = pb.block_size;
-  for (int64_t b = 0; b < batch; ++b) {
-    if (!groups.empty()) {
-      RowGroup& last = groups.back();
-      const int64_t prev = b - 1;
-      const int64_t used = (static_cast<int64_t>(pb.context_lens[prev]) + bs - 1) / bs;
-      if (last.count < kMaxGroupRows && pb.context_lens[b] >= pb.context_lens[prev] &&
-          std::equal(pb.block_table + prev * pb.max_blocks,
-                     pb.block_table + prev * pb.max_blocks + used,
-                     pb.block_table + b * pb.max_blocks)) {
-        ++last.count;
-        continue;
-      }
-    }
-    groups.push_back({b, 1});
-  }
-  return groups;
-}
 
 // Whether an int8 cache's scores are taken in integers (score_tile_int8): 32 bytes per load.
 template <typename T>
@@ -125,68 +82,48 @@ void locate_rows(const Problem<T>& pb, const int32_t* table, int64_t plane, int6
   }
 }
 
-// Attention of one row group and KV head over tokens [begin, end): for each row r of the
-// group, over [begin, min(end, its context)), unnormalized acc [G, D], the running max and sum
-// [G], at acc + r * acc_stride, max + r * stat_stride, sum + r * stat_stride.
+// Attention of one (request, KV head) over tokens [begin, end): unnormalized acc [G, D], the
+// running max and sum [G].
 template <typename T>
-void attend_group(const Problem<T>& pb, const RowGroup& rg, int64_t kv_head, int64_t begin,
-                  int64_t end, Scratch<T>& sc, float* acc, int64_t acc_stride, float* max,
-                  float* sum, int64_t stat_stride) {
+void attend_range(const Problem<T>& pb, int64_t b, int64_t kv_head, int64_t begin, int64_t end,
+                  Scratch<T>& sc, float* acc, float* max, float* sum) {
   const int64_t group = pb.num_heads / pb.num_kv_heads, dim = pb.dim;
-  const int64_t q8_row = row_elements<int8_t>(dim);
-  int64_t row_end[kMaxGroupRows];
-  int64_t group_end = begin;
-  for (int64_t r = 0; r < rg.count; ++r) {
-    const int64_t b = rg.first + r;
-    row_end[r] = std::max(begin, std::min<int64_t>(end, pb.context_lens[b]));
-    group_end = std::max(group_end, row_end[r]);
-    const float* q = pb.q + (b * pb.num_heads + kv_head * group) * dim;
-    float* qs = sc.q.data() + r * group * dim;
-    for (int64_t i = 0; i < group * dim; ++i) qs[i] = q[i] * pb.scale;
-    if (scores_in_int8<T>(dim))
-      for (int64_t g = 0; g < group; ++g)
-        kv_int8::quantize_row(qs + g * dim, sc.q8.data() + (r * group + g) * q8_row, dim);
-    std::fill(acc + r * acc_stride, acc + r * acc_stride + group * dim, 0.0f);
-    std::fill(max + r * stat_stride, max + r * stat_stride + group, kNegInf);
-    std::fill(sum + r * stat_stride, sum + r * stat_stride + group, 0.0f);
-  }
-  // the last row reads the most blocks; every row's blocks are a prefix of them (group_rows)
-  const int32_t* table = pb.block_table + (rg.first + rg.count - 1) * pb.max_blocks;
+  const float* q = pb.q + (b * pb.num_heads + kv_head * group) * dim;
+  for (int64_t i = 0; i < group * dim; ++i) sc.q[i] = q[i] * pb.scale;
+  if (scores_in_int8<T>(dim))
+    for (int64_t g = 0; g < group; ++g)
+      kv_int8::quantize_row(sc.q.data() + g * dim, sc.q8.data() + g * row_elements<int8_t>(dim),
+                            dim);
+  std::fill(acc, acc + group * dim, 0.0f);
+  std::fill(max, max + group, kNegInf);
+  std::fill(sum, sum + group, 0.0f);
+  const int32_t* table = pb.block_table + b * pb.max_blocks;
   const int64_t plane = kv_head * pb.num_blocks * pb.block_size;  // this head's first row
   const T** keys = sc.keys.data();  // [this tile | next tile]
   const T** values = sc.values.data();
-  locate_rows(pb, table, plane, begin, std::min(kTileTokens, group_end - begin), keys, values);
-  for (int64_t t0 = begin; t0 < group_end; t0 += kTileTokens) {
-    const int64_t tile = std::min(kTileTokens, group_end - t0);
+  locate_rows(pb, table, plane, begin, std::min(kTileTokens, end - begin), keys, values);
+  for (int64_t t0 = begin; t0 < end; t0 += kTileTokens) {
+    const int64_t n = std::min(kTileTokens, end - t0);
     // the next tile's rows load while this one computes
-    const int64_t num_next = std::clamp<int64_t>(group_end - t0 - tile, 0, kTileTokens);
-    locate_rows(pb, table, plane, t0 + tile, num_next, keys + kTileTokens, values + kTileTokens);
-    NextRows<T> next{keys + kTileTokens, values + kTileTokens, num_next};
-    for (int64_t r = 0; r < rg.count; ++r) {
-      if (row_end[r] <= t0) continue;
-      const int64_t n = std::min(kTileTokens, row_end[r] - t0);  // as the row alone tiles it
-      const float* qs = sc.q.data() + r * group * dim;
-      float *row_max = max + r * stat_stride, *row_sum = sum + r * stat_stride;
-      if constexpr (std::is_same_v<T, int8_t>) {
-        if (scores_in_int8<T>(dim))
-          score_heads_int8(sc.q8.data() + r * group * q8_row, keys, n, dim, group, next,
-                           sc.scores.data());
-        else
-          score_heads<T>(qs, keys, n, dim, group, next, sc.scores.data());
-      } else {
-        score_heads<T>(qs, keys, n, dim, group, next, sc.scores.data());
-      }
-      next.count = 0;  // requested once, by the first row
-      softmax_tile(sc.scores.data(), n, group, row_max, row_sum, sc.corr.data());
-      if constexpr (std::is_same_v<T, int8_t>) {  // each value row's scale, once per weight
-        for (int64_t j = 0; j < n; ++j) {
-          const float scale = row_scale(values[j], dim);
-          for (int64_t g = 0; g < group; ++g) sc.scores[g * kTileTokens + j] *= scale;
-        }
-      }
-      accumulate_heads<T>(sc.scores.data(), values, n, dim, group, sc.corr.data(),
-                          acc + r * acc_stride);
+    const int64_t num_next = std::clamp<int64_t>(end - t0 - n, 0, kTileTokens);
+    locate_rows(pb, table, plane, t0 + n, num_next, keys + kTileTokens, values + kTileTokens);
+    const NextRows<T> next{keys + kTileTokens, values + kTileTokens, num_next};
+    if constexpr (std::is_same_v<T, int8_t>) {
+      if (scores_in_int8<T>(dim))
+        score_heads_int8(sc.q8.data(), keys, n, dim, group, next, sc.scores.data());
+      else
+        score_heads<T>(sc.q.data(), keys, n, dim, group, next, sc.scores.data());
+    } else {
+      score_heads<T>(sc.q.data(), keys, n, dim, group, next, sc.scores.data());
     }
+    softmax_tile(sc.scores.data(), n, group, max, sum, sc.corr.data());
+    if constexpr (std::is_same_v<T, int8_t>) {  // each value row's scale, once per weight
+      for (int64_t j = 0; j < n; ++j) {
+        const float scale = row_scale(values[j], dim);
+        for (int64_t g = 0; g < group; ++g) sc.scores[g * kTileTokens + j] *= scale;
+      }
+    }
+    accumulate_heads<T>(sc.scores.data(), values, n, dim, group, sc.corr.data(), acc);
     std::copy(keys + kTileTokens, keys + kTileTokens + num_next, keys);
     std::copy(values + kTileTokens, values + kTileTokens + num_next, values);
   }
@@ -249,35 +186,28 @@ void attend_batch(const torch::Tensor& q, const torch::Tensor& k_cache,
                       static_cast<float>(scale)};
   float* out_ptr = out.data_ptr<float>();
   const int64_t batch = q.size(0), group = pb.num_heads / pb.num_kv_heads, dim = pb.dim;
-  const int64_t items = batch * pb.num_kv_heads;  // (row, KV head): the results' layout
+  const int64_t items = batch * pb.num_kv_heads;
   if (items == 0) return;
   int64_t max_len = 0;
   for (int64_t b = 0; b < batch; ++b) max_len = std::max<int64_t>(max_len, pb.context_lens[b]);
-  const std::vector<RowGroup> groups = group_rows(pb, batch);
-  const int64_t units = static_cast<int64_t>(groups.size()) * pb.num_kv_heads;
 
   // Fixed-length partitions (an item's empty ones, past its context, are skipped in the merge;
   // one non-empty partition merges to exactly the unsplit result).
   const int64_t part_len = kPartitionTokens;
   const int64_t parts = std::max<int64_t>(1, (max_len + part_len - 1) / part_len);
 
-  if (parts == 1) {  // each row writes its G output rows directly
-    at::parallel_for(0, units, 1, [&](int64_t first, int64_t last) {
+  if (parts == 1) {  // each item writes its G output rows directly
+    at::parallel_for(0, items, 1, [&](int64_t first, int64_t last) {
       Scratch<T> sc(group, dim);
-      std::vector<float> max(kMaxGroupRows * group), sum(kMaxGroupRows * group);
-      for (int64_t unit = first; unit < last; ++unit) {
-        const RowGroup& rg = groups[unit / pb.num_kv_heads];
-        const int64_t kv_head = unit % pb.num_kv_heads;
-        float* acc = out_ptr + (rg.first * pb.num_heads + kv_head * group) * dim;
-        attend_group(pb, rg, kv_head, 0, max_len, sc, acc, pb.num_heads * dim, max.data(),
-                     sum.data(), group);
-        for (int64_t r = 0; r < rg.count; ++r)
-          for (int64_t g = 0; g < group; ++g) {
-            const float s = sum[r * group + g];
-            const float inv = s > 0.0f ? 1.0f / s : 0.0f;
-            float* a = acc + r * pb.num_heads * dim + g * dim;
-            for (int64_t d = 0; d < dim; ++d) a[d] *= inv;
-          }
+      std::vector<float> max(group), sum(group);
+      for (int64_t item = first; item < last; ++item) {
+        const int64_t b = item / pb.num_kv_heads, kv_head = item % pb.num_kv_heads;
+        float* acc = out_ptr + (b * pb.num_heads + kv_head * group) * dim;
+        attend_range(pb, b, kv_head, 0, pb.context_lens[b], sc, acc, max.data(), sum.data());
+        for (int64_t g = 0; g < group; ++g) {
+          const float inv = sum[g] > 0.0f ? 1.0f / sum[g] : 0.0f;
+          for (int64_t d = 0; d < dim; ++d) acc[g * dim + d] *= inv;
+        }
       }
     });
     return;
@@ -286,21 +216,16 @@ void attend_batch(const torch::Tensor& q, const torch::Tensor& k_cache,
   // Split contexts: partial [items, parts, G, D] results, then a log-sum-exp merge per head.
   std::vector<float> part_acc(items * parts * group * dim);
   std::vector<float> part_max(items * parts * group), part_sum(items * parts * group);
-  at::parallel_for(0, units * parts, 1, [&](int64_t first, int64_t last) {
+  at::parallel_for(0, items * parts, 1, [&](int64_t first, int64_t last) {
     Scratch<T> sc(group, dim);
     for (int64_t i = first; i < last; ++i) {
-      const int64_t unit = i / parts, part = i % parts;
-      const RowGroup& rg = groups[unit / pb.num_kv_heads];
-      const int64_t kv_head = unit % pb.num_kv_heads;
+      const int64_t item = i / parts, part = i % parts;
+      const int64_t b = item / pb.num_kv_heads, kv_head = item % pb.num_kv_heads;
       const int64_t begin = part * part_len;
-      // row b's partial results at item (b, kv_head): rows of a group are num_kv_heads items
-      // apart in the [items, parts] layout
-      const int64_t at = (rg.first * pb.num_kv_heads + kv_head) * parts + part;
-      const int64_t row_stride = pb.num_kv_heads * parts;
-      attend_group(pb, rg, kv_head, begin, begin + part_len, sc,
-                   part_acc.data() + at * group * dim, row_stride * group * dim,
-                   part_max.data() + at * group, part_sum.data() + at * group,
-                   row_stride * group);
+      const int64_t end = std::min<int64_t>(begin + part_len, pb.context_lens[b]);
+      attend_range(pb, b, kv_head, begin, std::max(begin, end), sc,
+                   part_acc.data() + i * group * dim, part_max.data() + i * group,
+                   part_sum.data() + i * group);
     }
   });
   at::parallel_for(0, items * group, 1, [&](int64_t first, int64_t last) {

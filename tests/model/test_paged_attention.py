@@ -155,31 +155,6 @@ def test_split_contexts_merge_exactly(context_len: int, num_threads: int,
         torch.set_num_threads(previous)
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.int8])
-@pytest.mark.parametrize("start", [5, 300, 509, 1030])
-def test_rows_of_one_context_attended_together_equal_each_row_alone(
-        start: int, cache_dtype: torch.dtype) -> None:
-    """Consecutive rows that read the same blocks, one token further each (a verify window, a
-    prompt chunk: up to 16 at a time, across a partition boundary at 512) share each key and
-    value load; every row's result is bit for bit the row's alone. Rows of another request
-    between them keep their own."""
-    window = list(range(start, start + 21))  # more than one group of 16
-    case = with_cache_dtype(random_case([window[-1], 40], num_kv_heads=3, group=3,
-                                        head_dim=64, seed=start), cache_dtype)
-    q_seed, k_cache, v_cache, table, _ = case
-    gen = torch.Generator().manual_seed(start)
-    rows = [0] * len(window) + [1] + [0] * 3  # the window, another request, a short window
-    lens = torch.tensor([*window, 40, *window[:3]], dtype=torch.int32)
-    q = 2 * torch.randn(len(rows), q_seed.shape[1], q_seed.shape[2], generator=gen)
-    together = decode_attention(q, k_cache, v_cache, table[rows].contiguous(), lens)
-    for i, row in enumerate(rows):
-        alone = decode_attention(q[i : i + 1], k_cache, v_cache,
-                                 table[row : row + 1].contiguous(), lens[i : i + 1])
-        assert torch.equal(together[i : i + 1], alone), i
-    assert relative_error(together[:1], reference_on_the_cached_values(
-        (q[:1], k_cache, v_cache, table[:1], lens[:1]))) < 1e-5
-
-
 @pytest.mark.parametrize("head_dim", [8, 16, 24, 32])
 @pytest.mark.parametrize("group", [2, 5, 9])
 def test_small_and_odd_shapes(group: int, head_dim: int) -> None:
