@@ -117,8 +117,9 @@ def add_bench_commands(bench: argparse.ArgumentParser, build_llm: LLMFactory) ->
     proposer.set_defaults(func=partial(_run_proposer, build_llm=build_llm))
 
     spec = sub.add_parser(
-        "spec", help="speculative decoding off vs on: copying workloads and open chat, the "
-                     "same requests, tok/s and ITL, outputs compared")
+        "spec", help="speculative decoding off vs on, and llama-server with its n-gram "
+                     "speculation: copying workloads and open chat, the same requests, tok/s "
+                     "and ITL, outputs compared")
     _add_spec_args(spec)
     spec.set_defaults(func=_run_spec)
 
