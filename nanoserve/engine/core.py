@@ -27,9 +27,11 @@ from torch.profiler import record_function
 from nanoserve.config import EngineConfig, GiB
 from nanoserve.engine.block_table import BlockTable
 from nanoserve.engine.drafts import (
-    ACCEPTANCE_WEIGHT,
     draft_budget,
+    hand_over_finished,
     load_draft_proposer,
+    record_drafts,
+    sequence_of,
     worth_drafting,
 )
 from nanoserve.engine.executor import Executor, InProcessExecutor
@@ -57,7 +59,6 @@ from nanoserve.protocol import (
 )
 from nanoserve.sample.logits_processor import load_processor_classes
 from nanoserve.sample.sampler import Sampler
-from nanoserve.sample.sequence import SequenceData
 from nanoserve.sample.state import ReasoningTokens
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.structured.manager import StructuredOutputManager
@@ -251,8 +252,10 @@ class EngineCore:
         new_token_ids = [out.sampled_token_ids[row : row + taken]
                          for row, taken in zip(first_rows.tolist(), out.num_accepted, strict=True)]
         committed = self.scheduler.update_after_step(sched, new_token_ids)
-        self._count_drafts(sampling, out.num_accepted)
-        self._tell_proposer_of_finished(sampling)
+        record_drafts(self.stats, [s.request for s in sampling],
+                      [len(s.draft_token_ids) for s in sampling], out.num_accepted)
+        if self.proposer is not None:
+            hand_over_finished(self.proposer, [s.request for s in sampling])
         self._update_stats(sched.num_tokens)
         outputs = failed
         for s, tokens, row in zip(sampling, committed, first_rows.tolist(), strict=True):
@@ -309,47 +312,13 @@ class EngineCore:
             request.steps_without_drafts += 1
             if room > 0 and request.num_computed_tokens == request.num_tokens - 1 \
                     and self._can_take_drafts(request):
-                drafts = list(self.proposer.propose(self._sequence(request), room))[:room]
+                drafts = list(self.proposer.propose(sequence_of(request), room))[:room]
                 if request.grammar is not None:
                     drafts = self.structured.valid_drafts(request.grammar, drafts)
                 request.draft_token_ids = drafts
                 budget -= len(request.draft_token_ids)
                 if request.draft_token_ids:
                     request.steps_without_drafts = 0
-
-    @staticmethod
-    def _sequence(request: Request) -> SequenceData:
-        return SequenceData(request.slot or 0, request.params, request.prompt_token_ids,
-                            request.output_token_ids, request.sampling_seed, request.tenant)
-
-    def _tell_proposer_of_finished(self, sampling: list[ScheduledRequest]) -> None:
-        """Hand each request that stopped or hit its length to a proposer that keeps past
-        outputs (`request_finished`)."""
-        finished = getattr(self.proposer, "request_finished", None)
-        if finished is None:
-            return
-        for s in sampling:
-            if s.request.status in (RequestStatus.FINISHED_STOPPED,
-                                    RequestStatus.FINISHED_LENGTH):
-                finished(self._sequence(s.request))
-
-    def _count_drafts(self, sampling: list[ScheduledRequest], num_accepted: list[int]) -> None:
-        """vLLM's spec_decode counters: each drafting request's drafts and those kept (the
-        draws that equalled them, before any stop cut the window)."""
-        stats = self.stats
-        for s, taken in zip(sampling, num_accepted, strict=True):
-            if not s.draft_token_ids:
-                continue
-            kept = taken - 1
-            s.request.draft_acceptance = ((1 - ACCEPTANCE_WEIGHT) * s.request.draft_acceptance
-                                          + ACCEPTANCE_WEIGHT * kept / len(s.draft_token_ids))
-            stats.spec_decode_num_drafts += 1
-            stats.spec_decode_num_draft_tokens += len(s.draft_token_ids)
-            stats.spec_decode_num_accepted_tokens += kept
-            per_position = stats.spec_decode_num_accepted_tokens_per_pos
-            per_position.extend([0] * (len(s.draft_token_ids) - len(per_position)))
-            for position in range(kept):
-                per_position[position] += 1
 
     def _can_take_drafts(self, request: Request) -> bool:
         """True unless the request samples nothing or uses a custom logits processor that

@@ -15,7 +15,9 @@ import math
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from nanoserve.engine.request import Request, RequestStatus
 from nanoserve.plugins import import_named
+from nanoserve.protocol import SchedulerStats
 from nanoserve.sample.sequence import SequenceData
 from nanoserve.spec.ngram import NgramProposer
 from nanoserve.spec.suffix import SuffixProposer
@@ -48,6 +50,43 @@ def worth_drafting(acceptance: float, steps_without_drafts: int, k: int) -> int:
     if worth == 0 and steps_without_drafts >= PROBE_INTERVAL:
         return 1
     return min(k, worth)
+
+
+def sequence_of(request: Request) -> SequenceData:
+    """What a proposer sees of a request."""
+    return SequenceData(request.slot or 0, request.params, request.prompt_token_ids,
+                        request.output_token_ids, request.sampling_seed, request.tenant)
+
+
+def record_drafts(stats: SchedulerStats, requests: Sequence[Request],
+                  num_drafts: Sequence[int], num_accepted: Sequence[int]) -> None:
+    """After a step: each drafting request's acceptance average, and vLLM's spec_decode
+    counters (its drafts, and those kept: the draws that equalled them, before any stop cut
+    the window). `num_accepted` counts the committed row too (1 + drafts kept)."""
+    for request, drafted, taken in zip(requests, num_drafts, num_accepted, strict=True):
+        if not drafted:
+            continue
+        kept = taken - 1
+        request.draft_acceptance = ((1 - ACCEPTANCE_WEIGHT) * request.draft_acceptance
+                                    + ACCEPTANCE_WEIGHT * kept / drafted)
+        stats.spec_decode_num_drafts += 1
+        stats.spec_decode_num_draft_tokens += drafted
+        stats.spec_decode_num_accepted_tokens += kept
+        per_position = stats.spec_decode_num_accepted_tokens_per_pos
+        per_position.extend([0] * (drafted - len(per_position)))
+        for position in range(kept):
+            per_position[position] += 1
+
+
+def hand_over_finished(proposer: DraftProposer, requests: Sequence[Request]) -> None:
+    """Each request that stopped or hit its length, to a proposer that keeps past outputs
+    (`request_finished`)."""
+    finished = getattr(proposer, "request_finished", None)
+    if finished is None:
+        return
+    for request in requests:
+        if request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
+            finished(sequence_of(request))
 
 
 class DraftProposer(Protocol):
