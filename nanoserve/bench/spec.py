@@ -11,8 +11,11 @@ outputs identical on and off the tok/s compare the same streams. The figures are
 `--rounds`; the table shows each server's ratio against nanoserve `off`, each nanoserve
 method's against the fastest llama-server configuration of the row, and whether every text
 equalled off's. Acceptance comes from nanoserve's `nanoserve:spec_decode_*` counters and from
-the `timings` llama-server sends; nanoserve exports no step counter, so the share of steps
-that drafted is not shown.
+the `timings` llama-server sends. Every request-step commits one token of the model's own
+plus its accepted drafts, so a cell's request-steps are its output tokens less the accepted
+ones; from that come `tok/step` (output tokens per request-step: what a free verify would
+speed up by, the ceiling of `vs off` for the outputs the model gave) and `drafted` (the share
+of request-steps that drafted; llama-server does not say how many steps drafted).
 """
 
 from __future__ import annotations
@@ -59,7 +62,27 @@ class Cell:
     itl_p99: list[float] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)  # the first round's, in request order
     drafts: Drafts | None = None  # summed over the rounds
+    output_tokens: int = 0  # summed over the rounds
     failures: int = 0
+
+    @property
+    def request_steps(self) -> float | None:
+        """Request-steps the outputs took: each commits one token plus its accepted drafts."""
+        if self.drafts is None or not self.output_tokens:
+            return None
+        return self.output_tokens - self.drafts.num_accepted
+
+    @property
+    def tokens_per_step(self) -> float | None:
+        steps = self.request_steps
+        return self.output_tokens / steps if steps else None
+
+    @property
+    def drafted_share(self) -> float | None:
+        steps = self.request_steps
+        if not steps or self.drafts is None or self.drafts.num_drafts is None:
+            return None
+        return self.drafts.num_drafts / steps
 
     @property
     def speed(self) -> float:
@@ -116,6 +139,7 @@ async def run_workloads(url: str, plan: Plan, args: argparse.Namespace,
             cell.itl_p50.append(stats.itl[0] * 1e3)
             cell.itl_p99.append(stats.itl[2] * 1e3)
             cell.failures += stats.failures
+            cell.output_tokens += stats.output_tokens
             cell.drafts = drafts if cell.drafts is None else cell.drafts + drafts
             if not cell.texts:
                 cell.texts = [r.text for r in records]
@@ -201,10 +225,12 @@ def format_report(results: dict[str, dict[tuple[str, int], Cell]], servers: Sequ
              f"greedy and half seeded; medians of {args.rounds} interleaved rounds; "
              f"{args.num_speculative_tokens} draft tokens",
              "vs llama: against the fastest llama-server configuration of the row; acc/tok: "
-             "accepted per draft token; acc len: 1 + accepted / drafting steps",
+             "accepted per draft token; acc len: 1 + accepted / drafting steps; tok/step: "
+             "output tokens per request-step (the most a free verify gives); drafted: share "
+             "of request-steps that drafted",
              f"{'workload':<9} {'conc':>4} {'server':<{width}} {'tok/s':>7} {'vs off':>7} "
              f"{'vs llama':>8} {'ITL p50':>8} {'p99':>7} {'acc/tok':>7} {'acc len':>7} "
-             f"{'same text':>9}"]
+             f"{'tok/step':>8} {'drafted':>7} {'same text':>9}"]
     for key in plan:
         base = results["off"][key]
         best = best_peer(results, servers, key)
@@ -222,7 +248,9 @@ def format_report(results: dict[str, dict[tuple[str, int], Cell]], servers: Sequ
                          f"{statistics.median(cell.itl_p50):>8.1f} "
                          f"{statistics.median(cell.itl_p99):>7.1f} "
                          f"{_figure(cell, 'accepted_per_draft_token'):>7} "
-                         f"{_figure(cell, 'mean_accepted_length'):>7} {same:>9}")
+                         f"{_figure(cell, 'mean_accepted_length'):>7} "
+                         f"{_cell_figure(cell.tokens_per_step):>8} "
+                         f"{_cell_figure(cell.drafted_share):>7} {same:>9}")
     return lines + target_lines(results, servers, plan)
 
 
@@ -250,6 +278,10 @@ def target_lines(results: dict[str, dict[tuple[str, int], Cell]], servers: Seque
 
 def _figure(cell: Cell, name: str) -> str:
     value = None if cell.drafts is None else getattr(cell.drafts, name)
+    return "-" if value is None else f"{value:.2f}"
+
+
+def _cell_figure(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 

@@ -81,9 +81,10 @@ def test_the_tee_passes_the_stream_on_and_keeps_its_bytes() -> None:
     assert [bytes(body) for body in tee.responses] == [LLAMA_STREAM]
 
 
-def cell(speed: float, drafts: Drafts | None = None, text: str = "a") -> Cell:
+def cell(speed: float, drafts: Drafts | None = None, text: str = "a",
+         output_tokens: int = 0) -> Cell:
     return Cell(tokens_per_s=[speed, speed], itl_p50=[5.0], itl_p99=[9.0], texts=[text],
-                drafts=drafts)
+                drafts=drafts, output_tokens=output_tokens)
 
 
 SERVERS = ["off", "ngram", "llama:none", "llama:ngram-mod"]
@@ -92,10 +93,11 @@ PLAN = [("rename", 1), ("chat", 8)]
 
 def results() -> dict[str, dict[tuple[str, int], Cell]]:
     return {"off": {("rename", 1): cell(100.0), ("chat", 8): cell(300.0)},
-            "ngram": {("rename", 1): cell(240.0, Drafts(50.0, 200.0, 100.0)),
+            "ngram": {("rename", 1): cell(240.0, Drafts(50.0, 200.0, 100.0), output_tokens=300),
                       ("chat", 8): cell(290.0, Drafts(5.0, 20.0, 1.0), text="b")},
             "llama:none": {("rename", 1): cell(110.0), ("chat", 8): cell(350.0)},
-            "llama:ngram-mod": {("rename", 1): cell(150.0, Drafts(None, 80.0, 60.0)),
+            "llama:ngram-mod": {("rename", 1): cell(150.0, Drafts(None, 80.0, 60.0),
+                                                         output_tokens=300),
                                 ("chat", 8): cell(320.0)}}
 
 
@@ -109,11 +111,13 @@ def test_report_rows_give_ratios_against_off_and_the_best_peer() -> None:
     args = argparse.Namespace(max_tokens=96, rounds=2, num_speculative_tokens=4)
     rows = {tuple(line.split()[:3]): line.split()
             for line in format_report(results(), SERVERS, PLAN, args)}
-    # tok/s, vs off, vs llama, ITL p50, p99, acc/tok, acc len, same text
+    # tok/s, vs off, vs llama, ITL p50, p99, acc/tok, acc len, tok/step, drafted, same text:
+    # 300 tokens with 100 accepted took 200 request-steps, 50 of them drafting
     assert rows["rename", "1", "ngram"][3:] == [
-        "240.0", "2.40x", "1.60x", "5.0", "9.0", "0.50", "3.00", "yes"]
+        "240.0", "2.40x", "1.60x", "5.0", "9.0", "0.50", "3.00", "1.50", "0.25", "yes"]
     assert rows["rename", "1", "llama:ngram-mod"][3:] == [
-        "150.0", "1.50x", "best", "5.0", "9.0", "0.75", "-", "-"]
+        "150.0", "1.50x", "best", "5.0", "9.0", "0.75", "-", "1.25", "-", "-"]
+    assert rows["rename", "1", "off"][-3:] == ["-", "-", "-"]  # no tokens counted here
     assert rows["rename", "1", "llama:none"][5] == "-"
     assert rows["chat", "8", "ngram"][5] == "0.83x" and rows["chat", "8", "ngram"][-1] == "NO"
     assert rows["chat", "8", "llama:none"][5] == "best"
