@@ -35,6 +35,9 @@ class ModelConfig:
     quantization: str = "auto"
     # benchmarks of the frontend only: the model is skipped, each step "computes" at once
     zero_cost_runner: bool = False
+    # vLLM's flag for "no graphs, no compiled forward": here the decoder layers run as a
+    # Python loop over the kernels, not as one native call (model/native_layers.py)
+    enforce_eager: bool = False
     # how an embedding pools the prompt's final hidden states: "last" token (decoder models)
     # or "mean" of every position
     pooling: str = "last"

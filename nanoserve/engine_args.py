@@ -112,6 +112,10 @@ class EngineArgs:
         ModelConfig.pooling, "how /v1/embeddings pools a prompt's final hidden states: last "
         "(the last token's, for decoder models) | mean (every token's average; no prefix-cache "
         "hits) (default: %(default)s)", choices=POOLING_METHODS)
+    enforce_eager: bool = _arg(
+        ModelConfig.enforce_eager, "run the decoder layers as a Python loop over the kernels, "
+        "not as one native call (the same arithmetic; for comparing and debugging)",
+        action="store_true")
     zero_cost_runner: bool = _arg(
         ModelConfig.zero_cost_runner, "benchmark the frontend: skip the model, emit tokens at once",
         flag="--zero-cost-engine", action="store_true")
@@ -136,7 +140,8 @@ class EngineArgs:
             model=ModelConfig(model=self.model, device=self.device, dtype=self.dtype,
                               max_model_len=self.max_model_len, seed=self.seed,
                               quantization=self.quantization, pooling=self.pooling,
-                              zero_cost_runner=self.zero_cost_runner),
+                              zero_cost_runner=self.zero_cost_runner,
+                              enforce_eager=self.enforce_eager),
             cache=CacheConfig(
                 block_size=self.block_size, num_blocks=self.num_kv_blocks,
                 kv_cache_memory_bytes=None if self.kv_cache_memory_gb is None

@@ -84,7 +84,9 @@ def _build(name: str) -> ModuleType:
                 build_directory=str(build_dir), verbose=False)
 
 
-KERNEL_NAMES: tuple[str, ...] = ("fused_ops", "paged_attention", "quant_matmul", "sampling")
+# decode_layers calls the ops the first three register: it loads after them
+KERNEL_NAMES: tuple[str, ...] = ("fused_ops", "paged_attention", "quant_matmul", "sampling",
+                                 "decode_layers")
 
 
 if __name__ == "__main__":

@@ -268,6 +268,13 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
   return out;
 }
 
+// The same call as a dispatcher op, for native code that chains the kernels (decode_layers.cpp).
+TORCH_LIBRARY_FRAGMENT(nanoserve, m) {
+  m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
+        "Tensor context_lens, float scale, Tensor(a!) out) -> Tensor(a!)",
+        &decode_attention);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention,
         "Decode attention over a paged float32, float16 or int8 KV cache, read in place "

@@ -398,6 +398,12 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& raw, int64_t ggml
   return packed_matmul(x, repack(raw, ggml_type, N, K), ggml_type, N, K, std::nullopt);
 }
 
+// The matmul as a dispatcher op too, for native code that chains the kernels (decode_layers.cpp).
+TORCH_LIBRARY_FRAGMENT(nanoserve, m) {
+  m.def("packed_matmul(Tensor x, Tensor packed, int ggml_type, int N, int K, Tensor? wide) -> Tensor",
+        &packed_matmul);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   const auto nogil = py::call_guard<py::gil_scoped_release>();

@@ -98,6 +98,7 @@ class EngineCore:
         # every running request's blocks by slot; a step's block table is read from it
         num_slots = config.scheduler.max_num_seqs
         self.block_table = BlockTable(num_slots, -(-self.max_model_len // block_size))
+        loaded.model.use_native_layers = not config.model.enforce_eager
         model_runner = ModelRunner(loaded.model, num_blocks, block_size, device, kv_dtype)
         runner: ModelRunner | ZeroCostRunner = model_runner
         self.proposer = load_draft_proposer(config.scheduler.draft_proposer)

@@ -57,6 +57,7 @@ from nanoserve.model.attention import AttentionBackend, AttentionMetadata
 from nanoserve.model.fused_ops import kernels
 from nanoserve.model.layer_ops import EXACT_OPS, OpTable, StepContext, fused_table
 from nanoserve.model.linear import linear
+from nanoserve.model.native_layers import build_layer_stack
 from nanoserve.model.parallel import TensorParallelGroup
 from nanoserve.model.rope import RotaryEmbedding
 
@@ -138,6 +139,10 @@ class CausalLM(nn.Module):
         self.use_fused_ops: bool | None = None
         # by (use_fused_ops, profiled): the layers bound to that table, made once
         self._bound_layers: dict[tuple[bool, bool], tuple[OpTable, list[BoundDecoderLayer]]] = {}
+        # Whether the fused layers run as one native call (native_layers.py) where they can;
+        # False (`--enforce-eager`) keeps the Python layer loop.
+        self.use_native_layers = True
+        self._layer_stack: tuple[object, Any] | None = None  # (its kv_caches, the stack)
 
     @property
     def decoder_layers(self) -> list[DecoderLayer]:
@@ -152,6 +157,10 @@ class CausalLM(nn.Module):
         table, layers = self._bind_layers()
         eps = self.arch.rms_norm_eps
         cos, sin = table.rope_tables(self.rotary, positions)
+        stack = self._native_stack(kv_caches, attention) if table.is_fused else None
+        if stack is not None:
+            return stack.forward(self._embed(input_ids), cos, sin, positions, meta.cache_index,
+                                 meta.block_table, meta.context_lens)
         step = StepContext(positions, cos, sin, attention.forward, meta, meta.cache_index,
                            meta.reads_new_kv, eps)
         hidden = self._embed(input_ids)  # [T, hidden], a fresh tensor: updated in place
@@ -173,6 +182,15 @@ class CausalLM(nn.Module):
             bound = self._bound_layers[key] = (table, [
                 BoundDecoderLayer(layer, table, self.group) for layer in self.decoder_layers])
         return bound
+
+    def _native_stack(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                      attention: AttentionBackend[Any]) -> Any | None:
+        """The layers as one native call over these caches (built at first use), or None."""
+        if not self.use_native_layers:
+            return None
+        if self._layer_stack is None or self._layer_stack[0] is not kv_caches:
+            self._layer_stack = (kv_caches, build_layer_stack(self, kv_caches, attention))
+        return self._layer_stack[1]
 
     def _can_fuse(self) -> bool:
         """Quantized matmul weights (any mode but "none") on the CPU in float32, and the kernel

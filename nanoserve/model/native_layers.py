@@ -1,0 +1,71 @@
+"""Every decoder layer of a forward in one native call (`csrc/decode_layers.cpp`).
+
+The fused CPU path (layer_ops.py's fused table) is nine kernel calls a layer. Made from Python,
+each costs a bound-method call, argument parsing and, for attention, the backend's frame: about
+10 us a call, ~3 ms of a ~9 ms batch-1 step over 30 layers (`bench step`'s "model Python"). The
+layer stack binds a model's weights and caches once and chains the same kernels in C++ through
+the dispatcher (the `nanoserve::*` ops the kernels' extensions register), so the hidden states
+are the Python path's bit for bit: the same compiled kernels, the same inputs, the same order.
+
+It runs where the fused path would, with paged attention over the cache (`CpuPagedBackend`),
+one rank, and every projection a packed quantized weight; elsewhere, and under
+`--enforce-eager` (vLLM's flag for "no graphs, no compiled forward"), the Python layer loop
+runs. Figures: docs/benchmarks.md (issue 22).
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from nanoserve.model.attention import AttentionBackend
+from nanoserve.model.attention.cpu_paged import CpuPagedBackend
+from nanoserve.model.parallel import TensorParallelGroup
+from nanoserve.model.quant_linear import QuantizedWeight
+from nanoserve.native import load_kernels
+
+if TYPE_CHECKING:
+    from nanoserve.model.llama import CausalLM
+
+# the kernels whose dispatcher ops the stack calls: loaded (registered) before it is built
+_KERNELS = ("quant_matmul", "fused_ops", "paged_attention")
+
+
+def native_module() -> ModuleType | None:
+    """The compiled `decode_layers` extension, or None where it (or a kernel) cannot build."""
+    if any(load_kernels(name) is None for name in _KERNELS):
+        return None
+    return load_kernels("decode_layers")
+
+
+def _packed(weight: Any) -> tuple[torch.Tensor, int, int, int, torch.Tensor | None] | None:
+    """packed_matmul's weight arguments, or None for a weight the kernel does not hold."""
+    if not (isinstance(weight, QuantizedWeight) and weight.is_packed):
+        return None
+    num_rows, in_features = weight.shape
+    return weight.data, weight.ggml_type, num_rows, in_features, weight.wide
+
+
+def build_layer_stack(model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                      attention: AttentionBackend[Any]) -> Any | None:
+    """The model's layers bound to their caches as one native call, or None where the Python
+    layer loop must run (see the top)."""
+    # one rank of the plain group: a group of several (or any other) reduces between layers
+    single = isinstance(model.group, TensorParallelGroup) and model.group.is_single
+    if not (model.use_fused_ops and single and isinstance(attention, CpuPagedBackend)):
+        return None
+    native = native_module()
+    if native is None:
+        return None
+    arch = model.arch
+    stack = native.LayerStack(arch.num_heads, arch.head_dim, arch.rms_norm_eps, model.norm)
+    for layer, (k_cache, v_cache) in zip(model.decoder_layers, kv_caches, strict=True):
+        matmuls = [_packed(w) for w in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj,
+                                        layer.down_proj)]
+        if any(m is None for m in matmuls):
+            return None
+        stack.add_layer(layer.input_layernorm, layer.post_attention_layernorm, *matmuls,
+                        layer.qkv_bias, layer.q_norm, layer.k_norm, k_cache, v_cache)
+    return stack
