@@ -43,8 +43,8 @@ def add_bench_commands(bench: argparse.ArgumentParser, build_llm: LLMFactory) ->
 
     step = sub.add_parser("step", help="one decode step's time split: matmuls, attention, "
                           "element-wise, sampler, engine")
-    step.add_argument("--batch-sizes", default="1,64",
-                      help="comma-separated decode batch sizes (default: 1,64)")
+    step.add_argument("--batch-sizes", default="1,8,64",
+                      help="comma-separated decode batch sizes (default: 1,8,64)")
     step.add_argument("--context-len", type=int, default=256,
                       help="prompt tokens per request before the timed steps (default: 256)")
     step.add_argument("--repeats", type=int, default=10, help="timed steps (default: 10)")

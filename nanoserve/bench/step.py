@@ -14,6 +14,9 @@ steps run under `torch.profiler` and every operator's own (self) CPU time is put
 The profiler adds a few microseconds per operator, so the buckets are scaled to the unprofiled
 median step time, which is printed too.
 
+After the buckets, each measured step beside its floor (floor.py): the bytes it must read over
+the read bandwidth, its multiply-adds over the matmul kernel's rate, both measured in the run.
+
 `--rows-curve K` adds what speculative decoding needs to know: one request's step as it scores
 1 + k rows (k draft tokens, k = 0..K), against the one-row step. The drafts are set on the
 request before each step (a token that is always rejected), so every step scores all its rows.
@@ -31,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from nanoserve.bench.floor import format_floors, measure_rates, step_floor
 from nanoserve.bench.roofline import start_decoding
 from nanoserve.bench.timing import median_seconds
 from nanoserve.engine.core import EngineCore
@@ -52,8 +56,10 @@ class StepProfile:
 
 def profile_decode_step(engine: EngineCore, batch: int, context_len: int,
                         repeats: int = 10) -> StepProfile:
-    ids = start_decoding(engine, batch, context_len, 2 * repeats + 2, "profile")
+    ids = start_decoding(engine, batch, context_len, 2 * repeats + 3, "profile")
     step_seconds = median_seconds(engine.step, repeats)
+    with profile(activities=[ProfilerActivity.CPU]):  # the profiler's own first-use costs
+        engine.step()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(repeats):
             engine.step()
@@ -119,6 +125,13 @@ def run_step_profile(engine: EngineCore, args: argparse.Namespace) -> list[StepP
     profiles = [profile_decode_step(engine, size, args.context_len, args.repeats)
                 for size in sizes]
     print(format_profiles(profiles))
+    model = engine.loaded.model
+    rates = measure_rates(model)
+    key_cache = engine.executor.worker.runner.kv_caches[0][0]
+    print()
+    print(format_floors([(p.batch, p.step_seconds,
+                          step_floor(model, key_cache, p.batch, args.context_len, rates))
+                         for p in profiles], rates))
     if args.rows_curve:
         curve = rows_curve(engine, args.context_len, args.rows_curve, args.repeats)
         print()

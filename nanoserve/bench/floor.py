@@ -1,0 +1,125 @@
+"""A decode step's floor on this machine: what reading its bytes or doing its multiply-adds
+takes at the rates measured here, whichever is longer.
+
+  bytes  every matmul weight as the kernels hold it (packed blocks; a 4-bit weight's wide form
+         where the kernel reads it, from 16 rows on), the LM head, and each request's KV cache
+         rows up to its context, read once per step
+  read   the machine's read bandwidth: a sum over a buffer far larger than the caches,
+         2 threads (the best of a few)
+  MACs   the projections' and the LM head's multiply-adds for the step's rows (attention's are
+         counted as bytes: at these sizes it waits on the cache rows, not on arithmetic)
+  rate   the int8 matmul kernel's multiply-adds per second on the model's largest projection
+         at 256 rows (the best of a few), where the kernel is bound by arithmetic
+
+floor = max(bytes / read, MACs / rate); `bench step` prints each step beside it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from nanoserve.model.llama import CausalLM
+from nanoserve.model.quant_linear import QuantizedWeight
+
+# the kernel reads a 4-bit weight's wide form from this many rows on (csrc/quant_matmul.cpp)
+WIDE_MIN_ROWS = 16
+_READ_BUFFER_BYTES = 512 << 20
+
+
+@dataclass(frozen=True)
+class MachineRates:
+    read_bytes_per_s: float
+    macs_per_s: float  # the quantized kernel's (or oneDNN's, for float weights)
+
+
+@dataclass(frozen=True)
+class StepFloor:
+    bytes_read: float
+    macs: float
+    rates: MachineRates
+
+    @property
+    def memory_seconds(self) -> float:
+        return self.bytes_read / self.rates.read_bytes_per_s
+
+    @property
+    def compute_seconds(self) -> float:
+        return self.macs / self.rates.macs_per_s
+
+    @property
+    def seconds(self) -> float:
+        return max(self.memory_seconds, self.compute_seconds)
+
+
+def _matmul_weights(model: CausalLM) -> list[Any]:
+    weights = [w for layer in model.decoder_layers
+               for w in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
+    return weights + [model.lm_head]
+
+
+def _shape(weight: Any) -> tuple[int, int]:
+    return tuple(weight.shape)  # type: ignore[return-value]
+
+
+def _weight_bytes(weight: Any, rows: int) -> int:
+    if isinstance(weight, QuantizedWeight):
+        if rows >= WIDE_MIN_ROWS and weight.wide is not None:
+            return weight.wide.numel()
+        return weight.data.numel() * weight.data.element_size()
+    return weight.numel() * weight.element_size()
+
+
+def step_floor(model: CausalLM, kv_cache: torch.Tensor, batch: int, context_len: int,
+               rates: MachineRates) -> StepFloor:
+    """The floor of one decode step of `batch` requests at `context_len` tokens of context;
+    `kv_cache` is one layer's key cache [Hkv, num_blocks, block_size, row] (its row bytes)."""
+    weights = _matmul_weights(model)
+    weight_bytes = sum(_weight_bytes(w, batch) for w in weights)
+    row_bytes = kv_cache.shape[-1] * kv_cache.element_size()
+    arch = model.arch
+    cache_bytes = batch * context_len * arch.num_layers * 2 * arch.num_kv_heads * row_bytes
+    macs = batch * sum(n * k for n, k in map(_shape, weights))
+    return StepFloor(weight_bytes + cache_bytes, macs, rates)
+
+
+def measure_rates(model: CausalLM, repeats: int = 5) -> MachineRates:
+    """The read bandwidth and the matmul kernel's multiply-add rate, measured now."""
+    buffer = torch.ones(_READ_BUFFER_BYTES // 4, dtype=torch.float32)
+    buffer.sum()  # faults the pages in
+    read = _best(lambda: buffer.sum(), repeats)
+    del buffer
+    largest = model.decoder_layers[0].gate_up_proj
+    rows, (num_rows, in_features) = 256, _shape(largest)
+    x = torch.randn(rows, in_features)
+    matmul = largest.matmul if isinstance(largest, QuantizedWeight) else (lambda a: a @ largest.T)
+    seconds = _best(lambda: matmul(x), repeats)
+    return MachineRates(_READ_BUFFER_BYTES / read, rows * num_rows * in_features / seconds)
+
+
+def _best(fn: Any, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def format_floors(steps: list[tuple[int, float, StepFloor]], rates: MachineRates) -> str:
+    """(batch, measured step seconds, floor) rows as a table."""
+    lines = [f"floor: max(bytes / {rates.read_bytes_per_s / 1e9:.1f} GB/s read, "
+             f"multiply-adds / {rates.macs_per_s / 1e9:.0f} GMAC/s of the matmul kernel), "
+             "both measured now",
+             "| batch | step | bytes | memory floor | multiply-adds | compute floor | "
+             "step / floor |", "|---:|---:|---:|---:|---:|---:|---:|"]
+    for batch, seconds, floor in steps:
+        lines.append(f"| {batch} | {seconds * 1e3:.1f} ms | {floor.bytes_read / 1e6:.0f} MB | "
+                     f"{floor.memory_seconds * 1e3:.2f} ms | {floor.macs / 1e9:.2f} G | "
+                     f"{floor.compute_seconds * 1e3:.2f} ms | "
+                     f"{seconds / floor.seconds:.2f}x |")
+    return "\n".join(lines)
