@@ -58,7 +58,7 @@ class StepFloor:
 def _matmul_weights(model: CausalLM) -> list[Any]:
     weights = [w for layer in model.decoder_layers
                for w in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
-    return weights + [model.lm_head]
+    return [*weights, model.lm_head]
 
 
 def _shape(weight: Any) -> tuple[int, int]:
@@ -88,16 +88,19 @@ def step_floor(model: CausalLM, kv_cache: torch.Tensor, batch: int, context_len:
 
 def measure_rates(model: CausalLM, repeats: int = 5) -> MachineRates:
     """The read bandwidth and the matmul kernel's multiply-add rate, measured now."""
-    buffer = torch.ones(_READ_BUFFER_BYTES // 4, dtype=torch.float32)
-    buffer.sum()  # faults the pages in
-    read = _best(lambda: buffer.sum(), repeats)
-    del buffer
+    read = _read_seconds(repeats)
     largest = model.decoder_layers[0].gate_up_proj
     rows, (num_rows, in_features) = 256, _shape(largest)
     x = torch.randn(rows, in_features)
     matmul = largest.matmul if isinstance(largest, QuantizedWeight) else (lambda a: a @ largest.T)
     seconds = _best(lambda: matmul(x), repeats)
     return MachineRates(_READ_BUFFER_BYTES / read, rows * num_rows * in_features / seconds)
+
+
+def _read_seconds(repeats: int) -> float:
+    """The best time of one sum over a buffer of _READ_BUFFER_BYTES (freed on return)."""
+    buffer = torch.ones(_READ_BUFFER_BYTES // 4, dtype=torch.float32)  # pages faulted in
+    return _best(buffer.sum, repeats)
 
 
 def _best(fn: Any, repeats: int) -> float:
