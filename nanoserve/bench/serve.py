@@ -169,13 +169,18 @@ def run_serve_bench(args: argparse.Namespace) -> int:
 
 
 def _bench_llama_server(args: argparse.Namespace, levels: Sequence[int]) -> ServerRun:
-    """The same load on llama-server serving the same GGUF file, a slot per request in flight."""
+    """The same load on llama-server serving the same GGUF file, in its best setting for each
+    level: a server per level with a slot per request in flight (`--parallel 1` for one
+    stream; more slots split its context and its batch)."""
     gguf = gguf_for_llama_server(args.model)
     threads = args.llama_server_threads or os.cpu_count() or 1
+    runs = []
     # started after the server under test has been stopped (when it was ours), so neither
     # takes CPU from the other's measurement
-    with llama_server(gguf, parallel=max(levels), threads=threads) as url:
-        return asyncio.run(bench_server("llama-server", url, None, args, levels))
+    for level in levels:
+        with llama_server(gguf, parallel=level, threads=threads) as url:
+            runs.append(asyncio.run(bench_server("llama-server", url, None, args, [level])))
+    return ServerRun(runs[0].name, runs[0].model, [run.levels[0] for run in runs])
 
 
 def _bench_target(args: argparse.Namespace, levels: Sequence[int]) -> ServerRun:

@@ -17,6 +17,9 @@ median step time, which is printed too.
 After the buckets, each measured step beside its floor (floor.py): the bytes it must read over
 the read bandwidth, its multiply-adds over the matmul kernel's rate, both measured in the run.
 
+`--compare-eager` times each batch size with the layers as one native call and as the Python
+loop, interleaved (eager.py).
+
 `--rows-curve K` adds what speculative decoding needs to know: one request's step as it scores
 1 + k rows (k draft tokens, k = 0..K), against the one-row step. The drafts are set on the
 request before each step (a token that is always rejected), so every step scores all its rows.
@@ -34,6 +37,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from nanoserve.bench.eager import compare_eager, format_eager
 from nanoserve.bench.floor import format_floors, measure_rates, step_floor
 from nanoserve.bench.roofline import start_decoding
 from nanoserve.bench.timing import median_seconds
@@ -132,6 +136,9 @@ def run_step_profile(engine: EngineCore, args: argparse.Namespace) -> list[StepP
     print(format_floors([(p.batch, p.step_seconds,
                           step_floor(model, key_cache, p.batch, args.context_len, rates))
                          for p in profiles], rates))
+    if args.compare_eager:
+        print()
+        print(format_eager(compare_eager(engine, sizes, args.context_len, args.repeats)))
     if args.rows_curve:
         curve = rows_curve(engine, args.context_len, args.rows_curve, args.repeats)
         print()
