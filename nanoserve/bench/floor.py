@@ -16,12 +16,12 @@ floor = max(bytes / read, MACs / rate); `bench step` prints each step beside it.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from nanoserve.bench.timing import best_seconds
 from nanoserve.model.llama import CausalLM
 from nanoserve.model.quant_linear import QuantizedWeight
 
@@ -93,24 +93,14 @@ def measure_rates(model: CausalLM, repeats: int = 5) -> MachineRates:
     rows, (num_rows, in_features) = 256, _shape(largest)
     x = torch.randn(rows, in_features)
     matmul = largest.matmul if isinstance(largest, QuantizedWeight) else (lambda a: a @ largest.T)
-    seconds = _best(lambda: matmul(x), repeats)
+    seconds = best_seconds(lambda: matmul(x), repeats)
     return MachineRates(_READ_BUFFER_BYTES / read, rows * num_rows * in_features / seconds)
 
 
 def _read_seconds(repeats: int) -> float:
     """The best time of one sum over a buffer of _READ_BUFFER_BYTES (freed on return)."""
     buffer = torch.ones(_READ_BUFFER_BYTES // 4, dtype=torch.float32)  # pages faulted in
-    return _best(buffer.sum, repeats)
-
-
-def _best(fn: Any, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+    return best_seconds(buffer.sum, repeats)
 
 
 def format_floors(steps: list[tuple[int, float, StepFloor]], rates: MachineRates) -> str:

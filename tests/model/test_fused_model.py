@@ -14,6 +14,7 @@ from __future__ import annotations
 import random
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from nanoserve.model.attention import (
     SdpaMetadata,
 )
 from nanoserve.model.fused_ops import kernels
+from nanoserve.model.native_layers import native_module
 from nanoserve.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -49,37 +51,66 @@ def small_engine(path: Path | None, quantization: str) -> EngineCore:
                        num_blocks=48)
 
 
-class BothPaths:
-    """Wraps a model's forward: each step runs plain, then fused from the same cache state, and
-    records how far apart their hidden states and caches are; the fused result goes on."""
+class TwoPaths:
+    """Wraps a model's forward: each step runs with the model's `flag` off, then on from the
+    same cache state, and hands both results to `record`; the second goes on."""
+
+    flag = ""
 
     def __init__(self, model: Any) -> None:
         self.model, self.forward = model, model.forward
-        self.hidden_errors: list[float] = []
-        self.cache_errors: list[float] = []
         self.num_mixed_steps = 0
         model.forward = self
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  attention: AttentionBackend[Any], meta: AttentionMetadata) -> torch.Tensor:
-        before = [(k.clone(), v.clone()) for k, v in kv_caches]
-        self.model.use_fused_ops = False
-        plain = self.forward(input_ids, positions, kv_caches, attention, meta)
-        plain_caches = [(k.clone(), v.clone()) for k, v in kv_caches]
-        for (k, v), (k0, v0) in zip(kv_caches, before, strict=True):
-            k.copy_(k0)
-            v.copy_(v0)
-        self.model.use_fused_ops = True
-        fused = self.forward(input_ids, positions, kv_caches, attention, meta)
-        self.hidden_errors.append(((fused - plain).norm() / plain.norm()).item())
+        def run(on: bool) -> torch.Tensor:
+            setattr(self.model, self.flag, on)
+            return self.forward(input_ids, positions, kv_caches, attention, meta)
+
+        off, off_caches, on = from_one_cache(kv_caches, lambda: run(False), lambda: run(True))
+        self.record(off, off_caches, on, kv_caches)
+        self.num_mixed_steps += mixes_decodes_and_prefills(meta)
+        return on
+
+    def record(self, off: torch.Tensor, off_caches: list[tuple[torch.Tensor, torch.Tensor]],
+               on: torch.Tensor, on_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        raise NotImplementedError
+
+
+class BothPaths(TwoPaths):
+    """Plain, then fused: how far apart their hidden states and caches are."""
+
+    flag = "use_fused_ops"
+
+    def __init__(self, model: Any) -> None:
+        super().__init__(model)
+        self.hidden_errors: list[float] = []
+        self.cache_errors: list[float] = []
+
+    def record(self, off: torch.Tensor, off_caches: list[tuple[torch.Tensor, torch.Tensor]],
+               on: torch.Tensor, on_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.hidden_errors.append(((on - off).norm() / off.norm()).item())
         self.cache_errors.append(max(  # relative to the layer's largest entry
             ((ours.float() - theirs.float()).abs().max()
              / theirs.float().abs().max().clamp_min(1e-30)).item()
-            for pair, plain_pair in zip(kv_caches, plain_caches, strict=True)
+            for pair, plain_pair in zip(on_caches, off_caches, strict=True)
             for ours, theirs in zip(pair, plain_pair, strict=True)))
-        self.num_mixed_steps += mixes_decodes_and_prefills(meta)
-        return fused
+
+
+def from_one_cache(kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                   first: Callable[[], torch.Tensor], second: Callable[[], torch.Tensor]
+                   ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+    """Runs `first`, then `second` from the cache state `first` started from: first's output,
+    the caches first left, and second's output (second's caches stay in place)."""
+    before = [(k.clone(), v.clone()) for k, v in kv_caches]
+    first_out = first()
+    first_caches = [(k.clone(), v.clone()) for k, v in kv_caches]
+    for (k, v), (k0, v0) in zip(kv_caches, before, strict=True):
+        k.copy_(k0)
+        v.copy_(v0)
+    return first_out, first_caches, second()
 
 
 def mixes_decodes_and_prefills(meta: AttentionMetadata) -> bool:
@@ -129,6 +160,9 @@ def test_the_path_is_chosen_by_quantization(tiny_model_dir: Any) -> None:
         engine = small_engine(tiny_model_dir("qwen3"), quantization)
         run_to_completion(engine, {"a": [5, 6, 7]}, params)
         assert engine.loaded.model.use_fused_ops is expected, quantization
+        if native_module() is not None:  # and the layers run as one native call with it
+            stack = engine.loaded.model._layer_stack
+            assert (stack is not None and stack[1] is not None) is expected, quantization
 
 
 def test_without_a_compiler_the_plain_path_runs(tiny_model_dir: Any) -> None:

@@ -11,45 +11,31 @@ from typing import Any
 import pytest
 import torch
 from helpers import run_to_completion
-from test_fused_model import GREEDY, mixes_decodes_and_prefills, prompts, small_engine
+from test_fused_model import GREEDY, TwoPaths, prompts, small_engine
 
-from nanoserve.model.attention import AttentionBackend, AttentionMetadata
 from nanoserve.model.native_layers import native_module
-from nanoserve.sampling_params import SamplingParams
 
 needs_native = pytest.mark.skipif(native_module() is None,
                                   reason="the decode_layers extension is unavailable")
 
 
-class NativeAndPython:
-    """Wraps a model's forward: each step runs the Python layer loop, then the native stack
-    from the same cache state; records whether hidden states and caches were identical."""
+class NativeAndPython(TwoPaths):
+    """The Python layer loop, then the native stack: whether hidden states and caches were
+    identical."""
+
+    flag = "use_native_layers"
 
     def __init__(self, model: Any) -> None:
-        self.model, self.forward = model, model.forward
+        super().__init__(model)
         self.identical: list[bool] = []
-        self.num_mixed_steps = 0
-        model.forward = self
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 attention: AttentionBackend[Any], meta: AttentionMetadata) -> torch.Tensor:
-        before = [(k.clone(), v.clone()) for k, v in kv_caches]
-        self.model.use_native_layers = False
-        python = self.forward(input_ids, positions, kv_caches, attention, meta)
-        python_caches = [(k.clone(), v.clone()) for k, v in kv_caches]
-        for (k, v), (k0, v0) in zip(kv_caches, before, strict=True):
-            k.copy_(k0)
-            v.copy_(v0)
-        self.model.use_native_layers = True
-        native = self.forward(input_ids, positions, kv_caches, attention, meta)
+    def record(self, off: torch.Tensor, off_caches: list[tuple[torch.Tensor, torch.Tensor]],
+               on: torch.Tensor, on_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         assert self.model._layer_stack[1] is not None, "the native stack should run here"
         same_caches = all(torch.equal(ours, theirs)
-                          for pair, python_pair in zip(kv_caches, python_caches, strict=True)
+                          for pair, python_pair in zip(on_caches, off_caches, strict=True)
                           for ours, theirs in zip(pair, python_pair, strict=True))
-        self.identical.append(torch.equal(native, python) and same_caches)
-        self.num_mixed_steps += mixes_decodes_and_prefills(meta)
-        return native
+        self.identical.append(torch.equal(on, off) and same_caches)
 
 
 @needs_native
@@ -65,16 +51,6 @@ def test_the_native_stack_equals_the_python_loop_bit_for_bit(family: str,
     run_to_completion(engine, prompts(2), GREEDY)
     assert both.num_mixed_steps > 0, "some steps should mix decodes with prefill chunks"
     assert both.identical and all(both.identical)
-
-
-@needs_native
-def test_the_stack_runs_only_where_the_fused_path_does(tiny_model_dir: Any) -> None:
-    params = SamplingParams(temperature=0.0, max_tokens=2)
-    for quantization, runs in (("int8", True), ("none", False)):
-        engine = small_engine(tiny_model_dir("llama"), quantization)
-        run_to_completion(engine, {"a": [5, 6, 7]}, params)
-        stack = engine.loaded.model._layer_stack
-        assert (stack is not None and stack[1] is not None) is runs, quantization
 
 
 @needs_native
