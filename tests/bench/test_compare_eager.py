@@ -1,7 +1,9 @@
-"""`bench step --compare-eager`: both layer paths timed on one engine, which is left as found."""
+"""`bench step`: buckets, each step beside its floor, and `--compare-eager` (both layer paths
+timed on one engine, which is left as found), on the tiny model."""
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 from typing import Any
@@ -9,10 +11,11 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from helpers import make_engine
 
-from nanoserve.bench.eager import compare_eager, format_eager
+from nanoserve.bench.step import run_step_profile
 
 
-def test_both_paths_are_timed_and_the_engine_is_left_as_found(tiny_model_dir: Any) -> None:
+def test_bench_step_prints_buckets_floors_and_both_layer_paths(tiny_model_dir: Any,
+                                                               capsys: Any) -> None:
     engine = make_engine(tiny_model_dir("llama"), quantization="int8")
     model = engine.loaded.model
     seen: list[bool] = []
@@ -23,9 +26,14 @@ def test_both_paths_are_timed_and_the_engine_is_left_as_found(tiny_model_dir: An
         return forward(*args)
 
     model.forward = recording
-    figures = compare_eager(engine, [1, 2], context_len=16, repeats=2, rounds=2)
-    assert [batch for batch, _, _ in figures] == [1, 2]
-    assert all(native > 0 and eager > 0 for _, native, eager in figures)
-    assert True in seen and False in seen
+    args = argparse.Namespace(batch_sizes="1,2", context_len=16, repeats=1, compare_eager=True,
+                              rows_curve=0)
+    profiles = run_step_profile(engine, args)
+    printed = capsys.readouterr().out
+    assert [p.batch for p in profiles] == [1, 2]
+    assert "| **step** |" in printed and "step / floor |" in printed
+    assert "eager / native |" in printed
+    rows = [line for line in printed.splitlines() if line.startswith(("| 1 | ", "| 2 | "))]
+    assert len(rows) == 4  # a floor row and a comparison row for each batch
+    assert True in seen and False in seen  # both paths ran
     assert model.use_native_layers is True and not engine.has_unfinished()
-    assert format_eager(figures, rounds=2).splitlines()[-1].startswith("| 2 |")
