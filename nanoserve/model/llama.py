@@ -20,7 +20,10 @@ lookup (rope_store reads the table by position), nn.Module calls and parameter l
 linear()'s dispatch (each matmul is a bound kernel call).
 Its hidden states differ from the plain path's by ~2e-7 relative (tests/model/
 test_fused_model.py), a last-bit difference that int8 activation rounding can amplify as much
-as any other (see there).
+as any other (see there). Where the fused table runs over the CPU paged attention at one rank,
+`CausalLM.forward` hands every layer and the final norm to one native call instead
+(native_layers.py: the same kernels in the same order, bit for bit; `--enforce-eager` keeps
+this Python loop).
 
 Under tensor parallelism (issue 17) each layer all-reduces two partial sums over its group
 (parallel.py): the attention output projection's and the down projection's, each before it is
