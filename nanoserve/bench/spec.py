@@ -236,6 +236,8 @@ def format_report(results: dict[str, dict[tuple[str, int], Cell]], servers: Sequ
         best = best_peer(results, servers, key)
         for server in servers:
             cell = results[server][key]
+            kept, length = (None, None) if cell.drafts is None else (
+                cell.drafts.accepted_per_draft_token, cell.drafts.mean_accepted_length)
             is_peer = server.startswith(PEER_PREFIX)
             if best is None or (is_peer and server != best[0]):
                 vs_peer = "-"
@@ -247,10 +249,9 @@ def format_report(results: dict[str, dict[tuple[str, int], Cell]], servers: Sequ
                          f"{ratio(cell.speed, base.speed):>6.2f}x {vs_peer:>8} "
                          f"{statistics.median(cell.itl_p50):>8.1f} "
                          f"{statistics.median(cell.itl_p99):>7.1f} "
-                         f"{_figure(cell, 'accepted_per_draft_token'):>7} "
-                         f"{_figure(cell, 'mean_accepted_length'):>7} "
-                         f"{_cell_figure(cell.tokens_per_step):>8} "
-                         f"{_cell_figure(cell.drafted_share):>7} {same:>9}")
+                         f"{_figure(kept):>7} {_figure(length):>7} "
+                         f"{_figure(cell.tokens_per_step):>8} "
+                         f"{_figure(cell.drafted_share):>7} {same:>9}")
     return lines + target_lines(results, servers, plan)
 
 
@@ -276,12 +277,7 @@ def target_lines(results: dict[str, dict[tuple[str, int], Cell]], servers: Seque
     return lines
 
 
-def _figure(cell: Cell, name: str) -> str:
-    value = None if cell.drafts is None else getattr(cell.drafts, name)
-    return "-" if value is None else f"{value:.2f}"
-
-
-def _cell_figure(value: float | None) -> str:
+def _figure(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 

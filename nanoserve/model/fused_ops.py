@@ -93,9 +93,8 @@ def bind_matmul(weight: Any, profiled: bool = False) -> Matmul:
     if isinstance(weight, QuantizedWeight) and weight.is_packed:
         native = load_kernels("quant_matmul")
         assert native is not None, "a packed QuantizedWeight exists only where the kernel loads"
-        packed_matmul, data, ggml_type = native.packed_matmul, weight.data, weight.ggml_type
-        num_rows, in_features = weight.shape
-        wide = weight.wide
+        packed_matmul = native.packed_matmul
+        data, ggml_type, num_rows, in_features, wide = weight.packed_args()
 
         # a closure with positional arguments, not a functools.partial of the kernel (whose
         # keyword arguments pybind11 parses: 1.5-1.8 us more a call at one row, measured)

@@ -44,8 +44,7 @@ def _packed(weight: Any) -> tuple[torch.Tensor, int, int, int, torch.Tensor | No
     """packed_matmul's weight arguments, or None for a weight the kernel does not hold."""
     if not (isinstance(weight, QuantizedWeight) and weight.is_packed):
         return None
-    num_rows, in_features = weight.shape
-    return weight.data, weight.ggml_type, num_rows, in_features, weight.wide
+    return weight.packed_args()
 
 
 def build_layer_stack(model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],

@@ -167,6 +167,12 @@ class QuantizedWeight:
             out = linear(flat, self._dense)
         return out.reshape(*x.shape[:-1], num_rows)
 
+    def packed_args(self) -> tuple[torch.Tensor, int, int, int, torch.Tensor | None]:
+        """What the kernel's packed_matmul takes after x: (packed, ggml_type, N, K, wide)."""
+        assert self.is_packed, "only a packed weight multiplies through packed_matmul"
+        num_rows, in_features = self.shape
+        return self.data, self.ggml_type, num_rows, in_features, self.wide
+
     @property
     def can_widen(self) -> bool:
         return self.is_packed and self.ggml_type in WIDE_TYPES
