@@ -62,7 +62,7 @@ def _matmul_weights(model: CausalLM) -> list[Any]:
 
 
 def _shape(weight: Any) -> tuple[int, int]:
-    return tuple(weight.shape)  # type: ignore[return-value]
+    return tuple(weight.shape)
 
 
 def _weight_bytes(weight: Any, rows: int) -> int:

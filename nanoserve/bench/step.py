@@ -131,7 +131,7 @@ def run_step_profile(engine: EngineCore, args: argparse.Namespace) -> list[StepP
     print(format_profiles(profiles))
     model = engine.loaded.model
     rates = measure_rates(model)
-    key_cache = engine.executor.worker.runner.kv_caches[0][0]
+    key_cache = engine.runner.kv_caches[0][0]
     print()
     print(format_floors([(p.batch, p.step_seconds,
                           step_floor(model, key_cache, p.batch, args.context_len, rates))

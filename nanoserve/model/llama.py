@@ -49,7 +49,7 @@ of 0.6-1.9 s); there the element-wise and Python buckets still fell 2-3x (batch 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -57,6 +57,7 @@ from torch import nn
 
 from nanoserve.model.arch import ArchConfig
 from nanoserve.model.attention import AttentionBackend, AttentionMetadata
+from nanoserve.model.attention.cpu_paged import CpuPagedMetadata
 from nanoserve.model.fused_ops import kernels
 from nanoserve.model.layer_ops import EXACT_OPS, OpTable, StepContext, fused_table
 from nanoserve.model.linear import linear
@@ -161,9 +162,10 @@ class CausalLM(nn.Module):
         eps = self.arch.rms_norm_eps
         cos, sin = table.rope_tables(self.rotary, positions)
         stack = self._native_stack(kv_caches, attention) if table.is_fused else None
-        if stack is not None:
-            return stack.forward(self._embed(input_ids), cos, sin, positions, meta.cache_index,
-                                 meta.block_table, meta.context_lens)
+        if stack is not None:  # only over CpuPagedBackend, whose metadata this is
+            paged = cast(CpuPagedMetadata, meta)
+            return stack.forward(self._embed(input_ids), cos, sin, positions, paged.cache_index,
+                                 paged.block_table, paged.context_lens)
         step = StepContext(positions, cos, sin, attention.forward, meta, meta.cache_index,
                            meta.reads_new_kv, eps)
         hidden = self._embed(input_ids)  # [T, hidden], a fresh tensor: updated in place
