@@ -23,6 +23,7 @@ from nanoserve.model.quantization import (
     make_matmul_weight,
     shape_of,
 )
+from nanoserve.model.weight_arena import gather_packed_weights
 
 ReadTensor = torch.Tensor | RawBlocks
 Loaded = torch.Tensor | RawBlocks | list[RawBlocks]
@@ -170,6 +171,8 @@ def load_into(model: CausalLM, tensors: Iterator[tuple[str, ReadTensor]], dtype:
         _set_weight(model, "lm_head", embedding if isinstance(embedding, QuantizedWeight)
                     else make_matmul_weight(embedding.data, quantization, dtype, device))
     _keep_wide_forms(model)
+    if device.type == "cpu":
+        gather_packed_weights(model)  # one huge-page buffer, in the order a step reads them
 
 
 # The 4-bit weights' wide forms (quant_linear.py) are kept when all of them together take at
