@@ -16,6 +16,8 @@ weights keep an exact cache.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -26,6 +28,7 @@ from nanoserve.model.attention import (
     select_attention_backend,
 )
 from nanoserve.model.llama import CausalLM
+from nanoserve.model.weight_arena import hugepage_buffer
 from nanoserve.protocol import StepInput
 
 KV_CACHE_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "int8": torch.int8}
@@ -71,8 +74,7 @@ class ModelRunner:
         # touched now, at start-up: a first write to a page during a step costs a page fault.
         shape = (arch.num_kv_heads, num_blocks, block_size,  # see model/attention/kv_rows.py
                  cache_row_elements(arch.head_dim, dtype))
-        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
-                           torch.zeros(shape, dtype=dtype, device=device))
+        self.kv_caches = [(_zeros(shape, dtype, device), _zeros(shape, dtype, device))
                           for _ in range(arch.num_layers)]
         # the C++ kernel where it reads this cache in place, else gather + SDPA
         self.attention = select_attention_backend(device, dtype, block_size=block_size,
@@ -110,3 +112,12 @@ class ModelRunner:
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-filled cache tensor; on the CPU on huge pages (model/weight_arena.py: decode
+    attention reads every request's rows of every layer each step), touched now."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return hugepage_buffer(num_bytes).view(dtype).view(shape).zero_()
