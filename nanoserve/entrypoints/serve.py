@@ -25,7 +25,9 @@ import os
 import signal
 import socket
 import sys
+from collections.abc import Coroutine
 from multiprocessing.process import BaseProcess
+from typing import Any
 
 import msgspec
 import torch
@@ -57,6 +59,20 @@ logger = logging.getLogger("nanoserve")
 _ENGINE_START_TIMEOUT_S = 900.0
 
 
+def run_event_loop(main: Coroutine[Any, Any, int]) -> int:
+    """`main` to completion on uvloop's event loop where it is installed (as vLLM's server
+    runs), else on asyncio's own. Measured on 2 cores, one stream against `--zero-cost-engine`:
+    the API process spent 0.66-0.77 ms of CPU a token on uvloop, 0.80-0.90 ms on asyncio's
+    loop, and on 2 cores that time comes out of the engine's. (httptools in place of h11 for
+    HTTP parsing measured within noise: 0.751 against 0.764 ms.)"""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(main)
+
+
 def run_serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     """The launcher. Returns the process exit status."""
     logging.basicConfig(level=server_config.log_level.upper(),
@@ -71,8 +87,8 @@ def run_serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     engine = start_engine_process(engine_config, addresses)
     try:
         if count == 1:
-            return asyncio.run(serve_api(engine_config, server_config, addresses, 0, sock,
-                                         engine_pid=engine.pid or 0, engine_process=engine))
+            return run_event_loop(serve_api(engine_config, server_config, addresses, 0, sock,
+                                            engine_pid=engine.pid or 0, engine_process=engine))
         return _run_api_processes(engine_config, server_config, addresses, engine, sock)
     finally:
         sock.close()
@@ -115,8 +131,8 @@ def api_process_main(engine_bytes: bytes, server_bytes: bytes, input_address: st
     logging.basicConfig(level=server_config.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s api-{index}: %(message)s")
     addresses = EngineAddresses(input_address, output_addresses)
-    sys.exit(asyncio.run(serve_api(engine_config, server_config, addresses, index, sock,
-                                   engine_pid=engine_pid, watch_parent=True)))
+    sys.exit(run_event_loop(serve_api(engine_config, server_config, addresses, index, sock,
+                                      engine_pid=engine_pid, watch_parent=True)))
 
 
 async def serve_api(engine_config: EngineConfig, server_config: ServerConfig,
