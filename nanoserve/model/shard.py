@@ -1,0 +1,106 @@
+"""Which slice of each weight a tensor-parallel rank holds (issue 23): pure functions, no processes.
+
+Megatron's layout, as nano-vllm and vLLM shard a Llama (reference/scale-out.md §3). With a
+weight W [N out, K in] (PyTorch's order):
+
+  q, k, v       rows by head: rank r holds heads [r H/tp, (r+1) H/tp); KV heads fewer than the
+                ranks are replicated, rank r holding head r Hkv / tp (mini-sglang's rule)
+  gate, up      rows (each part sharded, then fused)
+  o, down       columns, the input features: each rank's product is a partial sum (all-reduced)
+  embedding,    vocabulary rows [r V/tp, (r+1) V/tp)
+  LM head
+  norms, RoPE   whole on every rank
+
+A GGUF tensor (`RawBlocks`) is rows of quantized blocks (32 values for Q4_0/Q4_1/Q8_0, 256 for
+the K-quants, 1 for F16/F32/BF16). A row slice is whole raw rows; a column slice is the same
+byte range of every row and must fall on block boundaries, so each rank's blocks are the file's
+own (the activations' int8 blocks of 32 then equal TP 1's too). A shape that does not split is
+one `ValueError` naming the tensor, the dimension, the block and the sizes that would work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TypeVar
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from nanoserve.model.parallel import TensorParallelGroup
+from nanoserve.model.quantization import RawBlocks
+
+Weight = TypeVar("Weight", torch.Tensor, RawBlocks)
+
+
+def block_layout(ggml_type: int) -> tuple[int, int]:
+    """(values a block, bytes a block) of a GGUF tensor type."""
+    return GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+
+
+def split_range(size: int, group: TensorParallelGroup, name: str, dim: str,
+                unit: int = 1) -> tuple[int, int]:
+    """Rank `group.rank`'s [start, stop) of `size` cut into `group.world_size` equal parts of
+    whole `unit`s (a quantized block, a head's rows); ValueError when it does not divide."""
+    world = group.world_size
+    if size % (world * unit):
+        would = [n for n in range(1, min(size // unit, 64) + 1) if size % (n * unit) == 0]
+        in_units = f" in whole blocks of {unit}" if unit > 1 else ""
+        raise ValueError(
+            f"tensor {name!r}: its {dim} ({size}) does not split into {world} equal parts"
+            f"{in_units}; tensor-parallel sizes that would: {', '.join(map(str, would))}")
+    part = size // world
+    return group.rank * part, (group.rank + 1) * part
+
+
+def shard_rows(weight: Weight, start: int, stop: int) -> Weight:
+    """Rows [start, stop) of W (output features): a copy, so the rest can be freed."""
+    if isinstance(weight, torch.Tensor):
+        return weight[start:stop].clone()
+    rows = weight.data.reshape(weight.shape[0], -1)[start:stop]
+    data = rows.clone() if isinstance(rows, torch.Tensor) else np.array(rows)
+    return replace(weight, data=data, shape=(stop - start, weight.shape[1]))
+
+
+def shard_out_features(weight: Weight, group: TensorParallelGroup, name: str) -> Weight:
+    """This rank's rows of W: gate, up, the vocabulary of an embedding or LM head."""
+    return shard_rows(weight, *split_range(weight.shape[0], group, name, "rows"))
+
+
+def shard_in_features(weight: Weight, group: TensorParallelGroup, name: str) -> Weight:
+    """This rank's columns of W (o_proj, down_proj): for GGUF blocks, the same whole blocks of
+    every row."""
+    if isinstance(weight, torch.Tensor):
+        start, stop = split_range(weight.shape[1], group, name, "columns")
+        return weight[:, start:stop].contiguous()
+    block, block_bytes = block_layout(weight.ggml_type)
+    start, stop = split_range(weight.shape[1], group, name, "columns", unit=block)
+    rows = weight.data.reshape(weight.shape[0], -1)
+    sliced = rows[:, start // block * block_bytes : stop // block * block_bytes]
+    data = sliced.contiguous() if isinstance(sliced, torch.Tensor) else np.ascontiguousarray(sliced)
+    return replace(weight, data=data, shape=(weight.shape[0], stop - start))
+
+
+def head_range(num_heads: int, group: TensorParallelGroup, name: str,
+               replicate: bool = False) -> tuple[int, int]:
+    """This rank's heads [first, last). With `replicate` (KV heads), fewer heads than ranks
+    give each rank one head, rank r's being r * num_heads // world_size."""
+    world = group.world_size
+    if replicate and num_heads < world:
+        if world % num_heads:
+            would = [n for n in range(1, 4 * num_heads + 1) if num_heads % n == 0
+                     or n % num_heads == 0]
+            raise ValueError(
+                f"tensor {name!r}: its {num_heads} heads cannot go to {world} ranks evenly "
+                f"(each head to as many ranks); tensor-parallel sizes that would: "
+                f"{', '.join(map(str, would))}")
+        head = group.rank * num_heads // world
+        return head, head + 1
+    return split_range(num_heads, group, name, "heads")
+
+
+def shard_heads(weight: Weight, num_heads: int, head_dim: int, group: TensorParallelGroup,
+                name: str, replicate: bool = False) -> Weight:
+    """This rank's heads of a q, k or v projection (rows, head by head)."""
+    first, last = head_range(num_heads, group, name, replicate)
+    return shard_rows(weight, first * head_dim, last * head_dim)

@@ -1,0 +1,103 @@
+"""shard.py: every rank's slices join back to the original, float and each GGUF type; a
+dequantized shard is exactly the slice of the dequantized tensor; shapes that do not split
+name the tensor, the dimension, the block and the sizes that would."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf import quants
+
+from nanoserve.model.parallel import TensorParallelGroup
+from nanoserve.model.quantization import RawBlocks
+from nanoserve.model.shard import (
+    block_layout,
+    head_range,
+    shard_heads,
+    shard_in_features,
+    shard_out_features,
+)
+
+TYPES = [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q6_K]
+ROWS, COLUMNS = 12, 1024  # 1024 = 4 blocks of 256 or 32 of 32: splits 2 and 4 ways either way
+
+
+def raw_weight(ggml_type: T, seed: int = 0) -> RawBlocks:
+    """A valid GGUF tensor [ROWS, COLUMNS] of `ggml_type`: quantized by gguf where it can, else
+    random blocks whose float16 scales are set to finite values."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((ROWS, COLUMNS)).astype(np.float32)
+    if ggml_type in (T.Q4_K, T.Q6_K):
+        block, block_bytes = block_layout(ggml_type)
+        blocks = rng.integers(0, 256, (ROWS, COLUMNS // block, block_bytes), dtype=np.uint8)
+        scale = np.frombuffer(np.float16(0.01).tobytes(), dtype=np.uint8)
+        if ggml_type == T.Q4_K:  # d, dmin first
+            blocks[..., 0:2] = scale
+            blocks[..., 2:4] = scale
+        else:  # Q6_K: d last
+            blocks[..., -2:] = scale
+        data = blocks.reshape(ROWS, -1)
+    else:
+        data = quants.quantize(x, ggml_type).view(np.uint8).reshape(ROWS, -1)
+    return RawBlocks(data, int(ggml_type), (ROWS, COLUMNS))
+
+
+def groups(world: int) -> list[TensorParallelGroup]:
+    return [TensorParallelGroup(rank, world) for rank in range(world)]
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("world", [2, 4])
+def test_gguf_shards_join_back_and_dequantize_to_the_slices(ggml_type: T, world: int) -> None:
+    weight = raw_weight(ggml_type)
+    whole = weight.rows()
+    dense = weight.dequantize()
+    assert torch.isfinite(dense).all()
+    rows = [shard_out_features(weight, g, "w") for g in groups(world)]
+    assert torch.equal(torch.cat([r.rows() for r in rows]), whole)
+    assert torch.equal(torch.cat([r.dequantize() for r in rows]), dense)
+    columns = [shard_in_features(weight, g, "w") for g in groups(world)]
+    assert all(c.shape == (ROWS, COLUMNS // world) for c in columns)
+    assert torch.equal(torch.cat([c.rows() for c in columns], dim=1), whole)
+    assert torch.equal(torch.cat([c.dequantize() for c in columns], dim=1), dense)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_float_shards_join_back(world: int) -> None:
+    w = torch.randn(12, 24)
+    rows = [shard_out_features(w, g, "w") for g in groups(world)]
+    columns = [shard_in_features(w, g, "w") for g in groups(world)]
+    assert torch.equal(torch.cat(rows), w) and torch.equal(torch.cat(columns, dim=1), w)
+    assert all(c.is_contiguous() for c in columns)
+    bias = torch.randn(12)  # a 1-D bias shards by rows as its weight does
+    assert torch.equal(torch.cat([shard_out_features(bias, g, "b") for g in groups(world)]), bias)
+
+
+def test_heads_split_and_kv_heads_replicate_below_the_ranks() -> None:
+    # the default model: 9 query heads, 3 KV heads of 64, at TP 3
+    q = torch.randn(9 * 64, 576)
+    parts = [shard_heads(q, 9, 64, g, "q_proj") for g in groups(3)]
+    assert [p.shape[0] for p in parts] == [3 * 64] * 3 and torch.equal(torch.cat(parts), q)
+    # 2 KV heads on 4 ranks: ranks 0, 1 hold head 0; ranks 2, 3 head 1
+    assert [head_range(2, g, "k_proj", replicate=True) for g in groups(4)] == \
+        [(0, 1), (0, 1), (1, 2), (1, 2)]
+    k = torch.randn(2 * 8, 16)
+    assert torch.equal(shard_heads(k, 2, 8, TensorParallelGroup(3, 4), "k_proj", True), k[8:])
+
+
+def test_shapes_that_do_not_split_name_the_tensor_dimension_and_the_sizes_that_would() -> None:
+    with pytest.raises(ValueError, match=r"'q_proj': its heads \(9\) does not split into 2 "
+                                         r"equal parts; tensor-parallel sizes that would: 1, 3, 9"):
+        head_range(9, TensorParallelGroup(0, 2), "q_proj")
+    # 1,536 columns are 48 blocks of 32 but 6 of 256: TP 4 splits the first, not the second
+    q4_k = RawBlocks(np.zeros((4, 6 * 144), np.uint8), int(T.Q4_K), (4, 1536))
+    with pytest.raises(ValueError, match=r"'blk.0.ffn_down.weight': its columns \(1536\) does "
+                                         r"not split into 4 equal parts in whole blocks of 256; "
+                                         r"tensor-parallel sizes that would: 1, 2, 3, 6"):
+        shard_in_features(q4_k, TensorParallelGroup(0, 4), "blk.0.ffn_down.weight")
+    q8 = RawBlocks(np.zeros((4, 48 * 34), np.uint8), int(T.Q8_0), (4, 1536))
+    assert shard_in_features(q8, TensorParallelGroup(3, 4), "down").shape == (4, 384)
+    with pytest.raises(ValueError, match=r"2 heads cannot go to 3 ranks evenly"):
+        head_range(2, TensorParallelGroup(0, 3), "k_proj", replicate=True)
