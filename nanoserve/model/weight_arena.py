@@ -8,9 +8,9 @@ pages, where the kernel offers them; plain pages elsewhere, the same bytes), lay
 the forward reads them (qkv, o, gate_up, down, then the LM head; the wide forms, read only by
 batches of 16 rows and more, after them all), each step reads one region of few large pages.
 
-Measured on the 2-core EPYC, 30 layers' four projections at one row, interleaved rounds, best
-of 60: 3.93 ms from the loader's tensors, 3.37 ms from the arena (-14%); `nanoserve bench
-step` figures in docs/benchmarks.md (issue 22). The bytes are the same, so every output is too.
+Measured on the 2-core EPYC, interleaved rounds: the 30 layers' four projections at one row
+3.93 -> 3.37 ms (-14%), a batch-1 greedy decode 7.76 -> 6.77 ms a token (-13%); details in
+docs/benchmarks.md (issue 22). The bytes are the same, so every output is too.
 """
 
 from __future__ import annotations
