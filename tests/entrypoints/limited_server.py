@@ -1,7 +1,6 @@
 """A server with small limits on the tiny model, shared by the modules that check limits,
-hostile inputs and the default security settings. Starting one costs seconds, so the first
-module that asks starts it and the session's end stops it. (Not a conftest.py: a second
-`conftest` module would shadow tests/conftest.py for `from conftest import ...`.)"""
+hostile inputs and the default security settings (shared_server.py: the first module that
+asks starts it, the session's end stops it)."""
 
 from __future__ import annotations
 
@@ -11,6 +10,7 @@ from typing import Any
 import httpx
 import pytest
 from server_harness import RunningServer
+from shared_server import shared_server
 
 MODEL = "tiny"
 # small, so that a test can step just past each limit cheaply
@@ -21,20 +21,13 @@ LIMITS = {"--max-n": "4", "--max-stop-strings": "2", "--max-stop-string-length":
 
 
 LimitedServer = RunningServer  # its log (level info) is kept in `log_path`
-_shared: list[RunningServer] = []
 
 
-def shared_limited_server(request: pytest.FixtureRequest, model_dir: Path,
-                          tmp_path_factory: pytest.TempPathFactory) -> LimitedServer:
+def shared_limited_server(request: pytest.FixtureRequest, model_dir: Path) -> LimitedServer:
     """The session's limited server on `model_dir`, started on first use."""
-    if not _shared:
-        log_path = tmp_path_factory.mktemp("limited-server") / "server.log"
-        args = [item for pair in LIMITS.items() for item in pair]
-        server = RunningServer(str(model_dir), *args, "--served-model-name", MODEL,
-                               "--log-level", "info", log=log_path)
-        _shared.append(server)
-        request.session.addfinalizer(_stop_shared)
-    return _shared[0]
+    args = [item for pair in LIMITS.items() for item in pair]
+    return shared_server(request, str(model_dir), *args, "--served-model-name", MODEL,
+                         "--log-level", "info", keep_log=True)
 
 
 def error_of(response: httpx.Response, status: int) -> dict[str, Any]:
@@ -45,8 +38,3 @@ def error_of(response: httpx.Response, status: int) -> dict[str, Any]:
     assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
     assert body["error"]["code"] == status
     return dict(body["error"])
-
-
-def _stop_shared() -> None:
-    server = _shared.pop()
-    assert server.stop() == 0

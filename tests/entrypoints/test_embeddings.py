@@ -5,13 +5,13 @@ bad field a 400 that names it, and generation beside embeddings unchanged."""
 from __future__ import annotations
 
 import base64
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import openai
 import pytest
 from server_harness import RunningServer
+from shared_server import shared_server
 
 from nanoserve.entrypoints.openai.pooling.serving_embedding import MAX_INPUTS, encode_vector
 
@@ -27,10 +27,8 @@ TEXTS = [SHORT, "Paris is the capital of France.", "def add(a, b):\n    return a
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[RunningServer]:
-    running = RunningServer()
-    yield running
-    assert running.stop() == 0
+def server(request: pytest.FixtureRequest) -> RunningServer:
+    return shared_server(request)  # the default model, no flags: test_rerank.py's too
 
 
 @pytest.fixture(scope="module")

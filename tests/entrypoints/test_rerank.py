@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 from server_harness import RunningServer
+from shared_server import shared_server
 
 from nanoserve.entrypoints.openai.pooling.serving_score import (
     judge_prompt,
@@ -30,10 +31,9 @@ DOCUMENTS = ["Juliet is a common name for girls.",
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[RunningServer]:
-    running = RunningServer()  # the default model, the default --score-method
-    yield running
-    assert running.stop() == 0
+def server(request: pytest.FixtureRequest) -> RunningServer:
+    # the default model, the default --score-method: test_embeddings.py's server
+    return shared_server(request)
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -15,6 +14,7 @@ import jsonschema
 import openai
 import pytest
 from server_harness import API_KEY, RunningServer
+from shared_server import shared_server
 
 MODEL = "SmolLM2-135M-Instruct"
 pytestmark = pytest.mark.slow
@@ -33,10 +33,8 @@ ASK = "What is the weather in Paris?"
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[RunningServer]:
-    running = RunningServer("--max-model-len", "4096", api_key=API_KEY)
-    yield running
-    assert running.stop() == 0
+def server(request: pytest.FixtureRequest) -> RunningServer:
+    return shared_server(request, "--max-model-len", "4096", api_key=API_KEY)  # test_server_api's
 
 
 @pytest.fixture(scope="module")

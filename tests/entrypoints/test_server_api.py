@@ -6,22 +6,21 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
 from server_harness import API_KEY, RunningServer, sse_events, wait_until
+from shared_server import shared_server
 
 MODEL = "SmolLM2-135M-Instruct"
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[RunningServer]:
-    running = RunningServer("--max-model-len", "4096", api_key=API_KEY)
-    yield running
-    assert running.stop() == 0
+def server(request: pytest.FixtureRequest) -> RunningServer:
+    # test_responses_api.py's server too: the counters below are read as deltas
+    return shared_server(request, "--max-model-len", "4096", api_key=API_KEY)
 
 
 @pytest.fixture(scope="module")

@@ -13,9 +13,8 @@ from server_harness import RunningServer
 
 
 @pytest.fixture(scope="module")
-def limited_server(request: pytest.FixtureRequest, tiny_model_dir: Any,
-                   tmp_path_factory: pytest.TempPathFactory) -> LimitedServer:
-    return shared_limited_server(request, tiny_model_dir("llama"), tmp_path_factory)
+def limited_server(request: pytest.FixtureRequest, tiny_model_dir: Any) -> LimitedServer:
+    return shared_limited_server(request, tiny_model_dir("llama"))
 
 
 ROLES = "'system', 'developer', 'user', 'assistant', 'tool' or 'function'"
