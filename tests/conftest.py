@@ -21,10 +21,12 @@ from nanoserve.model.tokenizer import load_tokenizer_from_gguf
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Mark `server` the tests of a module that starts `nanoserve serve` subprocesses (it uses
-    tests/entrypoints/server_harness.py): seconds each, so `make test-fast` leaves them out."""
+    tests/entrypoints/server_harness.py or shared_server.py): seconds each, so `make test-fast`
+    leaves them out."""
+    harnesses = ("server_harness", "shared_server")
     for item in items:
         module = getattr(item, "module", None)
-        if module is not None and any(getattr(value, "__module__", None) == "server_harness"
+        if module is not None and any(getattr(value, "__module__", None) in harnesses
                                       for value in vars(module).values()):
             item.add_marker(pytest.mark.server)
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from server_harness import RunningServer
+import pytest
+from shared_server import shared_server
 
 from nanoserve.bench.chaos import plan, run_chaos
 
@@ -24,12 +25,12 @@ def test_plan_gives_each_behaviour_its_share() -> None:
     assert plan(200, chaos_args()) == behaviours  # seeded
 
 
-def test_chaos_leaves_nothing_behind(tiny_model_dir: Any) -> None:
-    server = RunningServer(str(tiny_model_dir("llama")))
-    try:
-        report = run_chaos(server.url, chaos_args(), pid=server.proc.pid)
-    finally:
-        assert server.stop() == 0
+def test_chaos_leaves_nothing_behind(request: pytest.FixtureRequest,
+                                    tiny_model_dir: Any) -> None:
+    # the tiny model, no flags: test_server_port.py's first server too (which then checks it
+    # still answers); it must exit 0 at the session's end
+    server = shared_server(request, str(tiny_model_dir("llama")))
+    report = run_chaos(server.url, chaos_args(), pid=server.proc.pid)
     print("\n".join(report.lines()))
     assert {o.endpoint for o in report.outcomes} == {"completions", "chat", "messages",
                                                      "responses"}

@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 from server_harness import RunningServer
+from shared_server import shared_server
 
 pytestmark = pytest.mark.server
 
@@ -47,13 +48,10 @@ def assert_refused(model: str, server: RunningServer) -> None:
     assert completion(server) == before  # the first one still answers, the same
 
 
-def test_a_second_server_on_a_busy_port_exits_with_one_line(tiny_model_dir: Any) -> None:
+def test_a_second_server_on_a_busy_port_exits_with_one_line(request: pytest.FixtureRequest,
+                                                          tiny_model_dir: Any) -> None:
     model = str(tiny_model_dir("llama"))
-    server = RunningServer(model)
-    try:
-        assert_refused(model, server)
-    finally:
-        assert server.stop() == 0
+    assert_refused(model, shared_server(request, model))  # test_chaos.py's; exits 0 at the end
 
 
 def test_api_server_count_2_shares_its_port_and_still_refuses_a_second_server(
