@@ -25,9 +25,14 @@ def free_port() -> int:
 
 
 class RunningServer:
-    """`nanoserve serve ...` on a free port; `stop()` sends SIGTERM and waits."""
+    """`nanoserve serve ...` on a free port; `stop()` sends SIGTERM and waits.
 
-    def __init__(self, *args: str, api_key: str | None = None, log: Path | None = None) -> None:
+    The constructor waits until the server is healthy; with `wait=False` it returns once the
+    process is started, and the caller does other work (starts another server, loads a model)
+    before `wait_healthy()`: a start is seconds of one core, and the machine has two."""
+
+    def __init__(self, *args: str, api_key: str | None = None, log: Path | None = None,
+                 wait: bool = True) -> None:
         self.port = free_port()
         self.api_key = api_key
         cmd = [sys.executable, "-m", "nanoserve.entrypoints.cli", "serve", "--port",
@@ -38,9 +43,12 @@ class RunningServer:
         self.log = open(log or os.devnull, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
         self.url = f"http://127.0.0.1:{self.port}"
-        self._wait_healthy()
+        if wait:
+            self.wait_healthy()
 
-    def _wait_healthy(self, timeout: float = 240.0) -> None:
+    def wait_healthy(self, timeout: float = 240.0) -> None:
+        """Return once /health says 200; raise, the server stopped, if it exits first or
+        `timeout` passes."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -207,27 +207,40 @@ def test_chat_template_flag_takes_text_or_a_file(tmp_path: Path,
 
 
 def start_server(model: Path, *args: str, monkeypatch: pytest.MonkeyPatch) -> RunningServer:
+    """Started, not yet healthy (`wait_healthy()`)."""
     monkeypatch.setenv("PYTHONPATH", str(HERE))  # where scripted_output lives
     return RunningServer(str(model), "--served-model-name", MODEL, "--logits-processors",
-                         "scripted_output:ScriptedOutput", *args)
+                         "scripted_output:ScriptedOutput", *args, wait=False)
 
 
 @pytest.fixture(scope="module")
-def hermes_server(tiny_model_dir: Any) -> Iterator[RunningServer]:
+def servers(tiny_model_dir: Any) -> Iterator[dict[str, RunningServer]]:
+    """Both servers, started at once (each start is seconds of one core): "hermes" with
+    --tool-call-parser hermes and the Qwen template, "plain" with no --tool-call-parser and
+    the model's own template (which ignores tools)."""
     with pytest.MonkeyPatch.context() as monkeypatch:
-        server = start_server(tiny_model_dir("llama"), "--tool-call-parser", "hermes",
-                              "--chat-template", QWEN_TOOLS_TEMPLATE, monkeypatch=monkeypatch)
-    yield server
-    assert server.stop() == 0
+        started = {"hermes": start_server(tiny_model_dir("llama"), "--tool-call-parser",
+                                          "hermes", "--chat-template", QWEN_TOOLS_TEMPLATE,
+                                          monkeypatch=monkeypatch),
+                   "plain": start_server(tiny_model_dir("llama"), monkeypatch=monkeypatch)}
+    try:
+        for server in started.values():
+            server.wait_healthy()
+        yield started
+    finally:
+        exits = {name: server.stop() for name, server in started.items()}
+    assert exits == {"hermes": 0, "plain": 0}
 
 
 @pytest.fixture(scope="module")
-def plain_server(tiny_model_dir: Any) -> Iterator[RunningServer]:
+def hermes_server(servers: dict[str, RunningServer]) -> RunningServer:
+    return servers["hermes"]
+
+
+@pytest.fixture(scope="module")
+def plain_server(servers: dict[str, RunningServer]) -> RunningServer:
     """No --tool-call-parser, the model's own template (which ignores tools)."""
-    with pytest.MonkeyPatch.context() as monkeypatch:
-        server = start_server(tiny_model_dir("llama"), monkeypatch=monkeypatch)
-    yield server
-    assert server.stop() == 0
+    return servers["plain"]
 
 
 @pytest.fixture(scope="module")

@@ -197,10 +197,12 @@ def test_two_api_servers_serve_the_same_results(tiny_model_dir: Any,
                                                  temperature=0.8, seed=9).choices[0].text)
         return out
 
-    one = start_server(model)
+    one = start_server(model, wait=False)  # both start at once, each on a core
+    two = start_server(model, "--api-server-count", "2", wait=False)
+    one.wait_healthy()
+    two.wait_healthy()
     expected = answers(one)
     one.stop()
-    two = start_server(model, "--api-server-count", "2")
     assert answers(two) == expected
     assert two.stop() == 0
 
