@@ -29,13 +29,31 @@ QUESTION = "Q: What is the capital of France?\nA:"  # greedy: an answer, then EO
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[RunningServer]:
+def server_and_scripts() -> Iterator[tuple[RunningServer, dict[str, list[int]]]]:
+    """The server, and each prompt's greedy continuation (40 tokens or to EOS) from the
+    offline engine, computed here while the server starts in its own processes."""
     with pytest.MonkeyPatch.context() as monkeypatch:
         monkeypatch.setenv("PYTHONPATH", str(HERE))  # where scripted_drafts lives
         running = RunningServer("--draft-proposer", "scripted_drafts:ScriptedDrafts",
-                                "--speculative-max-rows", "256")  # every draft taken
-    yield running
-    assert running.stop() == 0
+                                "--speculative-max-rows", "256",  # every draft taken
+                                wait=False)
+    try:
+        llm = LLM(quantization="gguf")
+        params = SamplingParams(temperature=0.0, max_tokens=40)
+        scripts = {prompt: out.outputs[0].token_ids + [GARBAGE_TOKEN] * 8
+                   for prompt, out in zip((COUNT, QUESTION),
+                                          llm.generate([COUNT, QUESTION], params), strict=True)}
+        del llm
+        running.wait_healthy()
+        yield running, scripts
+    finally:
+        code = running.stop()
+    assert code == 0
+
+
+@pytest.fixture(scope="module")
+def server(server_and_scripts: tuple[RunningServer, dict[str, list[int]]]) -> RunningServer:
+    return server_and_scripts[0]
 
 
 @pytest.fixture(scope="module")
@@ -44,13 +62,9 @@ def client(server: RunningServer) -> openai.OpenAI:
 
 
 @pytest.fixture(scope="module")
-def scripts() -> dict[str, list[int]]:
-    """Each prompt's greedy continuation, 40 tokens or to EOS, from the offline engine."""
-    llm = LLM(quantization="gguf")
-    params = SamplingParams(temperature=0.0, max_tokens=40)
-    return {prompt: out.outputs[0].token_ids + [GARBAGE_TOKEN] * 8
-            for prompt, out in zip((COUNT, QUESTION), llm.generate([COUNT, QUESTION], params),
-                                   strict=True)}
+def scripts(server_and_scripts: tuple[RunningServer, dict[str, list[int]]]
+            ) -> dict[str, list[int]]:
+    return server_and_scripts[1]
 
 
 def _fields(completion: Any) -> tuple[Any, ...]:
