@@ -5,6 +5,11 @@ the user's cache directory (`~/.cache/nanoserve/ext`, or `$XDG_CACHE_HOME/nanose
 the first start on a machine pays for the build. `make install` builds them ahead of time
 (`python -m nanoserve.native`).
 
+Builds of one kernel are serialised by an `flock` on its build directory, which the kernel drops
+when the holder dies. torch's own lock (a `lock` file it creates and deletes) outlives a build that
+was killed, and every later build then waits on it forever; under our lock any such file is a
+leftover, and is removed.
+
 Flags are fixed, never `-march=native`: AVX2 + FMA + F16C is what the kernels use, the build
 machine may differ from the run machine, and AVX-512 must not be emitted. Where there is no
 compiler, no AVX2, or the build fails, `load_kernels` returns None and says why once; the callers
@@ -13,12 +18,15 @@ then keep the plain PyTorch path.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import os
 import shutil
 import sys
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -66,6 +74,16 @@ def load_kernels(name: str) -> ModuleType | None:
     return None
 
 
+@contextlib.contextmanager
+def build_lock(build_dir: Path) -> Iterator[None]:
+    """Holds this kernel's build to one process at a time; clears a killed build's torch lock."""
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "nanoserve.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # released by the kernel, also when the holder dies
+        (build_dir / "lock").unlink(missing_ok=True)  # torch's baton: only a dead build left it
+        yield
+
+
 def _build(name: str) -> ModuleType:
     from torch.utils.cpp_extension import load
 
@@ -74,14 +92,14 @@ def _build(name: str) -> ModuleType:
     if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
     build_dir = cache_dir() / name
-    build_dir.mkdir(parents=True, exist_ok=True)
     # torch rebuilds when a source or a flag changes, and sees only the .cpp: the headers'
     # hash, as a flag, makes an edited header rebuild the kernels that include it
     headers = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(CSRC_DIR.glob("*.h"))))
     flags = [*CPU_FLAGS, f"-DNANOSERVE_HEADERS={headers.hexdigest()[:16]}"]
-    return load(name=f"nanoserve_{name}", sources=[str(CSRC_DIR / f"{name}.cpp")],
-                extra_cflags=flags, extra_ldflags=["-fopenmp"],
-                build_directory=str(build_dir), verbose=False)
+    with build_lock(build_dir):
+        return load(name=f"nanoserve_{name}", sources=[str(CSRC_DIR / f"{name}.cpp")],
+                    extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                    build_directory=str(build_dir), verbose=False)
 
 
 # decode_layers calls the ops the first three register: it loads after them

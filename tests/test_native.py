@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
+import threading
+from pathlib import Path
 
 import pytest
 
-from nanoserve.native import missing_build_tool
+from nanoserve.native import build_lock, missing_build_tool
 
 
 def test_a_missing_compiler_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -34,3 +37,31 @@ def test_without_a_compiler_quantized_weights_fall_back_to_float() -> None:
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "C++ kernels unavailable (no C++ compiler" in out.stdout
+
+
+def test_a_build_killed_mid_way_does_not_block_the_next(tmp_path: Path) -> None:
+    """torch's build lock is a file that a killed build leaves behind, and torch waits on it
+    forever; a build that died holding ours leaves nothing that blocks the next build."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys, time, pathlib\n"
+         "from nanoserve.native import build_lock\n"
+         f"with build_lock(pathlib.Path({str(tmp_path)!r})):\n"
+         f"    pathlib.Path({str(tmp_path / 'lock')!r}).touch()  # torch's, as in its build\n"
+         "    print('held', flush=True)\n"
+         "    time.sleep(600)\n"],
+        stdout=subprocess.PIPE, text=True)
+    assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+    entered = threading.Event()
+
+    def build() -> None:
+        with build_lock(tmp_path):
+            entered.set()
+
+    waiting = threading.Thread(target=build, daemon=True)
+    waiting.start()
+    assert not entered.wait(0.5)  # a live build holds the lock
+    holder.send_signal(signal.SIGKILL)
+    holder.wait(timeout=30)
+    assert entered.wait(30)  # its death frees it
+    assert not (tmp_path / "lock").exists()
