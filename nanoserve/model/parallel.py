@@ -1,25 +1,38 @@
 """The tensor-parallel group a model's layers reduce their partial results over.
 
-Under tensor parallelism (issue 17) each rank holds a slice of every projection: the attention
+Under tensor parallelism (issue 23) each rank holds a slice of every projection: the attention
 output projection and the MLP down projection then each give a partial sum that every rank
-must add up (one all-reduce after each, Megatron's layout). The decoder layer calls
-`all_reduce` at exactly those two places already; at one rank, the only case today, the group
-is the identity and returns its argument (a Python call, ~50 ns: no copy, no op).
+must add up (one all-reduce after each, Megatron's layout), and the LM head gives each rank
+a slice of the vocabulary's logits, gathered to rank 0 only (the only rank that samples,
+as nano-vllm's `ParallelLMHead`; reference/scale-out.md §1). At one rank, the only case
+without workers, the group is the identity and returns its argument (a Python call, ~50 ns:
+no copy, no op).
+
+Several ranks talk over torch.distributed's gloo backend on the CPU. Rank 0 opens the
+rendezvous store on a port the OS picks (port 0), so no fixed port can collide (nano-vllm's
+2333 does) and no port is picked, closed and bound again by someone else in between.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import datetime
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT_S = 60.0  # a collective that waits longer has lost a rank (mini-sglang's)
 
 
 @dataclass(frozen=True, slots=True)
 class TensorParallelGroup:
-    """This process's rank among `world_size` ranks that split the model's weights."""
+    """This process's rank among `world_size` ranks that split the model's weights; with
+    more than one, `process_group` is the torch.distributed group they reduce over."""
 
     rank: int = 0
     world_size: int = 1
+    process_group: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -30,7 +43,57 @@ class TensorParallelGroup:
         return self.world_size == 1
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """The sum of `x` [..] over the group's ranks; `x` itself, unchanged, at one rank."""
+        """The sum of `x` [..] over the group's ranks, in place; `x` itself, unchanged, at one
+        rank."""
         if self.world_size == 1:
             return x
-        raise NotImplementedError("tensor parallelism (issue 17) brings the multi-rank group")
+        dist.all_reduce(x, group=self.process_group)
+        return x
+
+    def gather_to_rank0(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's `x` [rows, n] joined on the last dimension, [rows, world_size * n],
+        on rank 0; on the other ranks `x` itself (they sample nothing). `x` at one rank."""
+        if self.world_size == 1:
+            return x
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.world_size)] if self.rank == 0 else None
+        dist.gather(x, parts, dst=0, group=self.process_group)
+        return torch.cat(parts, dim=-1) if parts is not None else x
+
+    def broadcast_int(self, value: int) -> int:
+        """Rank 0's `value` on every rank (the KV cache's block count: rank 0 sizes it)."""
+        if self.world_size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.broadcast(t, src=0, group=self.process_group)
+        return int(t.item())
+
+
+def open_rendezvous(host: str = "127.0.0.1",
+                    timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[dist.TCPStore, int]:
+    """Rank 0's rendezvous store, listening on a free port the OS picked; (store, its port)."""
+    store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=timeout_s))
+    return store, store.port
+
+
+def init_group(rank: int, world_size: int, host: str, port: int,
+               store: dist.TCPStore | None = None,
+               timeout_s: float = DEFAULT_TIMEOUT_S) -> TensorParallelGroup:
+    """Join the gloo group of `world_size` ranks that meet at tcp://host:port (rank 0 passes
+    the store it opened); returns once every rank has joined, or raises after `timeout_s`."""
+    if world_size == 1:
+        return TensorParallelGroup()
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if store is None:
+        store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                            timeout=timeout)
+    return TensorParallelGroup(rank, world_size, dist.group.WORLD)
+
+
+def destroy_group(group: TensorParallelGroup) -> None:
+    """Leave the group cleanly: only when every rank shuts down together (on an error path a
+    process exits instead, torchtitan PR #1342: a destroy can hang on a dead peer)."""
+    if not group.is_single and dist.is_initialized():
+        dist.destroy_process_group()
