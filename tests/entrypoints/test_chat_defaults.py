@@ -7,6 +7,7 @@ import json
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -66,11 +67,15 @@ def nanoserve_chat(model: Path, *flags: str) -> str:
 
 def test_cli_chat_starts_from_the_model_defaults_and_flags_win(tiny_model_dir: Any,
                                                                tmp_path: Path) -> None:
-    model = tmp_path / "model"
-    shutil.copytree(tiny_model_dir("llama"), model)
+    plain, tuned = tmp_path / "model", tmp_path / "tuned"
+    shutil.copytree(tiny_model_dir("llama"), plain)
+    shutil.copytree(tiny_model_dir("llama"), tuned)
+    config = json.loads((tuned / "generation_config.json").read_text())
+    (tuned / "generation_config.json").write_text(json.dumps({**config, "temperature": 0.3}))
+    # both chats at once: each is seconds of start-up on one core
+    with ThreadPoolExecutor(2) as pool:
+        preset = pool.submit(nanoserve_chat, plain)
+        out = pool.submit(nanoserve_chat, tuned, "--top-p", "0.5").result()
     assert "temperature 0.7, top_p 0.95, min_p 0.05, max_tokens 2 (from the chat preset" \
-        in nanoserve_chat(model)
-    config = json.loads((model / "generation_config.json").read_text())
-    (model / "generation_config.json").write_text(json.dumps({**config, "temperature": 0.3}))
-    out = nanoserve_chat(model, "--top-p", "0.5")
+        in preset.result()
     assert "sampling: temperature 0.3, top_p 0.5, max_tokens 2 (from the model's defaults" in out

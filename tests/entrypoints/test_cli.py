@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -62,23 +63,32 @@ def test_help_does_not_load_torch(command: list[str]) -> None:
 
 def test_benchmarks_run_and_print_their_figures(tiny_model_dir: Any) -> None:
     model = str(tiny_model_dir("llama"))
-    done = nanoserve("bench", "throughput", "--model", model, "--num-prompts", "4",
-                     "--input-len", "16", "--output-len", "4", "--skip-transformers")
+    commands = {
+        "throughput": ("throughput", "--model", model, "--num-prompts", "4", "--input-len",
+                       "16", "--output-len", "4", "--skip-transformers"),
+        "sampler": ("sampler", "--model", model, "--batch-sizes", "1,4", "--repeats", "1"),
+        "detokenize": ("detokenize", "--model", model, "--lengths", "10,100"),
+        # bench serve starts `nanoserve serve` itself, streams to it, and stops it
+        "serve": ("serve", "--model", model, "--concurrency", "2", "--num-requests", "4",
+                  "--input-len", "8", "--output-len", "4"),
+    }
+    # all four at once: each is seconds of start-up on one core (only their output is checked)
+    with ThreadPoolExecutor(len(commands)) as pool:
+        runs = dict(zip(commands, pool.map(lambda args: nanoserve("bench", *args),
+                                           commands.values()), strict=True))
+    done = runs["throughput"]
     assert done.returncode == 0, done.stderr
     assert "nanoserve tok/s" in done.stdout and "step / matmuls" in done.stdout
     assert "4 sequences, round 2: nanoserve" in done.stdout and "best of 2 rounds" in done.stdout
-    done = nanoserve("bench", "sampler", "--model", model, "--batch-sizes", "1,4",
-                     "--repeats", "1")
+    done = runs["sampler"]
     assert done.returncode == 0, done.stderr
     assert "vs multinomial" in done.stdout
     for context_len in (64, 128, 256):
         assert f"{context_len}-token prompts" in done.stdout
-    done = nanoserve("bench", "detokenize", "--model", model, "--lengths", "10,100")
+    done = runs["detokenize"]
     assert done.returncode == 0, done.stderr
     assert "µs per token" in done.stdout and "naive / ours" in done.stdout
-    # bench serve starts `nanoserve serve` itself, streams to it, and stops it
-    done = nanoserve("bench", "serve", "--model", model, "--concurrency", "2",
-                     "--num-requests", "4", "--input-len", "8", "--output-len", "4")
+    done = runs["serve"]
     assert done.returncode == 0, done.stderr
     row = next(line.split() for line in done.stdout.splitlines() if line.strip().startswith("2 "))
     assert row[1:3] == ["4", "0"]  # requests, failed

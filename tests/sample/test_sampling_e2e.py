@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -121,18 +122,23 @@ def test_cli_flag_loads_a_custom_processor(tiny_model_dir: Any, tmp_path: Path,
              "--model", str(tiny_model_dir("llama")), "--temperature", "0", "--max-tokens",
              "12", "--ignore-eos", *extra], capture_output=True, text=True, env=env, timeout=300)
 
-    plain = generate()
+    flags = {"plain": (),
+             "banned": ("--logits-processors", "ban_module:BanToken", "--extra-args",
+                        f'{{"ban_token": {victim}}}'),
+             "bad": ("--logits-processors", "ban_module:BanToken", "--extra-args",
+                     '{"ban_token": "x"}'),
+             "missing": ("--logits-processors", "no_such_module:Nope")}
+    # the four runs at once: each is seconds of start-up on one core
+    with ThreadPoolExecutor(len(flags)) as pool:
+        runs = dict(zip(flags, pool.map(lambda extra: generate(*extra), flags.values()),
+                        strict=True))
+    plain, banned, bad, missing = runs["plain"], runs["banned"], runs["bad"], runs["missing"]
     assert plain.returncode == 0 and plain.stdout.strip() == ("Once upon" + baseline.text)
-    banned = generate("--logits-processors", "ban_module:BanToken", "--extra-args",
-                      f'{{"ban_token": {victim}}}')
     assert banned.returncode == 0, banned.stderr
     assert banned.stdout != plain.stdout
     victim_text = llm.get_tokenizer().decode([victim])
     assert not banned.stdout.startswith("Once upon" + victim_text)
-    bad = generate("--logits-processors", "ban_module:BanToken", "--extra-args",
-                   '{"ban_token": "x"}')
     assert bad.returncode == 2 and "extra_args['ban_token']" in bad.stderr
-    missing = generate("--logits-processors", "no_such_module:Nope")
     assert missing.returncode == 2 and "cannot import 'no_such_module'" in missing.stderr
 
 
