@@ -5,12 +5,12 @@ and `data:` lines, no `[DONE]`), the event names and their order, each event's f
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
-from server_harness import RunningServer
+from server_harness import API_KEY, RunningServer
+from shared_server import shared_server
 
 MODEL = "SmolLM2-135M-Instruct"
 pytestmark = pytest.mark.slow
@@ -38,10 +38,10 @@ FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[RunningServer]:
-    running = RunningServer("--max-model-len", "2048")
-    yield running
-    assert running.stop() == 0
+def server(request: pytest.FixtureRequest) -> RunningServer:
+    # test_responses_api's server: a longer context and an API key (sent below) change nothing
+    # in the events' framing
+    return shared_server(request, "--max-model-len", "4096", api_key=API_KEY)
 
 
 def stream(server: RunningServer, **fields: Any) -> list[dict[str, Any]]:
@@ -49,7 +49,8 @@ def stream(server: RunningServer, **fields: Any) -> list[dict[str, Any]]:
     `data:` line after it, blocks ended by a blank line."""
     body = {"model": MODEL, "stream": True, "temperature": 0, **fields}
     events = []
-    with httpx.stream("POST", server.url + "/v1/responses", json=body, timeout=120) as answer:
+    with httpx.stream("POST", server.url + "/v1/responses", json=body, headers=server.headers,
+                      timeout=120) as answer:
         assert answer.status_code == 200
         assert answer.headers["content-type"].startswith("text/event-stream")
         text = answer.read().decode()

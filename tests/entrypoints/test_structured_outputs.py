@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import Iterator
 from typing import Any
 
 import jsonschema
@@ -16,7 +15,8 @@ import llguidance
 import openai
 import pydantic
 import pytest
-from server_harness import RunningServer
+from server_harness import API_KEY, RunningServer
+from shared_server import shared_server
 
 from nanoserve.entrypoints.openai.errors import APIError
 from nanoserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
@@ -169,10 +169,9 @@ num ::= [1-9] [0-9]?'''
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[RunningServer]:
-    running = RunningServer("--max-model-len", "4096")
-    yield running
-    assert running.stop() == 0
+def server(request: pytest.FixtureRequest) -> RunningServer:
+    # test_server_api's server (its API key changes nothing here: every call sends it)
+    return shared_server(request, "--max-model-len", "4096", api_key=API_KEY)
 
 
 @pytest.fixture(scope="module")
