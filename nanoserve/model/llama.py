@@ -25,10 +25,12 @@ as any other (see there). Where the fused table runs over the CPU paged attentio
 (native_layers.py: the same kernels in the same order, bit for bit; `--enforce-eager` keeps
 this Python loop).
 
-Under tensor parallelism (issue 17) each layer all-reduces two partial sums over its group
-(parallel.py): the attention output projection's and the down projection's, each before it is
-added to the residual stream (here: before the norm that folds the add in). At one rank the
-group is the identity.
+Under tensor parallelism (issue 23) each rank holds its heads, MLP rows and vocabulary rows
+(shard.py) and each layer all-reduces two partial sums over its group (parallel.py): the
+attention output projection's and the down projection's, each before it is added to the
+residual stream (here: before the norm that folds the add in); the embedding is a masked
+lookup plus an all-reduce, the logits are gathered to rank 0. At one rank the group is the
+identity.
 
 `bench step` on the default model (Q4_1, float16 cache, context 256), plain vs fused toggled on
 one engine in interleaved rounds (medians of 8 rounds of 10 steps at batch 1, 4 of 5 at 64)
@@ -64,6 +66,7 @@ from nanoserve.model.linear import linear
 from nanoserve.model.native_layers import build_layer_stack
 from nanoserve.model.parallel import TensorParallelGroup
 from nanoserve.model.rope import RotaryEmbedding
+from nanoserve.model.shard import local_arch, vocab_range
 
 
 class DecoderLayer(nn.Module):
@@ -129,13 +132,18 @@ class CausalLM(nn.Module):
 
     def __init__(self, arch: ArchConfig, group: TensorParallelGroup | None = None) -> None:
         super().__init__()
-        self.arch = arch
         self.group = group or TensorParallelGroup()
-        self.embed_tokens = _param(arch.vocab_size, arch.hidden_size)
+        self.full_arch = arch  # the whole model's shape, as the checkpoint gives it
+        # this rank's heads and MLP rows (the whole model at one rank), and its vocabulary
+        # rows [vocab_start, vocab_end) of the embedding and the LM head
+        self.arch = arch = local_arch(arch, self.group)
+        self.vocab_start, self.vocab_end = vocab_range(arch, self.group)
+        num_rows = self.vocab_end - self.vocab_start
+        self.embed_tokens = _param(num_rows, arch.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(arch) for _ in range(arch.num_layers))
         self.norm = _param(arch.hidden_size)
         # Tied models reuse the embedding matrix: the loader points `lm_head` at the same tensor.
-        self.lm_head = _param(arch.vocab_size, arch.hidden_size)
+        self.lm_head = _param(num_rows, arch.hidden_size)
         self.rotary: RotaryEmbedding | None = None
         # The fused op table or the exact one: None decides at the first forward (quantized
         # weights on the CPU in float32, with the kernel built); tests set it to run both on
@@ -191,6 +199,9 @@ class CausalLM(nn.Module):
     def _native_stack(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                       attention: AttentionBackend[Any]) -> Any | None:
         """The layers as one native call over these caches (built at first use), or None."""
+        # Under tensor parallelism the Python layer loop runs: the native stack chains every
+        # layer in C++ with no all-reduce between them, so build_layer_stack gives None for
+        # any group but the plain one of one rank.
         if not self.use_native_layers:
             return None
         if self._layer_stack is None or self._layer_stack[0] is not kv_caches:
@@ -208,14 +219,27 @@ class CausalLM(nn.Module):
                 and kernels() is not None)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] -> [T, hidden]. Under tensor parallelism each rank looks up the ids
+        in its vocabulary rows and zeroes the others; the all-reduce then gives every id its
+        own row exactly (the other ranks add zeros), as nano-vllm's VocabParallelEmbedding."""
+        if self.group.world_size == 1:
+            return self._lookup(input_ids)
+        is_local = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+        hidden = self._lookup(torch.where(is_local, input_ids - self.vocab_start, 0))
+        return self.group.all_reduce(hidden.masked_fill_(~is_local.unsqueeze(-1), 0.0))
+
+    def _lookup(self, input_ids: torch.Tensor) -> torch.Tensor:
         table = self.embed_tokens
         if isinstance(table, torch.Tensor):
             return F.embedding(input_ids, table)
         return table.rows(input_ids)  # quantized blocks, dequantized row by row (exact)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[num_rows, hidden] -> [num_rows, vocab] in float32 (the sampler's dtype)."""
-        return linear(hidden, self.lm_head).float()
+        """[num_rows, hidden] -> [num_rows, vocab] in float32 (the sampler's dtype). Under
+        tensor parallelism each rank multiplies by its vocabulary rows of the head and rank 0
+        gathers the slices (the other ranks get their own slice back: they sample nothing)."""
+        logits = linear(hidden, self.lm_head).float()
+        return logits if self.group.world_size == 1 else self.group.gather_to_rank0(logits)
 
 
 def _param(*shape: int) -> nn.Parameter:

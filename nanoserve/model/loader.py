@@ -20,6 +20,7 @@ from nanoserve.config import DEFAULT_MODEL_NAME
 from nanoserve.model.arch import ArchConfig
 from nanoserve.model.gguf_file import GGUFFile
 from nanoserve.model.llama import CausalLM
+from nanoserve.model.parallel import TensorParallelGroup
 from nanoserve.model.quantization import resolve_mode
 from nanoserve.model.rope import RotaryEmbedding, inverse_frequencies
 from nanoserve.model.tokenizer import load_tokenizer_from_dir, load_tokenizer_from_gguf
@@ -40,7 +41,7 @@ class LoadedModel:
     """A model ready to run, with everything the engine and the frontend need to know about it."""
 
     model: CausalLM
-    arch: ArchConfig
+    arch: ArchConfig  # this rank's (its heads and MLP rows; the whole model at one rank)
     tokenizer: Any  # a transformers PreTrainedTokenizerBase
     path: Path
     name: str
@@ -104,9 +105,11 @@ def load_frontend(model: str | None) -> FrontendModel:
 
 
 def load_model(model: str | None, device: torch.device, dtype: torch.dtype,
-               max_positions: int | None = None, quantization: str = "auto") -> LoadedModel:
+               max_positions: int | None = None, quantization: str = "auto",
+               group: TensorParallelGroup | None = None) -> LoadedModel:
     """Read weights, tokenizer and generation defaults; put the model on `device` in `dtype`,
-    its matmul weights held as `quantization` says (model/quantization.py)."""
+    its matmul weights held as `quantization` says (model/quantization.py). With a `group` of
+    several ranks, only this rank's shard of the weights (shard.py)."""
     path = resolve_model_path(model)
     mode = resolve_mode(quantization, not path.is_dir(), device)
     rope_factors = None
@@ -126,13 +129,13 @@ def load_model(model: str | None, device: torch.device, dtype: torch.dtype,
         tokenizer = load_tokenizer_from_gguf(gguf)
         generation_config = gguf_sampling_defaults(gguf.metadata)
 
-    net = CausalLM(arch)
+    net = CausalLM(arch, group)
     load_into(net, tensors, dtype, device, mode)
     positions = max_positions or arch.max_position_embeddings
     net.rotary = RotaryEmbedding(inverse_frequencies(arch, rope_factors), positions, dtype, device)
     net.eval()
     name = DEFAULT_MODEL_NAME if model in _DEFAULT_MODEL_ALIASES else str(model)
-    return LoadedModel(net, arch, tokenizer, path, name,
+    return LoadedModel(net, net.arch, tokenizer, path, name,
                        _eos_token_ids(arch, tokenizer, generation_config), generation_config,
                        mode)
 

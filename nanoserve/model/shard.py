@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from nanoserve.model.arch import ArchConfig
 from nanoserve.model.parallel import TensorParallelGroup
 from nanoserve.model.quantization import RawBlocks
 
@@ -104,3 +105,50 @@ def shard_heads(weight: Weight, num_heads: int, head_dim: int, group: TensorPara
     """This rank's heads of a q, k or v projection (rows, head by head)."""
     first, last = head_range(num_heads, group, name, replicate)
     return shard_rows(weight, first * head_dim, last * head_dim)
+
+
+def local_arch(arch: ArchConfig, group: TensorParallelGroup) -> ArchConfig:
+    """The shape of this rank's slice of the model: its query and KV heads (one replicated KV
+    head below the ranks) and its rows of the MLP. The vocabulary stays the model's (the
+    logits rank 0 gathers span it) and so does `head_dim`. Raises the named error of a shape
+    that does not split."""
+    if group.is_single:
+        return arch
+    first, last = head_range(arch.num_heads, group, "q_proj")
+    kv_first, kv_last = head_range(arch.num_kv_heads, group, "k_proj", replicate=True)
+    start, stop = split_range(arch.intermediate_size, group, "gate_proj", "rows")
+    return replace(arch, num_heads=last - first, num_kv_heads=kv_last - kv_first,
+                   intermediate_size=stop - start)
+
+
+def vocab_range(arch: ArchConfig, group: TensorParallelGroup) -> tuple[int, int]:
+    """This rank's [first, last) token ids of the embedding and the LM head."""
+    return split_range(arch.vocab_size, group, "embed_tokens", "rows")
+
+
+def shard_weight(name: str, weight: torch.Tensor | RawBlocks, arch: ArchConfig,
+                 group: TensorParallelGroup) -> torch.Tensor | RawBlocks:
+    """This rank's part of the checkpoint tensor `name` (a Hugging Face name; `arch` is the
+    whole model's): heads of q/k/v (and their biases), rows of gate/up and of the
+    vocabulary, columns of o/down; norms whole."""
+    if group.is_single:
+        return weight
+    # one call per type, so that each binds the functions' type variable
+    if isinstance(weight, torch.Tensor):
+        return _shard_weight(name, weight, arch, group)
+    return _shard_weight(name, weight, arch, group)
+
+
+def _shard_weight(name: str, weight: Weight, arch: ArchConfig,
+                  group: TensorParallelGroup) -> Weight:
+    if name.endswith(("q_proj.weight", "q_proj.bias")):
+        return shard_heads(weight, arch.num_heads, arch.head_dim, group, name)
+    if name.endswith(("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias")):
+        return shard_heads(weight, arch.num_kv_heads, arch.head_dim, group, name,
+                           replicate=True)
+    if name.endswith(("gate_proj.weight", "up_proj.weight", "embed_tokens.weight",
+                      "lm_head.weight")):
+        return shard_out_features(weight, group, name)
+    if name.endswith(("o_proj.weight", "down_proj.weight")):
+        return shard_in_features(weight, group, name)
+    return weight  # norms (q/k norms too): every rank holds them whole

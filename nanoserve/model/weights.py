@@ -23,6 +23,7 @@ from nanoserve.model.quantization import (
     make_matmul_weight,
     shape_of,
 )
+from nanoserve.model.shard import shard_weight
 from nanoserve.model.weight_arena import gather_packed_weights
 
 ReadTensor = torch.Tensor | RawBlocks
@@ -86,9 +87,14 @@ def read_gguf_tensors(gguf: GGUFFile, arch: ArchConfig, keep_blocks: bool = Fals
         if keep_blocks and len(tensor.shape) == 2:
             blocks = RawBlocks(tensor.data, tensor.ggml_type, (tensor.shape[0], tensor.shape[1]))
             blocks = blocks if blocks.has_kernel else None
+        is_rope_rows = is_permuted and hf_name.endswith(
+            ("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias"))
+        if blocks is not None and not is_rope_rows:
+            # still the mapped file: a tensor-parallel rank copies only its slices of it
+            yield hf_name, blocks
+            continue
         values = gguf.dequantize(name) if blocks is None else blocks.rows()
-        if is_permuted and hf_name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias",
-                                             "k_proj.bias")):
+        if is_rope_rows:
             num_heads = arch.num_heads if ".q_proj." in hf_name else arch.num_kv_heads
             values = unpermute_rope_rows(values, num_heads)
         yield hf_name, values if blocks is None else RawBlocks(values, blocks.ggml_type,
@@ -115,9 +121,12 @@ def load_into(model: CausalLM, tensors: Iterator[tuple[str, ReadTensor]], dtype:
               device: torch.device, quantization: str = "none") -> None:
     """Copy HF-named tensors into the model, fusing q/k/v and gate/up; check nothing is missing.
 
-    Matmul weights become what `quantization` (resolved, see quantization.py) asks for."""
+    Matmul weights become what `quantization` (resolved, see quantization.py) asks for.
+    Under tensor parallelism (the model's group) each tensor is cut to this rank's part as
+    it is read (shard.py), before q/k/v and gate/up are fused (mini-sglang's order: shard,
+    then merge), so only one whole tensor is held at a time."""
     arch = model.arch
-    state = {name: t for name, t in tensors}
+    state = {name: shard_weight(name, t, model.full_arch, model.group) for name, t in tensors}
     fused: dict[str, Loaded] = {
         "embed_tokens": state.pop("model.embed_tokens.weight"),
         "norm": state.pop("model.norm.weight"),

@@ -4,20 +4,27 @@ name the tensor, the dimension, the block and the sizes that would."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 from gguf import quants
 
+from nanoserve.model.arch import ArchConfig
+from nanoserve.model.gguf_file import GGUFFile
+from nanoserve.model.loader import default_model_path, load_model
 from nanoserve.model.parallel import TensorParallelGroup
 from nanoserve.model.quantization import RawBlocks
 from nanoserve.model.shard import (
     block_layout,
     head_range,
+    local_arch,
     shard_heads,
     shard_in_features,
     shard_out_features,
+    vocab_range,
 )
 
 TYPES = [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q6_K]
@@ -101,3 +108,37 @@ def test_shapes_that_do_not_split_name_the_tensor_dimension_and_the_sizes_that_w
     assert shard_in_features(q8, TensorParallelGroup(3, 4), "down").shape == (4, 384)
     with pytest.raises(ValueError, match=r"2 heads cannot go to 3 ranks evenly"):
         head_range(2, TensorParallelGroup(0, 3), "k_proj", replicate=True)
+
+
+def test_a_ranks_model_holds_its_heads_mlp_rows_and_vocabulary(tiny_model_dir: Any) -> None:
+    """Loading needs no collective: each rank's tensors, read in one process, have its local
+    shapes, and its embedding rows are the checkpoint's rows of its vocabulary."""
+    path = tiny_model_dir("qwen2")  # 4 heads, 2 KV heads, qkv bias, an untied head
+    whole = load_model(str(path), torch.device("cpu"), torch.float32, 64, "none").model
+    parts = [load_model(str(path), torch.device("cpu"), torch.float32, 64, "none", g).model
+             for g in groups(4)]
+    arch = parts[0].arch
+    assert (arch.num_heads, arch.num_kv_heads, arch.intermediate_size) == (1, 1, 40)
+    assert arch.vocab_size == whole.arch.vocab_size  # the logits rank 0 gathers span it
+    assert torch.equal(torch.cat([p.embed_tokens for p in parts]), whole.embed_tokens)
+    # rank r's bias: q head r, then the KV head it reads (r // 2), k then v
+    head = arch.head_dim
+    q, k, v = whole.decoder_layers[0].qkv_bias.split([4 * head, 2 * head, 2 * head])
+    for rank, part in enumerate(parts):
+        kv = slice(rank // 2 * head, (rank // 2 + 1) * head)
+        assert torch.equal(part.decoder_layers[0].qkv_bias,
+                           torch.cat([q[rank * head : (rank + 1) * head], k[kv], v[kv]]))
+
+
+def test_a_model_that_does_not_split_is_a_named_start_up_error(tiny_model_dir: Any) -> None:
+    with pytest.raises(ValueError, match=r"'q_proj': its heads \(4\) does not split into 3 "
+                                         r"equal parts; tensor-parallel sizes that would: 1, 2, 4"):
+        load_model(str(tiny_model_dir("llama")), torch.device("cpu"), torch.float32, 64, "none",
+                   TensorParallelGroup(0, 3))
+
+
+def test_the_default_models_shape_at_tp_3() -> None:
+    arch = ArchConfig.from_gguf_metadata(GGUFFile(default_model_path()).metadata, False)
+    local = local_arch(arch, TensorParallelGroup(2, 3))
+    assert (local.num_heads, local.num_kv_heads, local.intermediate_size) == (3, 1, 512)
+    assert vocab_range(arch, TensorParallelGroup(2, 3)) == (32768, 49152)
