@@ -47,7 +47,7 @@ class TensorParallelGroup:
         rank."""
         if self.world_size == 1:
             return x
-        dist.all_reduce(x, group=self.process_group)
+        self.process_group.allreduce([x]).wait()
         return x
 
     def gather_to_rank0(self, x: torch.Tensor) -> torch.Tensor:
@@ -56,16 +56,21 @@ class TensorParallelGroup:
         if self.world_size == 1:
             return x
         x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(self.world_size)] if self.rank == 0 else None
-        dist.gather(x, parts, dst=0, group=self.process_group)
-        return torch.cat(parts, dim=-1) if parts is not None else x
+        options = dist.GatherOptions()
+        options.rootRank = 0
+        if self.rank != 0:
+            self.process_group.gather([], [x], options).wait()
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        self.process_group.gather([parts], [x], options).wait()
+        return torch.cat(parts, dim=-1)
 
     def broadcast_int(self, value: int) -> int:
         """Rank 0's `value` on every rank (the KV cache's block count: rank 0 sizes it)."""
         if self.world_size == 1:
             return value
         t = torch.tensor([value], dtype=torch.int64)
-        dist.broadcast(t, src=0, group=self.process_group)
+        self.process_group.broadcast(t, 0).wait()
         return int(t.item())
 
 
@@ -81,19 +86,22 @@ def init_group(rank: int, world_size: int, host: str, port: int,
                store: dist.TCPStore | None = None,
                timeout_s: float = DEFAULT_TIMEOUT_S) -> TensorParallelGroup:
     """Join the gloo group of `world_size` ranks that meet at tcp://host:port (rank 0 passes
-    the store it opened); returns once every rank has joined, or raises after `timeout_s`."""
+    the store it opened); returns once every rank has joined, or raises after `timeout_s`.
+
+    The group is a gloo process group of its own, not torch.distributed's default one: a
+    process holds one default group at most, and one process may run several engines (tests,
+    `LLM` objects one after another, data-parallel replicas later)."""
     if world_size == 1:
         return TensorParallelGroup()
     timeout = datetime.timedelta(seconds=timeout_s)
     if store is None:
         store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
-                            timeout=timeout)
-    return TensorParallelGroup(rank, world_size, dist.group.WORLD)
+    group = dist.ProcessGroupGloo(store, rank, world_size, timeout)
+    return TensorParallelGroup(rank, world_size, group)
 
 
 def destroy_group(group: TensorParallelGroup) -> None:
     """Leave the group cleanly: only when every rank shuts down together (on an error path a
-    process exits instead, torchtitan PR #1342: a destroy can hang on a dead peer)."""
-    if not group.is_single and dist.is_initialized():
-        dist.destroy_process_group()
+    process exits instead, torchtitan PR #1342: a shutdown can hang on a dead peer)."""
+    if not group.is_single:
+        group.process_group.shutdown()
