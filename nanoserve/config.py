@@ -128,6 +128,27 @@ class SamplerConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """How many processes one engine's model is split over (vLLM's names).
+
+    With `tensor_parallel_size` N > 1 the engine core is rank 0 and starts ranks 1..N-1 on
+    this host (engine/tp_executor.py); they meet over gloo on `master_addr` at a port the OS
+    picks, and a collective that waits `distributed_timeout_s` has lost a rank."""
+
+    tensor_parallel_size: int = 1
+    master_addr: str = "127.0.0.1"
+    distributed_timeout_s: float = 60.0  # mini-sglang's
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if not self.distributed_timeout_s > 0:
+            raise ValueError("distributed_timeout_s must be > 0 seconds, "
+                             f"got {self.distributed_timeout_s}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine core needs, in one place."""
 
@@ -135,6 +156,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
 
 @dataclass(frozen=True)

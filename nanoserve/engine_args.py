@@ -24,6 +24,7 @@ from nanoserve.config import (
     EngineConfig,
     GiB,
     ModelConfig,
+    ParallelConfig,
     SamplerConfig,
     SchedulerConfig,
 )
@@ -116,6 +117,11 @@ class EngineArgs:
         ModelConfig.enforce_eager, "run the decoder layers as a Python loop over the kernels, "
         "not as one native call (the same arithmetic; for comparing and debugging)",
         action="store_true")
+    tensor_parallel_size: int = _arg(
+        ParallelConfig.tensor_parallel_size,
+        "processes the model's weights and KV cache are split over on this host (rank 0 is "
+        "the engine core; the model's heads, KV heads or MLP rows must split evenly, or the "
+        "start-up error names the sizes that do) (default: %(default)s)", type=int)
     zero_cost_runner: bool = _arg(
         ModelConfig.zero_cost_runner, "benchmark the frontend: skip the model, emit tokens at once",
         flag="--zero-cost-engine", action="store_true")
@@ -151,6 +157,7 @@ class EngineArgs:
             scheduler=self._scheduler_config(),
             sampler=SamplerConfig(logits_processors=tuple(self.logits_processors),
                                   max_logprobs=self.max_logprobs),
+            parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
         )
 
     def _scheduler_config(self) -> SchedulerConfig:

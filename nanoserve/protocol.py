@@ -6,7 +6,8 @@ that change the engine's state while it is idle), RequestError, EngineDead. A po
 (an EngineRequest with `pooling_params`) comes back as one EngineCoreOutput with no tokens and
 its vector in `pooled`.
 
-Engine core -> workers: StepInput (each step); workers -> engine core: StepOutput.
+Engine core -> workers: StepInput (each step); workers -> engine core: StepOutput. Rank 0 ->
+tensor-parallel ranks 1..N-1: StepInput (published), then WorkerShutdown.
 
 Token ids and numbers only: text is made in the API server. Never pickle: a message is decoded
 into exactly these types or refused (msgspec validates while decoding). A step's arrays travel
@@ -163,7 +164,7 @@ class PoolingRows(msgspec.Struct, array_like=True):
     params: PoolingParams
 
 
-class StepInput(msgspec.Struct, array_like=True):
+class StepInput(msgspec.Struct, tag=True, array_like=True):
     """One step for every worker: flat arrays, no engine objects (the worker never sees a
     request or the scheduler). R requests are scheduled, T tokens computed, S rows sampled.
 
@@ -198,6 +199,13 @@ class StepInput(msgspec.Struct, array_like=True):
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+
+class WorkerShutdown(msgspec.Struct, tag=True, array_like=True):
+    """Rank 0 to its tensor-parallel workers: no more steps, leave the group and exit."""
+
+
+WorkerMessage = StepInput | WorkerShutdown
 
 
 class StepOutput(msgspec.Struct, array_like=True):
@@ -237,6 +245,7 @@ _encoder = msgspec.msgpack.Encoder(enc_hook=_encode_array)
 _input_decoder = msgspec.msgpack.Decoder(EngineInput)
 _message_decoder = msgspec.msgpack.Decoder(EngineMessage, ext_hook=_decode_array)
 _step_decoder = msgspec.msgpack.Decoder(StepInput, ext_hook=_decode_array)
+_worker_decoder = msgspec.msgpack.Decoder(WorkerMessage, ext_hook=_decode_array)
 _step_output_decoder = msgspec.msgpack.Decoder(StepOutput, ext_hook=_decode_array)
 
 
@@ -246,6 +255,10 @@ def encode(message: msgspec.Struct) -> bytes:
 
 def decode_step(data: bytes) -> StepInput:
     return _step_decoder.decode(data)
+
+
+def decode_worker_message(data: bytes) -> WorkerMessage:
+    return _worker_decoder.decode(data)
 
 
 def decode_step_output(data: bytes) -> StepOutput:

@@ -45,6 +45,7 @@ from nanoserve.engine.model_runner import (
 from nanoserve.engine.request import Request, RequestStatus
 from nanoserve.engine.scheduler import ScheduledRequest, Scheduler
 from nanoserve.engine.step_input import build_step_input
+from nanoserve.engine.tp_executor import TensorParallelRanks, TPExecutor
 from nanoserve.engine.worker import Worker
 from nanoserve.engine.zero_cost_runner import ZeroCostRunner
 from nanoserve.model.loader import LoadedModel, load_model
@@ -81,17 +82,31 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
-        device, dtype = config.model.torch_device, config.model.torch_dtype
         keep_freed_memory_in_heap()
+        # under tensor parallelism: ranks 1..N-1 started and joined (tp_executor.py)
+        ranks = TensorParallelRanks(config) if config.parallel.tensor_parallel_size > 1 else None
+        try:
+            self._start(config, loaded, ranks)
+        except BaseException:
+            if ranks is not None:
+                ranks.shutdown()
+            raise
+
+    def _start(self, config: EngineConfig, loaded: LoadedModel | None,
+               ranks: TensorParallelRanks | None) -> None:
+        device, dtype = config.model.torch_device, config.model.torch_dtype
         if loaded is None:
             loaded = load_model(config.model.model, device, dtype, config.model.max_model_len,
-                                config.model.quantization)
+                                config.model.quantization, ranks.group if ranks else None)
+        assert ranks is None or loaded.model.group is ranks.group, "a model of this group"
         self.loaded = loaded
         block_size = config.cache.block_size
         kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, loaded.quantization,
                                           device, dtype)
         num_blocks = config.cache.num_blocks or self._blocks_for_budget(block_size, kv_dtype,
                                                                          device)
+        if ranks is not None:  # every rank's cache holds the blocks rank 0 sized
+            num_blocks = ranks.group.broadcast_int(num_blocks)
         self.max_model_len = self._max_model_len(num_blocks * block_size)
         self.kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
@@ -111,7 +126,9 @@ class EngineCore:
             num_slots, loaded.arch.vocab_size, device, loaded.eos_token_ids,
             reasoning_tokens(loaded.tokenizer),
             load_processor_classes(config.sampler.logits_processors))
-        self.executor: Executor = InProcessExecutor(Worker(runner, self.sampler))
+        worker = Worker(runner, self.sampler)
+        self.executor: Executor = (InProcessExecutor(worker) if ranks is None
+                                   else TPExecutor(worker, ranks))
         self.seed_rng = random.Random(config.model.seed)
         self.structured = StructuredOutputManager(
             loaded.tokenizer, loaded.arch.vocab_size, loaded.eos_token_ids, max_rows, device)
@@ -155,8 +172,12 @@ class EngineCore:
     def runner(self) -> ModelRunner | ZeroCostRunner:
         """The in-process worker's model runner (tests and benches read its model and cache)."""
         executor = self.executor
-        assert isinstance(executor, InProcessExecutor), "the runner is in another process"
+        assert isinstance(executor, InProcessExecutor | TPExecutor), "another process's runner"
         return executor.worker.runner
+
+    def shutdown(self) -> None:
+        """Stop the workers of other processes (tensor parallelism); nothing at one rank."""
+        self.executor.shutdown()
 
     # -- the interface ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int],

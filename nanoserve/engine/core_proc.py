@@ -29,6 +29,7 @@ import zmq
 
 from nanoserve.config import EngineConfig
 from nanoserve.engine.core import EngineCore
+from nanoserve.engine.tp_executor import TPExecutor
 from nanoserve.protocol import (
     AbortRequests,
     EngineCoreOutput,
@@ -122,6 +123,7 @@ class EngineCoreProc:
                 if os.getppid() != parent:
                     orphaned = True
                     break  # the launcher is gone: do not outlive it
+                self.core.executor.check_health()  # a dead TP worker fails the engine, idle too
                 # 2) one step; or, idle, let the API servers see what the inputs changed
                 if self.core.has_unfinished():
                     self._send_outputs(self.core.step())
@@ -200,12 +202,16 @@ def run_engine_core(config_bytes: bytes, input_address: str,
     config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
     use_all_cores()
     proc = EngineCoreProc(config, input_address, output_addresses)
+    executor = proc.core.executor
+    if isinstance(executor, TPExecutor):
+        executor.ranks.pin_rank0()  # the cores were split before the workers started
     status = 0
     try:
         proc.run()
     except Exception:
         status = 1
     finally:
+        proc.core.shutdown()  # no tensor-parallel worker outlives its engine
         # Leave now: a ZMQ context still holding the input thread's socket would make the
         # interpreter's exit wait on it forever. Tearing the context down can itself block
         # (a thread stuck sending to a dead API process): it gets two seconds, then we go.

@@ -1,10 +1,10 @@
 """How the engine core reaches its workers: one `StepInput` out, one `StepOutput` back a step.
 
-Today there is one worker, in the core's own process (`InProcessExecutor`). Tensor parallelism
-gives the same interface a multi-process implementation: the step input is data only (flat
-numpy arrays and msgspec structs, protocol.py), so it can be published to every rank as
-msgpack, and rank 0's sampling comes back. `serialize=True` sends every step through that
-encoding in-process, so tests show that nothing but data crosses the seam.
+At one rank there is one worker, in the core's own process (`InProcessExecutor`). Tensor
+parallelism gives the same interface a multi-process implementation (tp_executor.py): the step
+input is data only (flat numpy arrays and msgspec structs, protocol.py), so it is published to
+every rank as msgpack, and rank 0's sampling comes back. `serialize=True` sends every step
+through that encoding in-process, so tests show that nothing but data crosses the seam.
 """
 
 from __future__ import annotations
@@ -26,6 +26,9 @@ class Executor(Protocol):
 
     def execute_step(self, step: StepInput) -> StepOutput: ...
 
+    def check_health(self) -> None:
+        """Raise if a worker is gone (the engine loop asks between steps, too)."""
+
     def shutdown(self) -> None: ...
 
 
@@ -41,6 +44,9 @@ class InProcessExecutor:
             return self.worker.execute(step)
         output = self.worker.execute(decode_step(encode(step)))
         return decode_step_output(encode(output))
+
+    def check_health(self) -> None:
+        pass  # the worker is this process
 
     def shutdown(self) -> None:
         pass

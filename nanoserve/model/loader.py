@@ -104,6 +104,16 @@ def load_frontend(model: str | None) -> FrontendModel:
                          path)
 
 
+def load_arch(model: str | None) -> ArchConfig:
+    """A model's shape alone, read without its weights (to refuse a tensor-parallel size
+    before any worker starts)."""
+    path = resolve_model_path(model)
+    if path.is_dir():
+        return ArchConfig.from_hf_config(json.loads((path / "config.json").read_text()))
+    gguf = GGUFFile(path)
+    return ArchConfig.from_gguf_metadata(gguf.metadata, "output.weight" in gguf.tensors)
+
+
 def load_model(model: str | None, device: torch.device, dtype: torch.dtype,
                max_positions: int | None = None, quantization: str = "auto",
                group: TensorParallelGroup | None = None) -> LoadedModel:
