@@ -56,7 +56,12 @@ class TensorParallelRanks:
     def __init__(self, config: EngineConfig) -> None:
         parallel = config.parallel
         self.world_size = world = parallel.tensor_parallel_size
-        # a shape that does not split: the named error now, before any worker starts
+        # what cannot run: the named error now, before any worker starts
+        if config.model.torch_device.type != "cpu":
+            raise ValueError(f"tensor_parallel_size={world} runs on the CPU (gloo) only so far, "
+                             f"not on {config.model.torch_device}; NCCL is not built yet")
+        if config.model.zero_cost_runner:
+            raise ValueError("the zero-cost engine skips the model: use tensor_parallel_size=1")
         local_arch(load_arch(config.model.model), TensorParallelGroup(0, world))
         self.timeout_s = parallel.distributed_timeout_s
         self.directory = tempfile.mkdtemp(prefix="nanoserve-tp-")

@@ -28,6 +28,7 @@ from nanoserve.config import (
 )
 from nanoserve.engine.core import EngineCore
 from nanoserve.engine.tp_executor import TPExecutor, WorkerDiedError
+from nanoserve.pooling_params import PoolingParams
 from nanoserve.protocol import StepInput
 from nanoserve.sampling_params import SamplingParams
 
@@ -151,6 +152,30 @@ def test_seeded_sampling_and_prefix_hits_equal_one_rank(
     assert got["s-second"]["cached"] == 32
 
 
+def test_embeddings_scores_and_grammars_equal_one_rank(
+        engines: tuple[EngineCore, EngineCore]) -> None:
+    """Pooling reads the all-reduced hidden states on rank 0; a "score" request gathers its
+    logits from every rank (the workers mirror that call); a grammar masks rank 0's logits."""
+    one, two = engines
+    pooled = []
+    for engine in engines:
+        for request_id, params in (("embed", PoolingParams()),
+                                   ("score", PoolingParams(task="score",
+                                                           logit_token_ids=[5, 40000]))):
+            engine.add_request(request_id, PREFIX[:21], SamplingParams(), pooling_params=params)
+        outs = {}
+        while engine.has_unfinished():
+            outs.update({out.request_id: out.pooled for out in engine.step()})
+        pooled.append(outs)
+    for request_id in ("embed", "score"):
+        assert np.allclose(pooled[1][request_id], pooled[0][request_id], atol=1e-5, rtol=0)
+    params = SamplingParams(temperature=0.8, seed=5, max_tokens=8,
+                            structured_outputs={"regex": "[ab]{3,6}"})
+    expected, got = run(one, {"regex": ([20, 21], params)}), run(two, {"regex": ([20, 21], params)})
+    assert got["regex"]["tokens"] == expected["regex"]["tokens"]
+    assert len(got["regex"]["tokens"]) >= 3
+
+
 def test_a_shape_that_does_not_split_is_a_start_up_error(tiny_model_dir: Any) -> None:
     """4 heads over 3 ranks: the error names the tensor and the sizes that would work, and the
     workers that were started are gone."""
@@ -159,6 +184,9 @@ def test_a_shape_that_does_not_split_is_a_start_up_error(tiny_model_dir: Any) ->
                                          r"equal parts; tensor-parallel sizes that would: 1, 2, 4"):
         tp_engine(tiny_model_dir("llama"), 3)
     assert set(_worker_pids()) <= before
+    with pytest.raises(ValueError, match="zero-cost engine skips the model"):
+        EngineCore(EngineConfig(model=ModelConfig(zero_cost_runner=True, device="cpu"),
+                                parallel=ParallelConfig(tensor_parallel_size=2)))
 
 
 def test_a_worker_that_dies_fails_the_engine(tiny_model_dir: Any) -> None:
