@@ -149,6 +149,50 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class KVEventsConfig:
+    """KV-cache events for a router that routes by what each replica's cache holds
+    (engine/kv_events.py). vLLM's `--kv-events-config` JSON, with its keys and defaults, but
+    for `publisher`: "zmq" once events are enabled, where vLLM needs it said."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str = "zmq"  # "zmq", or "null" (events made and dropped)
+    endpoint: str = "tcp://*:5557"  # the PUB socket the router subscribes to
+    replay_endpoint: str | None = None  # the ROUTER socket that answers replay requests
+    buffer_steps: int = 10_000  # batches kept for replay
+    hwm: int = 100_000  # the PUB socket's send high-water mark
+    topic: str = ""  # the router reads the empty topic only, for statically named sources
+
+    def __post_init__(self) -> None:
+        if self.publisher not in ("zmq", "null"):
+            raise ValueError(f"kv_events_config.publisher must be 'zmq' or 'null', got "
+                             f"{self.publisher!r}")
+        if self.buffer_steps < 1 or self.hwm < 0:
+            raise ValueError("kv_events_config.buffer_steps must be >= 1 and hwm >= 0, got "
+                             f"{self.buffer_steps} and {self.hwm}")
+
+    @property
+    def is_publishing(self) -> bool:
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+    @classmethod
+    def from_json(cls, text: str) -> KVEventsConfig:
+        """`--kv-events-config`'s JSON object; an unknown key is an error that names it."""
+        import json
+
+        try:
+            fields = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--kv-events-config is not JSON: {exc}") from exc
+        if not isinstance(fields, dict):
+            raise ValueError(f"--kv-events-config must be a JSON object, got {text!r}")
+        unknown = sorted(set(fields) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise ValueError(f"--kv-events-config: unknown key(s) {unknown}; known: "
+                             f"{sorted(cls.__dataclass_fields__)}")
+        return cls(**fields)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine core needs, in one place."""
 
@@ -157,6 +201,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
 
 
 @dataclass(frozen=True)
