@@ -16,8 +16,8 @@ from nanoserve.engine_args import EngineArgs
 
 
 def add_bench_commands(bench: argparse.ArgumentParser, build_llm: LLMFactory) -> None:
-    """Add throughput, sampler, step, embed, quality, structured, detokenize and serve under
-    `bench`; each sets `func`."""
+    """Add throughput, sampler, step, embed, quality, structured, detokenize, serve, chaos,
+    proposer, spec and route under `bench`; each sets `func`."""
     sub = bench.add_subparsers(dest="bench", required=True)
 
     tput = sub.add_parser("throughput", help="offline batch throughput vs transformers generate")
@@ -125,6 +125,12 @@ def add_bench_commands(bench: argparse.ArgumentParser, build_llm: LLMFactory) ->
                      "and ITL, outputs compared")
     _add_spec_args(spec)
     spec.set_defaults(func=_run_spec)
+
+    route = sub.add_parser(
+        "route", help="cache-aware vs round-robin routing over 1-8 replicas, simulated on a "
+                      "shared-prefix trace with the real prefix cache (no model)")
+    _add_route_args(route)
+    route.set_defaults(func=_run_route)
 
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -259,6 +265,18 @@ def _add_proposer_args(p: argparse.ArgumentParser) -> None:
     from nanoserve.bench.proposer import add_proposer_args
 
     add_proposer_args(p)
+
+
+def _add_route_args(p: argparse.ArgumentParser) -> None:
+    from nanoserve.bench.route import add_route_args
+
+    add_route_args(p)
+
+
+def _run_route(args: argparse.Namespace) -> int:
+    from nanoserve.bench.route import run_route_bench
+
+    return run_route_bench(args)
 
 
 def _run_proposer(args: argparse.Namespace, build_llm: LLMFactory) -> int:

@@ -1,0 +1,215 @@
+"""`nanoserve bench route`: cache-aware against round-robin routing over N replicas, by
+simulation on a shared-prefix trace (issue 23 item 5; the real-server DP test comes later).
+
+The trace is llm-d's `shared_prefix` workload scaled down: G groups of P prompts, each a
+group's long system prompt plus a unique suffix, arriving interleaved at random (seeded),
+Poisson in time. Each simulated engine is the real `KVCacheManager` (its prefix cache,
+eviction order and counters) with a fixed number of blocks and a `max_num_seqs`; no model
+runs. An admitted request holds its blocks for the steps its uncached prefill and its decode
+would take (one prefill chunk a step, one token a step), then frees them, as the scheduler
+does at finish. Requests wait in arrival order when an engine is full. Routing is
+`engine/dp_router.py`, the policy the API side will use, over the engines' in-flight counts.
+
+Printed per policy and replica count: the prefix-cache hit rate (cached prompt tokens /
+prompt tokens, the scheduler's meaning), the same against one replica, the load balance (max
+/ mean requests per engine), the wait for admission in steps, and how many requests the
+load-balance override sent away from their prefix. It measures where prefixes
+land, not speed: engines here cost nothing to run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import random
+import statistics
+from collections import deque
+from dataclasses import dataclass
+
+from nanoserve.engine.dp_router import DPRouter, RoutingConfig, prompt_block_hashes
+from nanoserve.engine.kv_cache import KVCacheManager
+from nanoserve.engine.request import Request
+from nanoserve.sampling_params import SamplingParams
+
+VOCAB = 32000
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The trace and the simulated engines; `arrival_rate` is requests per engine step."""
+
+    num_groups: int = 16
+    prompts_per_group: int = 16
+    prefix_len: int = 256
+    suffix_len: int = 64
+    output_len: int = 64
+    arrival_rate: float = 0.5
+    num_blocks: int = 512  # per engine
+    block_size: int = 16
+    max_num_seqs: int = 64
+    prefill_chunk: int = 512  # prompt tokens an engine prefills per step
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class RouteResult:
+    policy: str
+    num_replicas: int
+    hit_rate: float
+    max_over_mean: float  # requests per engine: 1.0 is an even spread
+    mean_wait: float  # steps from arrival to admission
+    p90_wait: float
+    num_overrides: int  # requests sent to the least loaded engine against their prefix
+
+
+def shared_prefix_trace(w: Workload) -> list[tuple[float, list[int]]]:
+    """(arrival step, prompt ids) in arrival order: groups interleaved at random."""
+    rng = random.Random(w.seed)
+    prefixes = [[rng.randrange(VOCAB) for _ in range(w.prefix_len)]
+                for _ in range(w.num_groups)]
+    prompts = [prefix + [rng.randrange(VOCAB) for _ in range(w.suffix_len)]
+               for prefix in prefixes for _ in range(w.prompts_per_group)]
+    rng.shuffle(prompts)
+    trace, now = [], 0.0
+    for prompt in prompts:
+        now += rng.expovariate(w.arrival_rate)
+        trace.append((now, prompt))
+    return trace
+
+
+class SimEngine:
+    """One replica: the real KV-cache manager, a FIFO of waiting requests, the running ones."""
+
+    def __init__(self, w: Workload) -> None:
+        self.w = w
+        self.cache = KVCacheManager(w.num_blocks, w.block_size)
+        self.waiting: deque[tuple[float, Request]] = deque()
+        self.num_running = 0
+        self.num_routed = 0
+        self.num_prompt_tokens = 0
+        self.num_cached_tokens = 0
+
+    @property
+    def load(self) -> int:
+        return len(self.waiting) + self.num_running
+
+    def admit(self, now: float) -> list[tuple[float, Request, float]]:
+        """Admit waiting requests in order while they fit: (finish step, request, wait)."""
+        admitted = []
+        while self.waiting and self.num_running < self.w.max_num_seqs:
+            arrival, request = self.waiting[0]
+            hits, num_cached = self.cache.get_computed_blocks(request)
+            num_new = request.num_prompt_tokens - num_cached + self.w.output_len
+            if not self.cache.allocate_slots(request, num_new, hits):
+                break  # head of line waits for blocks, as the scheduler's FIFO does
+            self.waiting.popleft()
+            request.num_computed_tokens = request.num_prompt_tokens
+            self.cache.cache_blocks(request)  # its prompt's blocks are findable from now
+            self.num_running += 1
+            self.num_prompt_tokens += request.num_prompt_tokens
+            self.num_cached_tokens += num_cached
+            num_uncached = request.num_prompt_tokens - num_cached
+            steps = -(-num_uncached // self.w.prefill_chunk) + self.w.output_len
+            admitted.append((now + steps, request, now - arrival))
+        return admitted
+
+    def finish(self, request: Request) -> None:
+        self.cache.free(request)
+        self.num_running -= 1
+
+
+def simulate(w: Workload, policy: str, num_replicas: int,
+             trace: list[tuple[float, list[int]]]) -> RouteResult:
+    """Replay `trace` against `num_replicas` engines behind `policy`."""
+    needed = -(-(w.prefix_len + w.suffix_len + w.output_len) // w.block_size)
+    if needed > w.num_blocks:
+        raise ValueError(f"a request needs {needed} blocks; --num-blocks is {w.num_blocks}")
+    engines = [SimEngine(w) for _ in range(num_replicas)]
+    router = DPRouter(num_replicas, RoutingConfig(
+        policy=policy, balance_abs_threshold=max(1, w.max_num_seqs // 8)))
+    # (finish step, tie-break order, engine index, request), earliest first
+    finishes: list[tuple[float, int, int, Request]] = []
+    waits: list[float] = []
+    order = 0
+
+    def start(index: int, now: float) -> None:
+        nonlocal order
+        for done, request, wait in engines[index].admit(now):
+            waits.append(wait)
+            heapq.heappush(finishes, (done, order, index, request))
+            order += 1
+
+    def finish_until(now: float) -> None:
+        while finishes and finishes[0][0] <= now:
+            done, _, index, request = heapq.heappop(finishes)
+            engines[index].finish(request)
+            start(index, done)
+
+    for i, (arrival, prompt) in enumerate(trace):
+        finish_until(arrival)
+        index = router.route(prompt_block_hashes(prompt, w.block_size),
+                             [e.load for e in engines])
+        request = Request(f"r{i}", prompt, SamplingParams(max_tokens=w.output_len))
+        engines[index].waiting.append((arrival, request))
+        engines[index].num_routed += 1
+        start(index, arrival)
+    finish_until(float("inf"))
+    routed = [e.num_routed for e in engines]
+    hit_rate = (sum(e.num_cached_tokens for e in engines)
+                / sum(e.num_prompt_tokens for e in engines))
+    return RouteResult(policy, num_replicas, hit_rate, max(routed) / statistics.mean(routed),
+                       statistics.mean(waits), _p90(waits), router.decisions["load_imbalance"])
+
+
+def _p90(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
+
+
+def format_results(results: list[RouteResult]) -> str:
+    """The table `bench route` prints; hit rates also as a share of one replica's."""
+    single = {r.policy: r.hit_rate for r in results if r.num_replicas == 1}
+    lines = [f"{'policy':<12} {'replicas':>8} {'hit rate':>9} {'vs 1 replica':>13} "
+             f"{'max/mean reqs':>14} {'wait mean':>10} {'wait p90':>9} {'overrides':>10}"]
+    for r in results:
+        base = single.get(r.policy)
+        vs = f"{r.hit_rate / base:.0%}" if base else "-"
+        lines.append(f"{r.policy:<12} {r.num_replicas:>8} {r.hit_rate:>9.1%} {vs:>13} "
+                     f"{r.max_over_mean:>14.2f} {r.mean_wait:>10.1f} {r.p90_wait:>9.1f} "
+                     f"{r.num_overrides:>10}")
+    return "\n".join(lines)
+
+
+def add_route_args(p: argparse.ArgumentParser) -> None:
+    d = Workload()
+    p.add_argument("--groups", type=int, default=d.num_groups, help="system prompts (%(default)s)")
+    p.add_argument("--prompts-per-group", type=int, default=d.prompts_per_group)
+    p.add_argument("--prefix-len", type=int, default=d.prefix_len,
+                   help="tokens of each group's shared prefix (default: %(default)s)")
+    p.add_argument("--suffix-len", type=int, default=d.suffix_len)
+    p.add_argument("--output-len", type=int, default=d.output_len)
+    p.add_argument("--arrival-rate", type=float, default=d.arrival_rate,
+                   help="requests per engine step, Poisson (default: %(default)s)")
+    p.add_argument("--num-blocks", type=int, default=d.num_blocks,
+                   help="KV blocks per engine (default: %(default)s)")
+    p.add_argument("--block-size", type=int, default=d.block_size)
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    p.add_argument("--replicas", default="1,2,4,8", help="comma-separated (%(default)s)")
+    p.add_argument("--policies", default="cache_aware,round_robin")
+    p.add_argument("--seed", type=int, default=d.seed)
+
+
+def run_route_bench(args: argparse.Namespace) -> int:
+    w = Workload(num_groups=args.groups, prompts_per_group=args.prompts_per_group,
+                 prefix_len=args.prefix_len, suffix_len=args.suffix_len,
+                 output_len=args.output_len, arrival_rate=args.arrival_rate,
+                 num_blocks=args.num_blocks, block_size=args.block_size,
+                 max_num_seqs=args.max_num_seqs, seed=args.seed)
+    trace = shared_prefix_trace(w)
+    results = [simulate(w, policy, int(n), trace) for policy in args.policies.split(",")
+               for n in args.replicas.split(",")]
+    print(f"{w.num_groups} groups x {w.prompts_per_group} prompts, {w.prefix_len}-token prefix "
+          f"+ {w.suffix_len} unique, {w.output_len} out; {w.arrival_rate} arrivals/step; "
+          f"{w.num_blocks} blocks of {w.block_size} per engine, max_num_seqs {w.max_num_seqs}\n")
+    print(format_results(results))
+    return 0
