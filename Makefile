@@ -57,7 +57,7 @@ test: $(STAMP) $(CHROMIUM) $(AGENTS)
 # the edit-run loop: everything but the tests marked slow (they load the real default model)
 # and those marked server (they start `nanoserve serve` subprocesses)
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -x -m "not slow and not server"
+	$(BIN)/python -m pytest -q -x -m "not slow and not server and not distributed"
 
 bench: $(STAMP)
 	$(BIN)/nanoserve bench throughput
