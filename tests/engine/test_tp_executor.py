@@ -14,6 +14,7 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -28,6 +29,8 @@ from nanoserve.config import (
 )
 from nanoserve.engine.core import EngineCore
 from nanoserve.engine.tp_executor import TPExecutor, WorkerDiedError
+from nanoserve.engine.tp_worker import split_cores
+from nanoserve.entrypoints.llm import LLM
 from nanoserve.pooling_params import PoolingParams
 from nanoserve.protocol import StepInput
 from nanoserve.sampling_params import SamplingParams
@@ -51,10 +54,15 @@ def tp_engine(path: Any, tp: int, num_blocks: int = 16, quantization: str = "non
 
 @pytest.fixture(scope="module")
 def engines(tiny_model_dir: Any) -> Iterator[tuple[EngineCore, EngineCore]]:
-    """(TP 1, TP 2) engines of the tiny Llama; the workers stopped at the end."""
+    """(TP 1, TP 2) engines of the tiny Llama, TP 2's made by `LLM(tensor_parallel_size=2)`
+    with tp_engine's settings; the workers stopped at the end."""
     path = tiny_model_dir("llama")
-    one, two = tp_engine(path, 1), tp_engine(path, 2)
+    one = tp_engine(path, 1)
+    two = LLM(str(path), tensor_parallel_size=2, device="cpu", dtype="float32",
+              quantization="none", max_model_len=128, num_kv_blocks=16, max_num_seqs=8,
+              max_num_batched_tokens=256).engine
     assert isinstance(two.executor, TPExecutor)
+    assert two.config == replace(one.config, parallel=ParallelConfig(tensor_parallel_size=2))
     yield one, two
     procs = two.executor.ranks.procs
     two.shutdown()
@@ -270,3 +278,11 @@ def test_the_default_model_at_tp_3_on_the_exact_path_gives_one_ranks_logits() ->
         engine.shutdown()
     assert logits[1].shape == logits[0].shape == (40, 49152)
     assert (logits[1] - logits[0]).abs().max().item() < 1e-4
+
+
+def test_each_rank_gets_an_even_share_of_the_cores() -> None:
+    assert split_cores([0, 1], 2) == [[0], [1]]  # this machine: one core each
+    assert split_cores([0, 1], 3) is None  # fewer cores than ranks: one thread each, unpinned
+    # above 2 cores one is left for the API server, the rest split evenly
+    assert split_cores(list(range(9)), 2) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert split_cores([4, 5, 6], 2) == [[4], [5]]
