@@ -10,7 +10,9 @@ no copy, no op).
 
 Several ranks talk over torch.distributed's gloo backend on the CPU. Rank 0 opens the
 rendezvous store on a port the OS picks (port 0), so no fixed port can collide (nano-vllm's
-2333 does) and no port is picked, closed and bound again by someone else in between.
+2333 does) and no port is picked, closed and bound again by someone else in between. Gloo's
+own connections use the interface GLOO_SOCKET_IFNAME names (read by torch's constructor:
+one concrete interface, not NCCL's `^lo` syntax), else the address the hostname resolves to.
 """
 
 from __future__ import annotations
