@@ -46,6 +46,7 @@ from nanoserve.entrypoints.async_engine import AsyncEngine
 from nanoserve.entrypoints.listen import AddressInUseError, bind_listening_socket
 from nanoserve.entrypoints.openai.api_server import build_app, drain
 from nanoserve.entrypoints.openai.metrics import Metrics
+from nanoserve.entrypoints.openai.router_endpoints import instance_id
 from nanoserve.entrypoints.openai.server_context import ServerContext
 from nanoserve.entrypoints.request_logger import RequestLogger
 from nanoserve.entrypoints.web.router import page_banner
@@ -181,7 +182,9 @@ async def serve_api(engine_config: EngineConfig, server_config: ServerConfig,
         has_reasoning_tokens=reasoning_tokens(frontend.tokenizer) is not None,
         grammar_tokenizer=GrammarTokenizer(frontend.tokenizer, ready.vocab_size, ()),
         max_logprobs=engine_config.sampler.max_logprobs,
-        max_in_flight=server_config.max_in_flight, limits=server_config.limits)
+        max_in_flight=server_config.max_in_flight, limits=server_config.limits,
+        model_path=engine_config.model.model or ready.model_name,
+        instance_id=instance_id(server_config.port, engine_pid))
     ctx_holder.append(ctx)
     app = build_app(ctx, server_config)
     server = DrainingServer(uvicorn.Config(

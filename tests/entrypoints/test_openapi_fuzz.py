@@ -32,14 +32,17 @@ ROUTES = [("GET", "/health"), ("GET", "/version"), ("GET", "/v1/models"), ("GET"
           ("POST", "/tokenize"), ("POST", "/detokenize"),
           ("POST", "/v1/messages"), ("POST", "/v1/messages/count_tokens"),
           ("POST", "/v1/responses"), ("POST", "/v1/embeddings"), ("POST", "/v1/rerank"),
-          ("POST", "/rerank"), ("POST", "/v2/rerank"), ("POST", "/score")]
+          ("POST", "/rerank"), ("POST", "/v2/rerank"), ("POST", "/score"),
+          ("POST", "/v1/chat/completions/render"), ("POST", "/v1/completions/render"),
+          ("GET", "/get_server_info")]
 # examples per generation mode for routes with a body (a route without one has one case);
-# the routes that share another's handler (aliases, count_tokens) get fewer. Fewer than the
+# the routes that share another's handler (aliases, count_tokens, renders) get fewer. Fewer than the
 # earlier 50/20 and 20/10: every route and mode still runs and every route still gets 200s
 # beside its 400s, in 31 s instead of 54 s on one core
 MAX_EXAMPLES = {GenerationMode.POSITIVE: 30, GenerationMode.NEGATIVE: 10}
 FEWER_EXAMPLES = {GenerationMode.POSITIVE: 12, GenerationMode.NEGATIVE: 5}
-ALIASES = {"/rerank", "/v2/rerank", "/v1/messages/count_tokens", "/score"}
+ALIASES = {"/rerank", "/v2/rerank", "/v1/messages/count_tokens", "/score",
+           "/v1/chat/completions/render", "/v1/completions/render"}
 MODEL = "tiny"
 CALL_TIMEOUT_S = 30.0  # a call past this is a hang: the server bounds requests at 5 s
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,

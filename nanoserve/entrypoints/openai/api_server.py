@@ -46,6 +46,7 @@ from nanoserve.entrypoints.openai.response_models import (
     VersionResponse,
 )
 from nanoserve.entrypoints.openai.responses.routes import add_responses_routes
+from nanoserve.entrypoints.openai.router_endpoints import add_router_routes
 from nanoserve.entrypoints.openai.server_context import ServerContext
 from nanoserve.entrypoints.openai.serving_chat import create_chat_completion
 from nanoserve.entrypoints.openai.serving_completion import create_completion
@@ -142,6 +143,7 @@ def add_routes(app: FastAPI, ctx: ServerContext) -> None:
         return await create_chat_completion(ctx, req, raw)
 
     add_responses_routes(app, ctx)
+    add_router_routes(app, ctx)  # render, server info: what a router in front asks
 
     @app.post("/tokenize", responses=responses(TokenizeResponse, 400, 401, 404, 413))
     async def tokenize(req: TokenizeRequest) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, RootModel
 
 # "abort": stopped by the server (shutdown); "error": the engine could not go on with this
 # request (its grammar failed to compile, or refused a token its own mask allowed)
@@ -150,4 +150,27 @@ class DetokenizeResponse(ResponseModel):
 
 
 class VersionResponse(ResponseModel):
+    version: str
+
+
+class RenderResponse(ResponseModel):
+    """/v1/chat/completions/render: the ids the request would prefill (what routers hash)."""
+
+    token_ids: list[int]
+
+
+class CompletionRenderResponse(RootModel[list[RenderResponse]]):
+    """/v1/completions/render: one entry per prompt of the batch."""
+
+
+class ServerInfoResponse(ResponseModel):
+    """/get_server_info: what vllm-router's worker discovery reads (its `ServerInfo`)."""
+
+    model_id: str  # the name requests send
+    model_path: str
+    instance_id: str  # new at each engine start
+    kv_block_size: int
+    effective_attention_block_size: int
+    worker_type: Literal["regular"]  # neither a prefill nor a decode worker
+    max_model_len: int
     version: str

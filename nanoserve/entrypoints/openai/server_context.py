@@ -37,6 +37,8 @@ class ServerContext:
     # the model's tokenizer as llguidance's, for the grammar checks (built on first use)
     grammar_tokenizer: GrammarTokenizer | None = None
     limits: RequestLimits = field(default_factory=RequestLimits)
+    model_path: str = ""  # the checkpoint served (--model), for /get_server_info
+    instance_id: str = ""  # this server's id for routers: one per engine start (router_info.py)
     shutting_down: bool = False
 
     def check_model(self, model: str | None) -> None:
@@ -52,6 +54,14 @@ class ServerContext:
             raise APIError(503, "the engine is not running")
         if self.shutting_down:
             raise APIError(503, "the server is shutting down")
+        self.check_request_size(num_prompts, n)
+        if self.engine.num_sequences_in_flight + num_prompts * n > self.max_in_flight:
+            raise APIError(429, f"the server is at capacity ({self.max_in_flight} sequences "
+                                "in flight); retry later")
+
+    def check_request_size(self, num_prompts: int = 1, n: int = 1) -> None:
+        """400 for a request larger than the server ever admits, whatever is in flight (the
+        render endpoints check this much: they admit nothing)."""
         if num_prompts > self.max_in_flight:
             raise bad_request(f"prompt must be a batch of at most {self.max_in_flight} prompts "
                               f"(--max-in-flight), got {num_prompts}", "prompt")
@@ -59,6 +69,3 @@ class ServerContext:
         if num_prompts * n > self.max_in_flight:
             raise bad_request(f"n times the prompts must be at most {self.max_in_flight} "
                               f"sequences (--max-in-flight), got {n} x {num_prompts}", "n")
-        if self.engine.num_sequences_in_flight + num_prompts * n > self.max_in_flight:
-            raise APIError(429, f"the server is at capacity ({self.max_in_flight} sequences "
-                                "in flight); retry later")

@@ -71,14 +71,27 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
                          "usage": usage(len(ids), num_output, out.num_cached_tokens)})
 
 
-async def prepare_chat(ctx: ServerContext, chat: ChatInput
+async def render_chat(ctx: ServerContext, req: ChatCompletionRequest) -> list[int]:
+    """The ids /v1/chat/completions would prefill for `req`, after its checks (less the
+    in-flight cap: a render admits nothing)."""
+    ctx.check_model(req.model)
+    _check_unsupported(req)
+    _, ids, _, _ = await prepare_chat(ctx, chat_input(req), admit=False)
+    return ids
+
+
+async def prepare_chat(ctx: ServerContext, chat: ChatInput, admit: bool = True
                    ) -> tuple[str, list[int], SamplingParams, ToolPlan]:
-    """The checks, in the order their errors take, then the prompt, its ids and the params."""
+    """The checks, in the order their errors take, then the prompt, its ids and the params;
+    `admit=False` (a render) skips the checks of what is in flight (429, 503)."""
     plan = plan_tools(chat, ctx.tool_call_parser)
     structured = await structured_outputs(chat.response_format,
                                           has_tool_grammar=plan.structured is not None,
                                           tokenizer=ctx.grammar_tokenizer)
-    ctx.check_capacity(n=chat.sampling.n)
+    if admit:
+        ctx.check_capacity(n=chat.sampling.n)
+    else:
+        ctx.check_request_size(n=chat.sampling.n)
     prompt = render_prompt(ctx, chat)
     ids = ctx.tokenizer.encode(prompt, add_special_tokens=False)
     max_tokens = resolve_max_tokens(ctx, len(ids), chat.sampling.max_tokens)

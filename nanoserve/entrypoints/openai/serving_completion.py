@@ -56,27 +56,8 @@ def _prompts(ctx: ServerContext, prompts: list[Any]) -> list[tuple[str | None, l
 
 async def create_completion(ctx: ServerContext, req: CompletionRequest,
                             raw: Request) -> Response:
-    ctx.check_model(req.model)
-    if req.suffix is not None:
-        raise bad_request("suffix is not supported", "suffix")
-    if req.best_of is not None and req.best_of != req.n:
-        raise bad_request("best_of is not supported (use n)", "best_of")
-    structured = await structured_outputs(req, tokenizer=ctx.grammar_tokenizer)
-    batch = _batch(req.prompt)
-    ctx.check_capacity(len(batch), req.n)  # before tokenizing: a batch can hold a million prompts
-    prompts = _prompts(ctx, batch)
+    jobs = await prepare_completion(ctx, req)
     echo_only = req.echo and req.max_tokens == 0
-    kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
-    fields = sampling_input(req, max_tokens=req.max_tokens, logprobs=req.logprobs)
-    jobs = []
-    for text, ids in prompts:
-        max_tokens = resolve_max_tokens(ctx, len(ids), 1 if echo_only else fields.max_tokens)
-        params = sampling_params(ctx, fields, max_tokens=max_tokens, output_kind=kind)
-        params.structured_outputs = structured
-        if req.echo and req.logprobs is not None and params.prompt_logprobs is None:
-            params.prompt_logprobs = req.logprobs
-        shown = text if text is not None else ctx.tokenizer.decode(ids)
-        jobs.append((shown, ids, params))
     request_id = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     if req.stream:
@@ -97,6 +78,44 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest,
                          "model": ctx.model_name, "choices": choices,
                          "usage": usage(num_prompt, 0 if echo_only else num_output,
                                         num_cached)})
+
+
+async def render_completion(ctx: ServerContext, req: CompletionRequest) -> list[list[int]]:
+    """The ids /v1/completions would prefill for each prompt of `req`, after its checks (less
+    the in-flight cap: a render admits nothing)."""
+    return [ids for _, ids, _ in await prepare_completion(ctx, req, admit=False)]
+
+
+async def prepare_completion(ctx: ServerContext, req: CompletionRequest, admit: bool = True
+                             ) -> list[tuple[str, list[int], SamplingParams]]:
+    """The checks, in the order their errors take, then each prompt's text, ids and params;
+    `admit=False` (a render) skips the checks of what is in flight (429, 503)."""
+    ctx.check_model(req.model)
+    if req.suffix is not None:
+        raise bad_request("suffix is not supported", "suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise bad_request("best_of is not supported (use n)", "best_of")
+    structured = await structured_outputs(req, tokenizer=ctx.grammar_tokenizer)
+    batch = _batch(req.prompt)
+    # before tokenizing: a batch can hold a million prompts
+    if admit:
+        ctx.check_capacity(len(batch), req.n)
+    else:
+        ctx.check_request_size(len(batch), req.n)
+    prompts = _prompts(ctx, batch)
+    echo_only = req.echo and req.max_tokens == 0
+    kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
+    fields = sampling_input(req, max_tokens=req.max_tokens, logprobs=req.logprobs)
+    jobs = []
+    for text, ids in prompts:
+        max_tokens = resolve_max_tokens(ctx, len(ids), 1 if echo_only else fields.max_tokens)
+        params = sampling_params(ctx, fields, max_tokens=max_tokens, output_kind=kind)
+        params.structured_outputs = structured
+        if req.echo and req.logprobs is not None and params.prompt_logprobs is None:
+            params.prompt_logprobs = req.logprobs
+        shown = text if text is not None else ctx.tokenizer.decode(ids)
+        jobs.append((shown, ids, params))
+    return jobs
 
 
 def _choice(ctx: ServerContext, index: int, req: CompletionRequest, prompt_text: str,

@@ -1,0 +1,60 @@
+"""What a router in front of replicas asks a replica (../shared/reference/scale-out.md §8):
+the token ids a request would prefill, to hash against the blocks each replica holds, and who
+the replica is.
+
+`vllm-router --policy kv_aware` asks every worker for the ids of each incoming request within
+a 1 s budget, and they must be exactly the ids the worker prefills; so the render routes run
+the real endpoints' preparation (`prepare_chat`, `prepare_completion`: template, tokenizer,
+checks, the same 400s) and stop before the engine. They skip only the checks of what is in
+flight (429, 503): a render admits nothing. vLLM answers the same paths.
+"""
+
+from __future__ import annotations
+
+import socket
+import uuid
+from typing import Any
+
+from fastapi import FastAPI
+
+import nanoserve
+from nanoserve.entrypoints.openai.openapi import responses
+from nanoserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from nanoserve.entrypoints.openai.response_models import (
+    CompletionRenderResponse,
+    RenderResponse,
+    ServerInfoResponse,
+)
+from nanoserve.entrypoints.openai.server_context import ServerContext
+from nanoserve.entrypoints.openai.serving_chat import render_chat
+from nanoserve.entrypoints.openai.serving_completion import render_completion
+
+RENDER_ERRORS = (400, 401, 404, 413)
+
+
+def instance_id(port: int, engine_pid: int) -> str:
+    """One id per engine start, the same in every API process of the server (they share the
+    engine, its pid and the port); opaque, so it names no host or process."""
+    return uuid.uuid5(uuid.NAMESPACE_URL,
+                      f"nanoserve://{socket.gethostname()}:{port}/{engine_pid}").hex
+
+
+def add_router_routes(app: FastAPI, ctx: ServerContext) -> None:
+    """POST /v1/chat/completions/render, POST /v1/completions/render, GET /get_server_info."""
+
+    @app.post("/v1/chat/completions/render", responses=responses(RenderResponse, *RENDER_ERRORS))
+    async def render_chat_ids(req: ChatCompletionRequest) -> dict[str, Any]:
+        return {"token_ids": await render_chat(ctx, req)}
+
+    @app.post("/v1/completions/render",
+              responses=responses(CompletionRenderResponse, *RENDER_ERRORS))
+    async def render_completion_ids(req: CompletionRequest) -> list[dict[str, Any]]:
+        return [{"token_ids": ids} for ids in await render_completion(ctx, req)]
+
+    @app.get("/get_server_info", responses=responses(ServerInfoResponse, 401))
+    async def server_info() -> dict[str, Any]:
+        block_size = ctx.engine.ready.block_size
+        return {"model_id": ctx.model_name, "model_path": ctx.model_path or ctx.model_name,
+                "instance_id": ctx.instance_id, "kv_block_size": block_size,
+                "effective_attention_block_size": block_size, "worker_type": "regular",
+                "max_model_len": ctx.max_model_len, "version": nanoserve.__version__}
