@@ -10,6 +10,10 @@ would take (one prefill chunk a step, one token a step), then frees them, as the
 does at finish. Requests wait in arrival order when an engine is full. Routing is
 `engine/dp_router.py`, the policy the API side will use, over the engines' in-flight counts.
 
+A trace can be saved (`--save-trace`) and replayed (`--trace`): JSON lines of `arrival` (in
+engine steps), `prompt_token_ids` and `output_len`, so a recorded workload of that shape runs
+the same way.
+
 Printed per policy and replica count: the prefix-cache hit rate (cached prompt tokens /
 prompt tokens, the scheduler's meaning), the same against one replica, the load balance (max
 / mean requests per engine), the wait for admission in steps, and how many requests the
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import heapq
+import json
 import random
 import statistics
 from collections import deque
@@ -32,6 +37,7 @@ from nanoserve.engine.request import Request
 from nanoserve.sampling_params import SamplingParams
 
 VOCAB = 32000
+TraceEntry = tuple[float, list[int], int]  # arrival step, prompt ids, output tokens
 
 
 @dataclass(frozen=True)
@@ -62,19 +68,35 @@ class RouteResult:
     num_overrides: int  # requests sent to the least loaded engine against their prefix
 
 
-def shared_prefix_trace(w: Workload) -> list[tuple[float, list[int]]]:
-    """(arrival step, prompt ids) in arrival order: groups interleaved at random."""
+def shared_prefix_trace(w: Workload) -> list[TraceEntry]:
+    """The trace in arrival order: groups interleaved at random."""
     rng = random.Random(w.seed)
     prefixes = [[rng.randrange(VOCAB) for _ in range(w.prefix_len)]
                 for _ in range(w.num_groups)]
     prompts = [prefix + [rng.randrange(VOCAB) for _ in range(w.suffix_len)]
                for prefix in prefixes for _ in range(w.prompts_per_group)]
     rng.shuffle(prompts)
-    trace, now = [], 0.0
+    trace: list[TraceEntry] = []
+    now = 0.0
     for prompt in prompts:
         now += rng.expovariate(w.arrival_rate)
-        trace.append((now, prompt))
+        trace.append((now, prompt, w.output_len))
     return trace
+
+
+def write_trace(path: str, trace: list[TraceEntry]) -> None:
+    with open(path, "w") as f:
+        for arrival, prompt, output_len in trace:
+            f.write(json.dumps({"arrival": arrival, "prompt_token_ids": prompt,
+                                "output_len": output_len}) + "\n")
+
+
+def read_trace(path: str) -> list[TraceEntry]:
+    """A saved or recorded trace, sorted by arrival."""
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return sorted(((float(r["arrival"]), list(r["prompt_token_ids"]), int(r["output_len"]))
+                   for r in rows), key=lambda entry: entry[0])
 
 
 class SimEngine:
@@ -99,7 +121,8 @@ class SimEngine:
         while self.waiting and self.num_running < self.w.max_num_seqs:
             arrival, request = self.waiting[0]
             hits, num_cached = self.cache.get_computed_blocks(request)
-            num_new = request.num_prompt_tokens - num_cached + self.w.output_len
+            output_len = request.params.max_tokens or 0
+            num_new = request.num_prompt_tokens - num_cached + output_len
             if not self.cache.allocate_slots(request, num_new, hits):
                 break  # head of line waits for blocks, as the scheduler's FIFO does
             self.waiting.popleft()
@@ -109,7 +132,7 @@ class SimEngine:
             self.num_prompt_tokens += request.num_prompt_tokens
             self.num_cached_tokens += num_cached
             num_uncached = request.num_prompt_tokens - num_cached
-            steps = -(-num_uncached // self.w.prefill_chunk) + self.w.output_len
+            steps = -(-num_uncached // self.w.prefill_chunk) + output_len
             admitted.append((now + steps, request, now - arrival))
         return admitted
 
@@ -119,9 +142,10 @@ class SimEngine:
 
 
 def simulate(w: Workload, policy: str, num_replicas: int,
-             trace: list[tuple[float, list[int]]]) -> RouteResult:
-    """Replay `trace` against `num_replicas` engines behind `policy`."""
-    needed = -(-(w.prefix_len + w.suffix_len + w.output_len) // w.block_size)
+             trace: list[TraceEntry]) -> RouteResult:
+    """Replay `trace` against `num_replicas` engines behind `policy` (`w` gives the
+    engines; its trace fields are not read)."""
+    needed = max(-(-(len(prompt) + out) // w.block_size) for _, prompt, out in trace)
     if needed > w.num_blocks:
         raise ValueError(f"a request needs {needed} blocks; --num-blocks is {w.num_blocks}")
     engines = [SimEngine(w) for _ in range(num_replicas)]
@@ -145,11 +169,11 @@ def simulate(w: Workload, policy: str, num_replicas: int,
             engines[index].finish(request)
             start(index, done)
 
-    for i, (arrival, prompt) in enumerate(trace):
+    for i, (arrival, prompt, output_len) in enumerate(trace):
         finish_until(arrival)
         index = router.route(prompt_block_hashes(prompt, w.block_size),
                              [e.load for e in engines])
-        request = Request(f"r{i}", prompt, SamplingParams(max_tokens=w.output_len))
+        request = Request(f"r{i}", prompt, SamplingParams(max_tokens=output_len))
         engines[index].waiting.append((arrival, request))
         engines[index].num_routed += 1
         start(index, arrival)
@@ -197,6 +221,10 @@ def add_route_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replicas", default="1,2,4,8", help="comma-separated (%(default)s)")
     p.add_argument("--policies", default="cache_aware,round_robin")
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--trace", default=None, metavar="FILE",
+                   help="replay this trace (JSON lines) instead of generating one")
+    p.add_argument("--save-trace", default=None, metavar="FILE",
+                   help="write the trace replayed, as JSON lines")
 
 
 def run_route_bench(args: argparse.Namespace) -> int:
@@ -205,11 +233,16 @@ def run_route_bench(args: argparse.Namespace) -> int:
                  output_len=args.output_len, arrival_rate=args.arrival_rate,
                  num_blocks=args.num_blocks, block_size=args.block_size,
                  max_num_seqs=args.max_num_seqs, seed=args.seed)
-    trace = shared_prefix_trace(w)
+    trace = read_trace(args.trace) if args.trace else shared_prefix_trace(w)
+    if args.save_trace:
+        write_trace(args.save_trace, trace)
     results = [simulate(w, policy, int(n), trace) for policy in args.policies.split(",")
                for n in args.replicas.split(",")]
-    print(f"{w.num_groups} groups x {w.prompts_per_group} prompts, {w.prefix_len}-token prefix "
-          f"+ {w.suffix_len} unique, {w.output_len} out; {w.arrival_rate} arrivals/step; "
-          f"{w.num_blocks} blocks of {w.block_size} per engine, max_num_seqs {w.max_num_seqs}\n")
+    shape = (f"{len(trace)} requests from {args.trace}" if args.trace else
+             f"{w.num_groups} groups x {w.prompts_per_group} prompts, {w.prefix_len}-token "
+             f"prefix + {w.suffix_len} unique, {w.output_len} out; {w.arrival_rate} "
+             "arrivals/step")
+    print(f"{shape}; {w.num_blocks} blocks of {w.block_size} per engine, max_num_seqs "
+          f"{w.max_num_seqs}\n")
     print(format_results(results))
     return 0

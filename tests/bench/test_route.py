@@ -3,6 +3,8 @@ keeps the prefix hits of one, round-robin loses some, and both replicas serve.""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from nanoserve.bench.route import Workload, shared_prefix_trace, simulate
@@ -14,7 +16,7 @@ SMALL = Workload(num_groups=8, prompts_per_group=8, prefix_len=256, suffix_len=3
 
 def test_cache_aware_keeps_one_replicas_hits_round_robin_does_not() -> None:
     trace = shared_prefix_trace(SMALL)
-    assert len(trace) == 64 and len({tuple(p[:256]) for _, p in trace}) == 8
+    assert len(trace) == 64 and len({tuple(p[:256]) for _, p, _ in trace}) == 8
     one = simulate(SMALL, "cache_aware", 1, trace)
     aware = simulate(SMALL, "cache_aware", 2, trace)
     spread = simulate(SMALL, "round_robin", 2, trace)
@@ -37,7 +39,21 @@ def test_the_command_prints_every_policy_and_replica_count(
     assert rows[0][3] == rows[2][3] == "100%"
 
 
+def test_a_saved_trace_replays_to_the_same_figures(tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["bench", "route", "--groups", "4", "--prompts-per-group", "4", "--replicas", "2",
+            "--num-blocks", "128"]
+    saved = tmp_path / "trace.jsonl"
+    assert main([*args, "--save-trace", str(saved)]) == 0
+    generated = capsys.readouterr().out.splitlines()
+    assert len(saved.read_text().splitlines()) == 16
+    assert main([*args, "--trace", str(saved)]) == 0
+    replayed = capsys.readouterr().out.splitlines()
+    assert replayed[0].startswith(f"16 requests from {saved}")
+    assert replayed[1:] == generated[1:]
+
+
 def test_a_request_larger_than_an_engine_is_refused() -> None:
     tiny = Workload(num_blocks=8)
     with pytest.raises(ValueError, match="needs 24 blocks; --num-blocks is 8"):
-        simulate(tiny, "cache_aware", 1, [])
+        simulate(tiny, "cache_aware", 1, [(0.0, [1] * 320, 64)])
