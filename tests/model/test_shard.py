@@ -14,6 +14,7 @@ from gguf import quants
 
 from nanoserve.model.arch import ArchConfig
 from nanoserve.model.gguf_file import GGUFFile
+from nanoserve.model.linear import linear
 from nanoserve.model.loader import default_model_path, load_model
 from nanoserve.model.parallel import TensorParallelGroup
 from nanoserve.model.quantization import RawBlocks
@@ -142,3 +143,40 @@ def test_the_default_models_shape_at_tp_3() -> None:
     local = local_arch(arch, TensorParallelGroup(2, 3))
     assert (local.num_heads, local.num_kv_heads, local.intermediate_size) == (3, 1, 512)
     assert vocab_range(arch, TensorParallelGroup(2, 3)) == (32768, 49152)
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_column_shards_give_slices_and_row_shards_partial_sums(quantization: str,
+                                                               tiny_model_dir: Any) -> None:
+    """One layer's projections on each rank of 2, in one process (no collective): qkv and
+    gate/up give exactly the rank's slices of TP 1's outputs (the same rows of the same
+    weights, the same activation blocks), o and down give partial sums that add up to TP 1's.
+    In float32, and as Q8_0 blocks ("int8") where a rank's columns are whole blocks of 32."""
+    path = str(tiny_model_dir("qwen2"))  # 4 heads of 16, 2 KV heads, intermediate 160
+    whole = load_model(path, torch.device("cpu"), torch.float32, 64, quantization).model
+    parts = [load_model(path, torch.device("cpu"), torch.float32, 64, quantization, g).model
+             for g in groups(2)]
+    layer, head = whole.decoder_layers[0], whole.arch.head_dim
+    torch.manual_seed(0)
+    x = torch.randn(5, whole.arch.hidden_size)
+    q, k, v = linear(x, layer.qkv_proj).split([4 * head, 2 * head, 2 * head], dim=-1)
+    gate, up = linear(x, layer.gate_up_proj).chunk(2, dim=-1)
+    for rank, part in enumerate(parts):
+        local = part.decoder_layers[0]
+        heads, kv = slice(2 * rank * head, 2 * (rank + 1) * head), slice(rank * head,
+                                                                           (rank + 1) * head)
+        assert torch.equal(linear(x, local.qkv_proj), torch.cat([q[:, heads], k[:, kv],
+                                                                 v[:, kv]], dim=-1))
+        rows = slice(80 * rank, 80 * (rank + 1))
+        assert torch.equal(linear(x, local.gate_up_proj), torch.cat([gate[:, rows],
+                                                                     up[:, rows]], dim=-1))
+    attn = torch.randn(5, 4 * head)
+    mlp = torch.randn(5, 160)
+    checked = [("o_proj", attn, 2 * head), ("down_proj", mlp, 80)]
+    if quantization == "int8":  # 80 columns are not whole blocks of 32: each rank's down
+        checked.pop()  # stays float, as a TP 1 weight of 80 columns would (TP 1's is Q8_0)
+    for name, inputs, width in checked:
+        partials = [linear(inputs[:, r * width : (r + 1) * width],
+                           getattr(p.decoder_layers[0], name)) for r, p in enumerate(parts)]
+        expected = linear(inputs, getattr(layer, name))
+        torch.testing.assert_close(partials[0] + partials[1], expected, rtol=1e-5, atol=1e-5)
