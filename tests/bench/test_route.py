@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from nanoserve.bench.route import Workload, shared_prefix_trace, simulate
+from nanoserve.bench.route import Workload, shared_prefix_trace
+from nanoserve.bench.route_sim import simulate
 from nanoserve.entrypoints.cli import main
 
 SMALL = Workload(num_groups=8, prompts_per_group=8, prefix_len=256, suffix_len=32,
