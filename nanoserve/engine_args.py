@@ -23,6 +23,7 @@ from nanoserve.config import (
     CacheConfig,
     EngineConfig,
     GiB,
+    KVEventsConfig,
     ModelConfig,
     ParallelConfig,
     SamplerConfig,
@@ -122,6 +123,11 @@ class EngineArgs:
         "processes the model's weights and KV cache are split over on this host (rank 0 is "
         "the engine core; the model's heads, KV heads or MLP rows must split evenly, or the "
         "start-up error names the sizes that do) (default: %(default)s)", type=int)
+    kv_events_config: str | None = _arg(
+        None, "publish the prefix cache's stored and evicted blocks for a router, vLLM's JSON: "
+        "'{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": "
+        "\"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\"}' (default: off)",
+        metavar="JSON")
     zero_cost_runner: bool = _arg(
         ModelConfig.zero_cost_runner, "benchmark the frontend: skip the model, emit tokens at once",
         flag="--zero-cost-engine", action="store_true")
@@ -158,6 +164,8 @@ class EngineArgs:
             sampler=SamplerConfig(logits_processors=tuple(self.logits_processors),
                                   max_logprobs=self.max_logprobs),
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
+            kv_events=KVEventsConfig() if self.kv_events_config is None
+            else KVEventsConfig.from_json(self.kv_events_config),
         )
 
     def _scheduler_config(self) -> SchedulerConfig:

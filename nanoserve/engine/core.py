@@ -108,7 +108,8 @@ class EngineCore:
         if ranks is not None:  # every rank's cache holds the blocks rank 0 sized
             num_blocks = ranks.group.broadcast_int(num_blocks)
         self.max_model_len = self._max_model_len(num_blocks * block_size)
-        self.kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
+        self.kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching,
+                                       record_events=config.kv_events.enable_kv_cache_events)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
         # every running request's blocks by slot; a step's block table is read from it
         num_slots = config.scheduler.max_num_seqs

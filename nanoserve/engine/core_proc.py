@@ -29,6 +29,7 @@ import zmq
 
 from nanoserve.config import EngineConfig
 from nanoserve.engine.core import EngineCore
+from nanoserve.engine.kv_events import KVEventPublisher
 from nanoserve.engine.tp_executor import TPExecutor
 from nanoserve.protocol import (
     AbortRequests,
@@ -62,6 +63,9 @@ class EngineCoreProc:
         self.output_addresses = output_addresses
         self.client_of: dict[str, int] = {}  # request id -> API server index
         self.running = True
+        # the prefix cache's changes for a router (--kv-events-config), sent off the loop
+        self.kv_events = (KVEventPublisher(config.kv_events)
+                          if config.kv_events.is_publishing else None)
 
     def ready_message(self) -> EngineReady:
         core = self.core
@@ -127,6 +131,8 @@ class EngineCoreProc:
                 # 2) one step; or, idle, let the API servers see what the inputs changed
                 if self.core.has_unfinished():
                     self._send_outputs(self.core.step())
+                    if self.kv_events is not None:
+                        self.kv_events.publish(self.core.kv_cache.take_events())
                 elif changed:
                     self._send_outputs([])
         except Exception:

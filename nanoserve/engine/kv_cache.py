@@ -9,6 +9,10 @@ reference count goes up) instead of computing them again.
 A block whose reference count falls to 0 goes to the back of the free queue but keeps its hash
 and contents, so it can still be reused until it is handed out again; allocation takes from the
 front of the queue, so the least recently released block is evicted first.
+
+With `record_events`, the manager also keeps what a router needs to know of the prefix cache
+(engine/kv_events.py): the runs of blocks that became findable, and the hashes evicted; the
+engine takes them after each step (`take_events`).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
+from nanoserve.engine.kv_events import BlockRemoved, BlockStored, KVEvent, wire_hash
 from nanoserve.engine.request import Request
 
 BlockHash = bytes
@@ -50,6 +55,7 @@ class BlockPool:
         self.free_queue: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b)
                                                                  for b in self.blocks)
         self.cached: dict[BlockHash, KVBlock] = {}
+        self.evicted: list[BlockHash] | None = None  # recorded only when a list is set
 
     @property
     def num_free_blocks(self) -> int:
@@ -64,6 +70,8 @@ class BlockPool:
             if block.block_hash is not None:
                 if self.cached.get(block.block_hash) is block:
                     del self.cached[block.block_hash]
+                    if self.evicted is not None:
+                        self.evicted.append(block.block_hash)
                 block.block_hash = None
             block.ref_count = 1
             taken.append(block)
@@ -83,22 +91,29 @@ class BlockPool:
             if block.ref_count == 0:
                 self.free_queue[block.block_id] = block
 
-    def register(self, block: KVBlock, block_hash: BlockHash) -> None:
-        """Make a full, computed block findable by its hash (the first block with a hash wins)."""
+    def register(self, block: KVBlock, block_hash: BlockHash) -> bool:
+        """Make a full, computed block findable by its hash (the first block with a hash wins);
+        True if this block became the one its hash finds."""
         if block.block_hash is None and block_hash not in self.cached:
             block.block_hash = block_hash
             self.cached[block_hash] = block
+            return True
+        return False
 
 
 class KVCacheManager:
     """Block tables per request, allocation with prefix-cache reuse, and the cache's counters."""
 
     def __init__(self, num_blocks: int, block_size: int,
-                 enable_prefix_caching: bool = True) -> None:
+                 enable_prefix_caching: bool = True, record_events: bool = False) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
+        # stored runs, in the order they became findable (evictions: the pool's list)
+        self.stored: list[BlockStored] | None = [] if record_events else None
+        if record_events:
+            self.pool.evicted = []
         self.req_blocks: dict[str, list[KVBlock]] = {}
         # The same blocks' ids, appended to alongside: the runner copies only their new tail
         # into its per-slot table each step (block_table.py), never rebuilding a list.
@@ -170,9 +185,38 @@ class KVCacheManager:
             return
         hashes = self._block_hashes(request)
         blocks = self.req_blocks[request.request_id]
+        run: list[int] = []  # this step's consecutive newly findable blocks, by index
         for i in range(start, num_full):
-            self.pool.register(blocks[i], hashes[i])
+            if self.pool.register(blocks[i], hashes[i]):
+                run.append(i)
+            elif run:
+                self._record_stored(request, hashes, run)
+                run = []
+        if run:
+            self._record_stored(request, hashes, run)
         self.req_num_registered[request.request_id] = num_full
+
+    def take_events(self) -> list[KVEvent]:
+        """The events since the last call, evictions first (a block evicted and stored again
+        in one step must end up stored); empty when not recording."""
+        if self.stored is None or self.pool.evicted is None:
+            return []
+        events: list[KVEvent] = []
+        if self.pool.evicted:
+            events.append(BlockRemoved([wire_hash(h) for h in self.pool.evicted]))
+            self.pool.evicted.clear()
+        events.extend(self.stored)
+        self.stored.clear()
+        return events
+
+    def _record_stored(self, request: Request, hashes: list[BlockHash], run: list[int]) -> None:
+        if self.stored is None:
+            return
+        first, size = run[0], self.block_size
+        parent = wire_hash(hashes[first - 1]) if first > 0 else None
+        self.stored.append(BlockStored(
+            [wire_hash(hashes[i]) for i in run], parent,
+            list(request.all_token_ids[first * size : (run[-1] + 1) * size]), size))
 
     def free(self, request: Request) -> None:
         """Drop the request's hold on its blocks; the tail goes first so prefixes live longer."""
