@@ -126,7 +126,7 @@ def load_model(model: str | None, device: torch.device, dtype: torch.dtype,
     generation_config: dict[str, Any] = {}
     if path.is_dir():
         arch = ArchConfig.from_hf_config(json.loads((path / "config.json").read_text()))
-        tensors: Iterator[tuple[str, ReadTensor]] = read_safetensors_dir(path)
+        tensors: Iterator[tuple[str, ReadTensor]] = read_safetensors_dir(path, arch, group)
         tokenizer = load_tokenizer_from_dir(path)
         gen_file = path / "generation_config.json"
         if gen_file.exists():
@@ -134,7 +134,7 @@ def load_model(model: str | None, device: torch.device, dtype: torch.dtype,
     else:
         gguf = GGUFFile(path)
         arch = ArchConfig.from_gguf_metadata(gguf.metadata, "output.weight" in gguf.tensors)
-        tensors = read_gguf_tensors(gguf, arch, keep_blocks=mode == "gguf")
+        tensors = read_gguf_tensors(gguf, arch, keep_blocks=mode == "gguf", group=group)
         rope_factors = gguf_rope_factors(gguf)
         tokenizer = load_tokenizer_from_gguf(gguf)
         generation_config = gguf_sampling_defaults(gguf.metadata)

@@ -71,11 +71,15 @@ def shard_out_features(weight: Weight, group: TensorParallelGroup, name: str) ->
 def shard_in_features(weight: Weight, group: TensorParallelGroup, name: str) -> Weight:
     """This rank's columns of W (o_proj, down_proj): for GGUF blocks, the same whole blocks of
     every row."""
+    unit = 1 if isinstance(weight, torch.Tensor) else block_layout(weight.ggml_type)[0]
+    return shard_columns(weight, *split_range(weight.shape[1], group, name, "columns", unit))
+
+
+def shard_columns(weight: Weight, start: int, stop: int) -> Weight:
+    """Columns [start, stop) of W (input features; for GGUF blocks, on block boundaries)."""
     if isinstance(weight, torch.Tensor):
-        start, stop = split_range(weight.shape[1], group, name, "columns")
         return weight[:, start:stop].contiguous()
     block, block_bytes = block_layout(weight.ggml_type)
-    start, stop = split_range(weight.shape[1], group, name, "columns", unit=block)
     rows = weight.data.reshape(weight.shape[0], -1)
     sliced = rows[:, start // block * block_bytes : stop // block * block_bytes]
     data = sliced.contiguous() if isinstance(sliced, torch.Tensor) else np.ascontiguousarray(sliced)
@@ -141,14 +145,29 @@ def shard_weight(name: str, weight: torch.Tensor | RawBlocks, arch: ArchConfig,
 
 def _shard_weight(name: str, weight: Weight, arch: ArchConfig,
                   group: TensorParallelGroup) -> Weight:
+    unit = 1 if isinstance(weight, torch.Tensor) else block_layout(weight.ggml_type)[0]
+    split = tensor_split(name, tuple(weight.shape), arch, group, unit)
+    if split is None:
+        return weight
+    dim, start, stop = split
+    return shard_rows(weight, start, stop) if dim == 0 else shard_columns(weight, start, stop)
+
+
+def tensor_split(name: str, shape: tuple[int, ...], arch: ArchConfig,
+                 group: TensorParallelGroup, unit: int = 1) -> tuple[int, int, int] | None:
+    """(dimension, start, stop) of this rank's part of the checkpoint tensor `name` of
+    `shape` (a Hugging Face name; `arch` is the whole model's): heads of q/k/v (and their
+    biases) and rows of gate/up and of the vocabulary on dimension 0, columns of o/down (in
+    whole `unit`s: a quantized block's values) on 1; None for a tensor held whole (norms)."""
     if name.endswith(("q_proj.weight", "q_proj.bias")):
-        return shard_heads(weight, arch.num_heads, arch.head_dim, group, name)
-    if name.endswith(("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias")):
-        return shard_heads(weight, arch.num_kv_heads, arch.head_dim, group, name,
-                           replicate=True)
-    if name.endswith(("gate_proj.weight", "up_proj.weight", "embed_tokens.weight",
-                      "lm_head.weight")):
-        return shard_out_features(weight, group, name)
-    if name.endswith(("o_proj.weight", "down_proj.weight")):
-        return shard_in_features(weight, group, name)
-    return weight  # norms (q/k norms too): every rank holds them whole
+        first, last = head_range(arch.num_heads, group, name)
+    elif name.endswith(("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias")):
+        first, last = head_range(arch.num_kv_heads, group, name, replicate=True)
+    elif name.endswith(("gate_proj.weight", "up_proj.weight", "embed_tokens.weight",
+                        "lm_head.weight")):
+        return 0, *split_range(shape[0], group, name, "rows")
+    elif name.endswith(("o_proj.weight", "down_proj.weight")):
+        return 1, *split_range(shape[1], group, name, "columns", unit)
+    else:
+        return None
+    return 0, first * arch.head_dim, last * arch.head_dim

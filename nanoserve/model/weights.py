@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -15,6 +16,7 @@ import torch
 from nanoserve.model.arch import ArchConfig
 from nanoserve.model.gguf_file import GGUFFile
 from nanoserve.model.llama import CausalLM
+from nanoserve.model.parallel import TensorParallelGroup
 from nanoserve.model.quant_linear import QuantizedWeight
 from nanoserve.model.quantization import (
     RawBlocks,
@@ -23,7 +25,7 @@ from nanoserve.model.quantization import (
     make_matmul_weight,
     shape_of,
 )
-from nanoserve.model.shard import shard_weight
+from nanoserve.model.shard import shard_weight, tensor_split
 from nanoserve.model.weight_arena import gather_packed_weights
 
 ReadTensor = torch.Tensor | RawBlocks
@@ -50,9 +52,15 @@ _GGUF_GLOBAL_NAMES = {
 }
 
 
-def read_safetensors_dir(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of a single-file or sharded (`*.safetensors.index.json`) checkpoint."""
+def read_safetensors_dir(path: Path, arch: ArchConfig | None = None,
+                         group: TensorParallelGroup | None = None
+                         ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of a single-file or sharded (`*.safetensors.index.json`) checkpoint; with
+    a `group` of several ranks (and the model's `arch`), only this rank's part of each, read
+    from the file as a slice (shard.py)."""
     from safetensors import safe_open
+
+    is_sharded = group is not None and not group.is_single
 
     index = path / "model.safetensors.index.json"
     if index.exists():
@@ -64,18 +72,28 @@ def read_safetensors_dir(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     for name in files:
         with safe_open(str(path / name), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                yield key, f.get_tensor(key)
+                part = f.get_slice(key)
+                split = (tensor_split(key, tuple(part.get_shape()), arch, group)
+                         if is_sharded and arch is not None and group is not None else None)
+                if split is None:
+                    yield key, f.get_tensor(key)
+                    continue
+                dim, start, stop = split
+                yield key, (part[start:stop] if dim == 0 else part[:, start:stop]).contiguous()
 
 
-def read_gguf_tensors(gguf: GGUFFile, arch: ArchConfig, keep_blocks: bool = False
+def read_gguf_tensors(gguf: GGUFFile, arch: ArchConfig, keep_blocks: bool = False,
+                      group: TensorParallelGroup | None = None
                       ) -> Iterator[tuple[str, ReadTensor]]:
     """GGUF tensors under Hugging Face names, with Q/K rows un-permuted for Llama.
 
     Dequantized to float32, or, with `keep_blocks`, the 2-D weights (projections, embedding,
-    head) as the file stores them (`RawBlocks`). llama.cpp's converter reorders each Llama
-    head's Q and K rows from the HF "rotate halves" layout to interleaved pairs; we undo it
-    (on whole rows, so raw blocks too) so the same RoPE code serves both sources. Qwen files
-    are written without that permutation.
+    head) as the file stores them (`RawBlocks`, still the mapped file until used). With a
+    `group` of several ranks, only this rank's part of each (shard.py): raw blocks are sliced
+    from the mapped file, so a rank copies only its slices. llama.cpp's converter reorders
+    each Llama head's Q and K rows from the HF "rotate halves" layout to interleaved pairs; we
+    undo it (on whole rows, so raw blocks too; head by head, so after the rank's heads are
+    cut) so the same RoPE code serves both sources. Qwen files are written without it.
     """
     is_permuted = gguf.metadata.get("general.architecture") == "llama"
     for name in gguf.tensors:
@@ -83,22 +101,20 @@ def read_gguf_tensors(gguf: GGUFFile, arch: ArchConfig, keep_blocks: bool = Fals
             continue  # read by the loader as RoPE scaling factors
         hf_name = gguf_to_hf_name(name)
         tensor = gguf.tensors[name]
-        blocks = None
+        value: ReadTensor | None = None
         if keep_blocks and len(tensor.shape) == 2:
             blocks = RawBlocks(tensor.data, tensor.ggml_type, (tensor.shape[0], tensor.shape[1]))
-            blocks = blocks if blocks.has_kernel else None
-        is_rope_rows = is_permuted and hf_name.endswith(
-            ("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias"))
-        if blocks is not None and not is_rope_rows:
-            # still the mapped file: a tensor-parallel rank copies only its slices of it
-            yield hf_name, blocks
-            continue
-        values = gguf.dequantize(name) if blocks is None else blocks.rows()
-        if is_rope_rows:
-            num_heads = arch.num_heads if ".q_proj." in hf_name else arch.num_kv_heads
-            values = unpermute_rope_rows(values, num_heads)
-        yield hf_name, values if blocks is None else RawBlocks(values, blocks.ggml_type,
-                                                               blocks.shape)
+            value = blocks if blocks.has_kernel else None
+        if value is None:
+            value = gguf.dequantize(name)
+        if group is not None:
+            value = shard_weight(hf_name, value, arch, group)
+        if is_permuted and hf_name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias",
+                                             "k_proj.bias")):
+            rows = value.rows() if isinstance(value, RawBlocks) else value
+            rows = unpermute_rope_rows(rows, rows.shape[0] // arch.head_dim)
+            value = replace(value, data=rows) if isinstance(value, RawBlocks) else rows
+        yield hf_name, value
 
 
 def gguf_to_hf_name(name: str) -> str:
@@ -122,11 +138,11 @@ def load_into(model: CausalLM, tensors: Iterator[tuple[str, ReadTensor]], dtype:
     """Copy HF-named tensors into the model, fusing q/k/v and gate/up; check nothing is missing.
 
     Matmul weights become what `quantization` (resolved, see quantization.py) asks for.
-    Under tensor parallelism (the model's group) each tensor is cut to this rank's part as
-    it is read (shard.py), before q/k/v and gate/up are fused (mini-sglang's order: shard,
-    then merge), so only one whole tensor is held at a time."""
+    Under tensor parallelism the readers give this rank's part of each tensor (cut as they
+    read, by the model's group), fused here after the cut (mini-sglang's order: shard, then
+    merge); the shapes are checked against this rank's model."""
     arch = model.arch
-    state = {name: shard_weight(name, t, model.full_arch, model.group) for name, t in tensors}
+    state = {name: t for name, t in tensors}
     fused: dict[str, Loaded] = {
         "embed_tokens": state.pop("model.embed_tokens.weight"),
         "norm": state.pop("model.norm.weight"),
