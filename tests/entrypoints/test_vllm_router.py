@@ -87,14 +87,14 @@ def replicas(tiny_model_dir: Any) -> Iterator[list[tuple[RunningServer, int]]]:
         started.append((server, events, replay))
     for server, _, _ in started:
         server.wait_healthy()
-    yield [(server, events) for server, events, _ in started]
+    yield [(server, events, replay) for server, events, replay in started]
     assert [server.stop() for server, _, _ in started] == [0, 0]
 
 
 @pytest.fixture(scope="module")
 def single_hits(replicas: Any) -> float:
     """One server alone, on prompts of the same shape: its prefix-cache hits."""
-    (one, _), _ = replicas
+    (one, _, _), _ = replicas
     hits_before = one.metric(HITS)
     assert send_waves(one.client(), seed=1) == NUM_GROUPS * PER_GROUP
     hits = one.metric(HITS) - hits_before
@@ -106,7 +106,7 @@ def single_hits(replicas: Any) -> float:
                                               ("round_robin", 4)])
 def test_router_keeps_prefixes_together(replicas: Any, single_hits: float, policy: str,
                                         seed: int, tmp_path: Path) -> None:
-    (one, _), (two, _) = replicas
+    (one, _, _), (two, _, _) = replicas
     # both behind the router, which subscribes to each one's events
     port, prometheus = free_port(), free_port()
     cmd = [router_binary(), "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
@@ -114,8 +114,11 @@ def test_router_keeps_prefixes_together(replicas: Any, single_hits: float, polic
            "--worker-urls", one.url, two.url]
     if policy == "kv_aware":  # the router refuses event sources for its other policies
         cmd += ["--kv-event-block-size", "16", "--kv-event-model", MODEL]
-        for server, events in replicas:
-            cmd += ["--kv-event-source", f"{server.url}=tcp://127.0.0.1:{events}"]
+        # the router joins after the replicas published the single-server phase's events:
+        # it asks each replay socket for what it missed
+        for server, events, replay in replicas:
+            cmd += ["--kv-event-source", f"{server.url}=tcp://127.0.0.1:{events}",
+                    "--kv-event-replay-source", f"{server.url}=tcp://127.0.0.1:{replay}"]
     log = open(tmp_path / "router.log", "w")  # noqa: SIM115 - closed below
     router = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -124,11 +127,11 @@ def test_router_keeps_prefixes_together(replicas: Any, single_hits: float, polic
         wait_until(lambda: router.poll() is not None or _healthy(url), "the router to answer",
                    timeout=60)
         assert router.poll() is None, (tmp_path / "router.log").read_text()[-3000:]
-        before = [(s.metric(HITS), s.metric(QUERIES)) for s, _ in replicas]
+        before = [(s.metric(HITS), s.metric(QUERIES)) for s, _, _ in replicas]
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
         assert send_waves(client, seed=seed, settle=lambda: _settle(replicas)) == \
             NUM_GROUPS * PER_GROUP
-        after = [(s.metric(HITS), s.metric(QUERIES)) for s, _ in replicas]
+        after = [(s.metric(HITS), s.metric(QUERIES)) for s, _, _ in replicas]
         # the router's own count of prompts whose blocks it found in a replica's events
         found = _router_hits(httpx.get(f"http://127.0.0.1:{prometheus}/metrics").text)
     finally:
@@ -164,4 +167,4 @@ def _healthy(url: str) -> bool:
 def _settle(replicas: Any) -> None:
     """Both replicas idle: every block of the wave is stored and its event sent."""
     wait_until(lambda: all(s.metric("nanoserve:num_requests_running") == 0
-                           for s, _ in replicas), "the replicas to go idle", timeout=30)
+                           for s, _, _ in replicas), "the replicas to go idle", timeout=30)
