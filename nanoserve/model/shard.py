@@ -130,22 +130,29 @@ def vocab_range(arch: ArchConfig, group: TensorParallelGroup) -> tuple[int, int]
     return split_range(arch.vocab_size, group, "embed_tokens", "rows")
 
 
+def column_unit(shape: tuple[int, ...], block: int) -> int:
+    """The columns a float weight's column shards come in when the weights are quantized at
+    load in blocks of `block` (1: not quantized): whole blocks, so each rank's blocks (and
+    the activations' int8 blocks) are TP 1's; 1 for a width TP 1 keeps float as well."""
+    return block if len(shape) == 2 and shape[1] % block == 0 else 1
+
+
 def shard_weight(name: str, weight: torch.Tensor | RawBlocks, arch: ArchConfig,
-                 group: TensorParallelGroup) -> torch.Tensor | RawBlocks:
+                 group: TensorParallelGroup, block: int = 1) -> torch.Tensor | RawBlocks:
     """This rank's part of the checkpoint tensor `name` (a Hugging Face name; `arch` is the
     whole model's): heads of q/k/v (and their biases), rows of gate/up and of the
-    vocabulary, columns of o/down; norms whole."""
+    vocabulary, columns of o/down (in whole GGUF blocks, or of `block` for a float weight
+    quantized at load); norms whole."""
     if group.is_single:
         return weight
     # one call per type, so that each binds the functions' type variable
     if isinstance(weight, torch.Tensor):
-        return _shard_weight(name, weight, arch, group)
-    return _shard_weight(name, weight, arch, group)
+        return _shard_weight(name, weight, arch, group, column_unit(tuple(weight.shape), block))
+    return _shard_weight(name, weight, arch, group, block_layout(weight.ggml_type)[0])
 
 
-def _shard_weight(name: str, weight: Weight, arch: ArchConfig,
-                  group: TensorParallelGroup) -> Weight:
-    unit = 1 if isinstance(weight, torch.Tensor) else block_layout(weight.ggml_type)[0]
+def _shard_weight(name: str, weight: Weight, arch: ArchConfig, group: TensorParallelGroup,
+                  unit: int) -> Weight:
     split = tensor_split(name, tuple(weight.shape), arch, group, unit)
     if split is None:
         return weight

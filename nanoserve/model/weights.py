@@ -25,7 +25,7 @@ from nanoserve.model.quantization import (
     make_matmul_weight,
     shape_of,
 )
-from nanoserve.model.shard import shard_weight, tensor_split
+from nanoserve.model.shard import column_unit, shard_weight, tensor_split
 from nanoserve.model.weight_arena import gather_packed_weights
 
 ReadTensor = torch.Tensor | RawBlocks
@@ -53,11 +53,12 @@ _GGUF_GLOBAL_NAMES = {
 
 
 def read_safetensors_dir(path: Path, arch: ArchConfig | None = None,
-                         group: TensorParallelGroup | None = None
+                         group: TensorParallelGroup | None = None, block: int = 1
                          ) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of a single-file or sharded (`*.safetensors.index.json`) checkpoint; with
     a `group` of several ranks (and the model's `arch`), only this rank's part of each, read
-    from the file as a slice (shard.py)."""
+    from the file as a slice (shard.py; columns in whole `block`s for weights quantized at
+    load)."""
     from safetensors import safe_open
 
     is_sharded = group is not None and not group.is_single
@@ -73,7 +74,8 @@ def read_safetensors_dir(path: Path, arch: ArchConfig | None = None,
         with safe_open(str(path / name), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 part = f.get_slice(key)
-                split = (tensor_split(key, tuple(part.get_shape()), arch, group)
+                shape = tuple(part.get_shape())
+                split = (tensor_split(key, shape, arch, group, column_unit(shape, block))
                          if is_sharded and arch is not None and group is not None else None)
                 if split is None:
                     yield key, f.get_tensor(key)
@@ -83,7 +85,7 @@ def read_safetensors_dir(path: Path, arch: ArchConfig | None = None,
 
 
 def read_gguf_tensors(gguf: GGUFFile, arch: ArchConfig, keep_blocks: bool = False,
-                      group: TensorParallelGroup | None = None
+                      group: TensorParallelGroup | None = None, block: int = 1
                       ) -> Iterator[tuple[str, ReadTensor]]:
     """GGUF tensors under Hugging Face names, with Q/K rows un-permuted for Llama.
 
@@ -108,7 +110,7 @@ def read_gguf_tensors(gguf: GGUFFile, arch: ArchConfig, keep_blocks: bool = Fals
         if value is None:
             value = gguf.dequantize(name)
         if group is not None:
-            value = shard_weight(hf_name, value, arch, group)
+            value = shard_weight(hf_name, value, arch, group, block)
         if is_permuted and hf_name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias",
                                              "k_proj.bias")):
             rows = value.rows() if isinstance(value, RawBlocks) else value

@@ -145,16 +145,13 @@ def test_the_default_models_shape_at_tp_3() -> None:
     assert vocab_range(arch, TensorParallelGroup(2, 3)) == (32768, 49152)
 
 
-@pytest.mark.parametrize("quantization", ["none", "int8"])
-def test_column_shards_give_slices_and_row_shards_partial_sums(quantization: str,
-                                                               tiny_model_dir: Any) -> None:
+def test_column_shards_give_slices_and_row_shards_partial_sums(tiny_model_dir: Any) -> None:
     """One layer's projections on each rank of 2, in one process (no collective): qkv and
     gate/up give exactly the rank's slices of TP 1's outputs (the same rows of the same
-    weights, the same activation blocks), o and down give partial sums that add up to TP 1's.
-    In float32, and as Q8_0 blocks ("int8") where a rank's columns are whole blocks of 32."""
+    weights), o and down give partial sums that add up to TP 1's."""
     path = str(tiny_model_dir("qwen2"))  # 4 heads of 16, 2 KV heads, intermediate 160
-    whole = load_model(path, torch.device("cpu"), torch.float32, 64, quantization).model
-    parts = [load_model(path, torch.device("cpu"), torch.float32, 64, quantization, g).model
+    whole = load_model(path, torch.device("cpu"), torch.float32, 64, "none").model
+    parts = [load_model(path, torch.device("cpu"), torch.float32, 64, "none", g).model
              for g in groups(2)]
     layer, head = whole.decoder_layers[0], whole.arch.head_dim
     torch.manual_seed(0)
@@ -172,11 +169,19 @@ def test_column_shards_give_slices_and_row_shards_partial_sums(quantization: str
                                                                      up[:, rows]], dim=-1))
     attn = torch.randn(5, 4 * head)
     mlp = torch.randn(5, 160)
-    checked = [("o_proj", attn, 2 * head), ("down_proj", mlp, 80)]
-    if quantization == "int8":  # 80 columns are not whole blocks of 32: each rank's down
-        checked.pop()  # stays float, as a TP 1 weight of 80 columns would (TP 1's is Q8_0)
-    for name, inputs, width in checked:
+    for name, inputs, width in (("o_proj", attn, 2 * head), ("down_proj", mlp, 80)):
         partials = [linear(inputs[:, r * width : (r + 1) * width],
                            getattr(p.decoder_layers[0], name)) for r, p in enumerate(parts)]
         expected = linear(inputs, getattr(layer, name))
         torch.testing.assert_close(partials[0] + partials[1], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_weights_quantized_at_load_split_in_whole_blocks(tiny_model_dir: Any) -> None:
+    """--quantization int8 makes Q8_0 blocks of 32 columns at load: down_proj's 160 columns
+    make whole blocks at TP 1 but not 80 a rank, so TP 2 is refused by name rather than run
+    with a float down projection TP 1 does not have."""
+    with pytest.raises(ValueError, match=r"'model.layers.0.mlp.down_proj.weight': its columns "
+                                         r"\(160\) does not split into 2 equal parts in whole "
+                                         r"blocks of 32; tensor-parallel sizes that would: 1, 5"):
+        load_model(str(tiny_model_dir("qwen2")), torch.device("cpu"), torch.float32, 64, "int8",
+                   TensorParallelGroup(1, 2))
