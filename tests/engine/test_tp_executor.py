@@ -34,6 +34,7 @@ from nanoserve.entrypoints.llm import LLM
 from nanoserve.pooling_params import PoolingParams
 from nanoserve.protocol import StepInput
 from nanoserve.sampling_params import SamplingParams
+from nanoserve.speculative_config import SpeculativeConfig
 
 pytestmark = pytest.mark.distributed
 
@@ -41,26 +42,32 @@ PREFIX = list(range(1000, 1040))  # 40 tokens: two full blocks of 16 shared
 PROMPTS = {f"r{i}": PREFIX + [2000 + 7 * i + j for j in range(3 + 5 * i)] for i in range(4)}
 
 
+# prompt lookup from one token on: the tiny model repeats itself, so steps carry draft rows
+NGRAM = '{"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
+
+
 def tp_engine(path: Any, tp: int, num_blocks: int = 16, quantization: str = "none",
-              max_model_len: int = 128) -> EngineCore:
+              max_model_len: int = 128, speculative: str | None = None) -> EngineCore:
     """Float32 on the CPU, a cache small enough that four requests preempt each other."""
+    drafts = SpeculativeConfig.parse(speculative)
     return EngineCore(EngineConfig(
         model=ModelConfig(model=None if path is None else str(path), device="cpu", dtype="float32",
                           max_model_len=max_model_len, quantization=quantization),
         cache=CacheConfig(num_blocks=num_blocks),
-        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256),
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256,
+                                  draft_proposer=drafts, num_speculative_tokens=4),
         parallel=ParallelConfig(tensor_parallel_size=tp)))
 
 
 @pytest.fixture(scope="module")
 def engines(tiny_model_dir: Any) -> Iterator[tuple[EngineCore, EngineCore]]:
-    """(TP 1, TP 2) engines of the tiny Llama, TP 2's made by `LLM(tensor_parallel_size=2)`
-    with tp_engine's settings; the workers stopped at the end."""
+    """(TP 1, TP 2) engines of the tiny Llama with n-gram draft tokens, TP 2's made by
+    `LLM(tensor_parallel_size=2)` with tp_engine's settings; the workers stopped at the end."""
     path = tiny_model_dir("llama")
-    one = tp_engine(path, 1)
+    one = tp_engine(path, 1, speculative=NGRAM)
     two = LLM(str(path), tensor_parallel_size=2, device="cpu", dtype="float32",
               quantization="none", max_model_len=128, num_kv_blocks=16, max_num_seqs=8,
-              max_num_batched_tokens=256).engine
+              max_num_batched_tokens=256, speculative_config=NGRAM).engine
     assert isinstance(two.executor, TPExecutor)
     assert two.config == replace(one.config, parallel=ParallelConfig(tensor_parallel_size=2))
     yield one, two
@@ -106,6 +113,13 @@ def prefill_step(token_ids: list[int], blocks: list[int], block_size: int) -> St
         new_sequences=[], released_slots=[])
 
 
+def _counts(engine: EngineCore) -> tuple[int, int, int]:
+    """Preemptions, draft tokens proposed, draft tokens kept, so far."""
+    stats = engine.stats
+    return (stats.num_preemptions, stats.spec_decode_num_draft_tokens,
+            stats.spec_decode_num_accepted_tokens)
+
+
 def assert_close_logprobs(a: list[Any], b: list[Any], tolerance: float = 1e-4) -> None:
     assert [e[0] for e in a] == [e[0] for e in b]
     assert np.allclose([e[1] for e in a], [e[1] for e in b], atol=tolerance, rtol=0)
@@ -129,14 +143,16 @@ def test_logits_within_1e_4_of_one_rank(engines: tuple[EngineCore, EngineCore]) 
 
 def test_greedy_tokens_logprobs_and_preemptions_equal_one_rank(
         engines: tuple[EngineCore, EngineCore]) -> None:
-    """Four requests in a 16-block cache: preempted and recomputed on both, the same way."""
+    """Four requests in a 16-block cache: preempted and recomputed on both, the same way;
+    draft tokens scored on both (their rows gathered like any sampled row), the same kept."""
     params = SamplingParams(temperature=0, max_tokens=24, logprobs=3, prompt_logprobs=2)
     requests = {f"g-{r}": (ids, params) for r, ids in PROMPTS.items()}
     one, two = engines
-    before = (one.stats.num_preemptions, two.stats.num_preemptions)
+    before = [_counts(e) for e in engines]
     expected, got = run(one, requests), run(two, requests)
-    preempted = (one.stats.num_preemptions - before[0], two.stats.num_preemptions - before[1])
-    assert preempted[0] > 0 and preempted[0] == preempted[1]
+    counts = [tuple(a - b for a, b in zip(_counts(e), old, strict=True))
+              for e, old in zip(engines, before, strict=True)]
+    assert counts[0] == counts[1] and counts[0][0] > 0 and counts[0][2] > 0, counts
     for r in requests:
         assert got[r]["tokens"] == expected[r]["tokens"] and len(got[r]["tokens"]) == 24
         assert_close_logprobs(got[r]["logprobs"], expected[r]["logprobs"])
