@@ -11,13 +11,16 @@ no copy, no op).
 Several ranks talk over torch.distributed's gloo backend on the CPU. Rank 0 opens the
 rendezvous store on a port the OS picks (port 0), so no fixed port can collide (nano-vllm's
 2333 does) and no port is picked, closed and bound again by someone else in between. Gloo's
-own connections use the interface GLOO_SOCKET_IFNAME names (read by torch's constructor:
-one concrete interface, not NCCL's `^lo` syntax), else the address the hostname resolves to.
+own connections stay on loopback when the ranks meet there; else they use the interface
+GLOO_SOCKET_IFNAME names (read by torch's constructor: one concrete interface, not NCCL's `^lo`
+syntax), or the address the hostname resolves to.
 """
 
 from __future__ import annotations
 
 import datetime
+import ipaddress
+import socket
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,8 +101,23 @@ def init_group(rank: int, world_size: int, host: str, port: int,
     timeout = datetime.timedelta(seconds=timeout_s)
     if store is None:
         store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
-    group = dist.ProcessGroupGloo(store, rank, world_size, timeout)
-    return TensorParallelGroup(rank, world_size, group)
+    if not _is_loopback(host):
+        group = dist.ProcessGroupGloo(store, rank, world_size, timeout)
+        return TensorParallelGroup(rank, world_size, group)
+    # one host: gloo's connections on loopback too, not on whatever address the hostname
+    # resolves to (its traffic is neither encrypted nor authenticated)
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # (as torch uses it)
+    options._timeout = timeout
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    return TensorParallelGroup(rank, world_size,
+                               dist.ProcessGroupGloo(store, rank, world_size, options))
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
 
 
 def destroy_group(group: TensorParallelGroup) -> None:
