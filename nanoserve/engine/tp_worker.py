@@ -16,6 +16,7 @@ died raises): rank 0 notices the exit and fails the engine (tp_executor.py).
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import sys
@@ -26,6 +27,7 @@ import torch
 import zmq
 
 from nanoserve.config import EngineConfig
+from nanoserve.engine.memory import keep_freed_memory_in_heap
 from nanoserve.engine.model_runner import ModelRunner, resolve_kv_cache_dtype
 from nanoserve.model.loader import load_model
 from nanoserve.model.parallel import destroy_group, init_group
@@ -73,6 +75,7 @@ def run_tp_worker(config: EngineConfig, rank: int, world_size: int, port: int,
     """Join the group, load this rank's shard, run steps until told to stop; the exit code."""
     # 1) cores, the group, the shard and the KV cache rank 0 sized
     pin_to_cores(cores)
+    keep_freed_memory_in_heap()  # as the engine core does: no page faults on each temporary
     parallel, model = config.parallel, config.model
     group = init_group(rank, world_size, parallel.master_addr, port,
                        timeout_s=parallel.distributed_timeout_s)
@@ -84,6 +87,8 @@ def run_tp_worker(config: EngineConfig, rank: int, world_size: int, port: int,
                                       device, dtype)
     worker = TPWorker(ModelRunner(loaded.model, num_blocks, config.cache.block_size, device,
                                   kv_dtype))
+    gc.collect()
+    gc.freeze()  # the loaded model out of the collector's sight, as in the engine core
     # 2) subscribe to the steps: rank 0 waits for every subscription before its first step
     context = zmq.Context()
     sock = context.socket(zmq.SUB)
