@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import gc
 import os
+import shutil
 import signal
 import sys
 import traceback
@@ -99,7 +100,9 @@ def run_tp_worker(config: EngineConfig, rank: int, world_size: int, port: int,
     # 3) steps until shutdown, or until rank 0 is gone
     while True:
         if not sock.poll(_PARENT_CHECK_MS):
-            if os.getppid() != parent:
+            if os.getppid() != parent:  # rank 0 is gone (killed: it cleaned nothing up)
+                shutil.rmtree(os.path.dirname(step_address.removeprefix("ipc://")),
+                              ignore_errors=True)
                 return 1
             continue
         message = decode_worker_message(sock.recv())
