@@ -7,16 +7,27 @@ same weights. They reuse the default model's tokenizer (SmolLM2's 49,152-token v
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from pathlib import Path
-from typing import Any
+import os
 
-import pytest
-import torch
+# The same float kernels on every x86 machine, before torch loads (here and in every server and
+# subprocess a test starts, which inherit this environment): torch's vectorized ops, oneDNN and
+# MKL pick AVX-512 code where the CPU has it (a Zen 4 does, a Zen 3 does not), which sums in
+# another order and moves float32 logprobs by ~1e-5, and tests/data/golden_outputs.json holds
+# outputs bit for bit. AVX2 is what every machine these tests run on has.
+for _name, _isa in (("ATEN_CPU_CAPABILITY", "avx2"), ("ONEDNN_MAX_CPU_ISA", "AVX2"),
+                    ("MKL_ENABLE_INSTRUCTIONS", "AVX2")):
+    os.environ.setdefault(_name, _isa)
 
-from nanoserve.model.gguf_file import GGUFFile
-from nanoserve.model.loader import default_model_path
-from nanoserve.model.tokenizer import load_tokenizer_from_gguf
+from collections.abc import Callable  # noqa: E402 - the environment above comes first
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from nanoserve.model.gguf_file import GGUFFile  # noqa: E402
+from nanoserve.model.loader import default_model_path  # noqa: E402
+from nanoserve.model.tokenizer import load_tokenizer_from_gguf  # noqa: E402
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
