@@ -131,21 +131,56 @@ class SamplerConfig:
 class ParallelConfig:
     """How many processes one engine's model is split over (vLLM's names).
 
-    With `tensor_parallel_size` N > 1 the engine core is rank 0 and starts ranks 1..N-1 on
-    this host (engine/tp_executor.py); they meet over gloo on `master_addr` at a port the OS
-    picks, and a collective that waits `distributed_timeout_s` has lost a rank."""
+    With `tensor_parallel_size` N > 1 the engine core is rank 0 and starts its node's other
+    ranks (engine/tp_executor.py); they meet over gloo on `master_addr`, at a port the OS picks
+    on one node, at `master_port` across `nnodes` nodes. Node R runs ranks
+    [R * N / nnodes, (R + 1) * N / nnodes); the nodes other than 0 are `headless` (their ranks
+    and no API server or engine core, engine/tp_node.py). A collective that waits
+    `distributed_timeout_s` has lost a rank."""
 
     tensor_parallel_size: int = 1
     master_addr: str = "127.0.0.1"
     distributed_timeout_s: float = 60.0  # mini-sglang's
+    nnodes: int = 1
+    node_rank: int = 0
+    master_port: int | None = None  # None: one node, a port the OS picks
+    headless: bool = False
 
     def __post_init__(self) -> None:
-        if self.tensor_parallel_size < 1:
-            raise ValueError(
-                f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        tp, nnodes = self.tensor_parallel_size, self.nnodes
+        if tp < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {tp}")
         if not self.distributed_timeout_s > 0:
             raise ValueError("distributed_timeout_s must be > 0 seconds, "
                              f"got {self.distributed_timeout_s}")
+        if nnodes < 1:
+            raise ValueError(f"--nnodes must be >= 1, got {nnodes}")
+        if not 0 <= self.node_rank < nnodes:
+            raise ValueError(f"--node-rank {self.node_rank} is outside [0, {nnodes}) "
+                             f"(--nnodes {nnodes})")
+        if tp % nnodes:
+            raise ValueError(f"--tensor-parallel-size {tp} does not divide over --nnodes "
+                             f"{nnodes}: give each node the same number of ranks")
+        if self.headless and self.node_rank == 0:
+            raise ValueError("--headless is for the nodes other than 0 (--node-rank 0 runs "
+                             "the engine core and the API server)")
+        if self.node_rank > 0 and not self.headless:
+            raise ValueError(f"--node-rank {self.node_rank} runs only tensor-parallel ranks: "
+                             "add --headless")
+        if nnodes > 1 and self.master_port is None:
+            raise ValueError(f"--nnodes {nnodes} needs --master-port (where node 0 listens "
+                             "for the other nodes' ranks)")
+        if self.master_port is not None and not 0 < self.master_port < 65536:
+            raise ValueError(f"--master-port {self.master_port} is not a port (1-65535)")
+
+    @property
+    def num_local_ranks(self) -> int:
+        """The ranks each node runs (node 0's include the engine core, rank 0)."""
+        return self.tensor_parallel_size // self.nnodes
+
+    @property
+    def first_local_rank(self) -> int:
+        return self.node_rank * self.num_local_ranks
 
 
 @dataclass(frozen=True)

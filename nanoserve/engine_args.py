@@ -120,9 +120,25 @@ class EngineArgs:
         action="store_true")
     tensor_parallel_size: int = _arg(
         ParallelConfig.tensor_parallel_size,
-        "processes the model's weights and KV cache are split over on this host (rank 0 is "
-        "the engine core; the model's heads, KV heads or MLP rows must split evenly, or the "
-        "start-up error names the sizes that do) (default: %(default)s)", type=int)
+        "processes the model's weights and KV cache are split over, on this host or across "
+        "--nnodes (rank 0 is the engine core; the model's heads, KV heads or MLP rows must "
+        "split evenly, or the start-up error names the sizes that do) (default: %(default)s)",
+        type=int)
+    nnodes: int = _arg(ParallelConfig.nnodes, "nodes the tensor-parallel ranks are spread "
+                       "over, each with --tensor-parallel-size / --nnodes of them "
+                       "(default: %(default)s)", type=int)
+    node_rank: int = _arg(ParallelConfig.node_rank, "this node's place among --nnodes: 0 runs "
+                          "the engine core and the API, the others --headless "
+                          "(default: %(default)s)", type=int)
+    master_addr: str | None = _arg(
+        None, "node 0's address, where every rank meets, with --nnodes > 1 (default: "
+        f"{ParallelConfig.master_addr} on one node)")
+    master_port: int | None = _arg(
+        ParallelConfig.master_port, "node 0's port for the ranks' rendezvous, with --nnodes > 1 "
+        "(default: one the OS picks on one node)", type=int)
+    headless: bool = _arg(ParallelConfig.headless, "run this node's tensor-parallel ranks "
+                          "only: no API server, no engine core (--node-rank > 0)",
+                          action="store_true")
     kv_events_config: str | None = _arg(
         None, "publish the prefix cache's stored and evicted blocks for a router, vLLM's JSON: "
         "'{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": "
@@ -163,10 +179,20 @@ class EngineArgs:
             scheduler=self._scheduler_config(),
             sampler=SamplerConfig(logits_processors=tuple(self.logits_processors),
                                   max_logprobs=self.max_logprobs),
-            parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
+            parallel=self._parallel_config(),
             kv_events=KVEventsConfig() if self.kv_events_config is None
             else KVEventsConfig.from_json(self.kv_events_config),
         )
+
+    def _parallel_config(self) -> ParallelConfig:
+        parallel = ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size, nnodes=self.nnodes,
+            node_rank=self.node_rank, master_port=self.master_port, headless=self.headless,
+            master_addr=self.master_addr or ParallelConfig.master_addr)
+        if self.nnodes > 1 and self.master_addr is None:  # no default that could be wrong
+            raise ValueError(f"--nnodes {self.nnodes} needs --master-addr (node 0's address, "
+                             "which every node can reach)")
+        return parallel
 
     def _scheduler_config(self) -> SchedulerConfig:
         speculative = SpeculativeConfig.parse(self.speculative_config)

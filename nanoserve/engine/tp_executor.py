@@ -1,18 +1,22 @@
-"""Tensor parallelism on one host, from rank 0's side: the worker processes and the executor.
+"""Tensor parallelism from rank 0's side: its node's worker processes and the executor.
 
 Rank 0 is the engine core as at one rank (scheduler, prefix cache, sampler, grammars) with its
-own shard of the weights and of the KV cache. It starts ranks 1..N-1 (tp_worker.py), joins
-their gloo group, and each step publishes the `StepInput` before running its own worker on it,
-so every rank runs the same forward and meets the others in its collectives; only rank 0
-samples (reference/scale-out.md §1).
+own shard of the weights and of the KV cache. It starts its node's other ranks (tp_worker.py;
+across nodes the others' launchers start theirs, tp_node.py), joins their gloo group, and
+each step publishes the `StepInput` before running its own worker on it, so every rank runs
+the same forward and meets the others in its collectives; only rank 0 samples
+(reference/scale-out.md §1).
 
-The step channel is a ZMQ PUB socket over ipc in a private directory, not the gloo group:
-an idle engine sends nothing for as long as it likes, while a gloo receive would time out,
-and a worker waiting on ZMQ can notice that rank 0 is gone. PUB drops what it sends before a
-subscriber joins, so rank 0 counts every worker's subscription (XPUB, verbose) before its first
-step (vLLM's `MessageQueue.wait_until_ready`), and never drops once they have (no high-water
-mark: the ranks run in step anyway). Rank 0 checks its workers before each step and whenever
-the engine loop asks (`check_health`); a dead one fails the engine (EngineDead in core_proc).
+The step channel is a ZMQ PUB socket over ipc in a private directory (across nodes over tcp
+on `--master-addr` too, at a port the OS picks, announced in the rendezvous store), not the
+gloo group: an idle engine sends nothing for as long as it likes, while a gloo receive would
+time out, and a worker waiting on ZMQ can notice that rank 0 is gone. PUB drops what it sends
+before a subscriber joins, so rank 0 counts every rank's subscription, local or remote (XPUB,
+verbose), before its first step (vLLM's `MessageQueue.wait_until_ready`), and never drops once
+they have (no high-water mark: the ranks run in step anyway). Rank 0 checks its workers before
+each step and whenever the engine loop asks (`check_health`): its own by their exit, another
+node's by its subscription closing (XPUB_VERBOSER reports every leave); a dead one fails the
+engine (EngineDead in core_proc).
 """
 
 from __future__ import annotations
@@ -20,18 +24,21 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 import weakref
-from dataclasses import replace
 from typing import Any
 
-import msgspec
 import zmq
 
-from nanoserve.config import EngineConfig, SamplerConfig, SchedulerConfig
-from nanoserve.engine.tp_worker import pin_to_cores, split_cores
+from nanoserve.config import EngineConfig
+from nanoserve.engine.tp_worker import (
+    STEP_ADDRESS_KEY,
+    pin_to_cores,
+    split_cores,
+    start_worker,
+    worker_config_bytes,
+)
 from nanoserve.engine.worker import Worker
 from nanoserve.model.loader import load_arch
 from nanoserve.model.parallel import (
@@ -60,6 +67,9 @@ class TensorParallelRanks:
         if config.model.torch_device.type != "cpu":
             raise ValueError(f"tensor_parallel_size={world} runs on the CPU (gloo) only so far, "
                              f"not on {config.model.torch_device}; NCCL is not built yet")
+        if parallel.headless:
+            raise ValueError("a --headless node runs no engine core, only its ranks: start it "
+                             "with `nanoserve serve ... --headless`")
         if config.model.zero_cost_runner:
             raise ValueError("the zero-cost engine skips the model: use tensor_parallel_size=1")
         local_arch(load_arch(config.model.model), TensorParallelGroup(0, world))
@@ -68,28 +78,26 @@ class TensorParallelRanks:
         os.chmod(self.directory, 0o700)  # only this user may publish or read steps
         self.context = zmq.Context()
         self.publisher = self.context.socket(zmq.XPUB)
-        self.publisher.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscription, not the first
+        # every subscription, not the first, and every leave (a rank on another node gone)
+        self.publisher.setsockopt(zmq.XPUB_VERBOSER, 1)
         self.publisher.setsockopt(zmq.SNDHWM, 0)
         self.publisher.setsockopt(zmq.LINGER, 0)  # steps queued for a dead worker: dropped
+        self.is_ready = False  # until every rank has subscribed (wait_ready)
         address = f"ipc://{self.directory}/steps"
         self.publisher.bind(address)
-        self.store, port = open_rendezvous(parallel.master_addr, self.timeout_s)
-        self.cores = split_cores(list(os.sched_getaffinity(0)), world)
-        # what the workers need: no scheduler or sampler settings (those may name classes)
-        worker_config = msgspec.msgpack.encode(
-            replace(config, scheduler=SchedulerConfig(), sampler=SamplerConfig()))
+        self.store, port = open_rendezvous(parallel.master_addr, self.timeout_s,
+                                           parallel.master_port)
+        if parallel.nnodes > 1:  # the other nodes' ranks read where to subscribe in the store
+            tcp_port = self.publisher.bind_to_random_port(f"tcp://{parallel.master_addr}")
+            self.store.set(STEP_ADDRESS_KEY, f"tcp://{parallel.master_addr}:{tcp_port}")
+        self.cores = split_cores(list(os.sched_getaffinity(0)), parallel.num_local_ranks)
+        worker_config = worker_config_bytes(config)
         self.procs: list[subprocess.Popen[bytes]] = []
         self._stop = weakref.finalize(self, _kill, self.procs, self.directory, self.context)
         try:
-            for rank in range(1, world):
-                cores = ",".join(map(str, self.cores[rank])) if self.cores else ""
-                proc = subprocess.Popen(
-                    [sys.executable, "-m", "nanoserve.engine.tp_worker", str(rank), str(world),
-                     str(port), address, cores], stdin=subprocess.PIPE)
-                self.procs.append(proc)
-                assert proc.stdin is not None
-                proc.stdin.write(worker_config)
-                proc.stdin.close()
+            for rank in range(1, parallel.num_local_ranks):  # this node's; the others start theirs
+                self.procs.append(start_worker(worker_config, rank, world, port, address,
+                                               self.cores[rank] if self.cores else None))
             self.group: TensorParallelGroup = init_group(
                 0, world, parallel.master_addr, port, store=self.store, timeout_s=self.timeout_s)
         except BaseException:
@@ -102,15 +110,20 @@ class TensorParallelRanks:
         pin_to_cores(self.cores[0] if self.cores else None)
 
     def check_alive(self) -> None:
-        """Raise WorkerDiedError if any worker has exited."""
+        """Raise WorkerDiedError if any worker has exited or, once all have subscribed, any
+        rank's subscription has closed (the only sign a rank on another node gives)."""
         for rank, proc in enumerate(self.procs, start=1):
             code = proc.poll()
             if code is not None:
                 raise WorkerDiedError(f"tensor-parallel worker rank {rank} (pid {proc.pid}) "
                                       f"exited with code {code}")
+        if self.is_ready and self.publisher.poll(0) and self.publisher.recv()[:1] == b"\x00":
+            raise WorkerDiedError("a tensor-parallel rank's step subscription closed (a rank "
+                                  "on another node is gone)")
 
     def wait_ready(self) -> None:
-        """Until every worker has subscribed to the steps (none is lost to a late join)."""
+        """Until every rank, on this node or another, has subscribed to the steps (none is
+        lost to a late join)."""
         deadline = time.monotonic() + self.timeout_s
         joined = 0
         while joined < self.world_size - 1:
@@ -120,6 +133,7 @@ class TensorParallelRanks:
                                    f"did not subscribe within {self.timeout_s:g} s")
             if self.publisher.poll(100):
                 joined += self.publisher.recv()[:1] == b"\x01"  # a subscription, not a leave
+        self.is_ready = True
 
     def publish(self, step: StepInput) -> None:
         self.publisher.send(encode(step))
@@ -130,6 +144,7 @@ class TensorParallelRanks:
         if not self._stop.alive:
             return
         self.publisher.send(encode(WorkerShutdown()))
+        self.publisher.close(linger=1000)  # other nodes' ranks get it over tcp, not at once
         deadline = time.monotonic() + _STOP_WAIT_S
         for proc in self.procs:
             try:

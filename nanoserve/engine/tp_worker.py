@@ -6,12 +6,16 @@ same block ids as rank 0) and loops on the steps rank 0 publishes: the same `Ste
 all-reduces of every layer, the logits gathered to rank 0). It has no scheduler, sampler,
 tokenizer or grammar: only rank 0 samples (nano-vllm's `ModelRunner.loop`).
 
-It is started as `python -m nanoserve.engine.tp_worker RANK WORLD PORT STEP_ADDRESS CORES`,
-the config as msgpack on stdin (never pickled). The engine core runs in a daemonic
-multiprocessing child, which multiprocessing forbids to have children of its own; a plain
-subprocess is the same fresh interpreter a spawn context would give. A worker exits on
-`WorkerShutdown`, when rank 0 (its parent) is gone, or on any error (a collective whose peer
-died raises): rank 0 notices the exit and fails the engine (tp_executor.py).
+It is started as `python -m nanoserve.engine.tp_worker RANK WORLD PORT STEP_ADDRESS CORES`
+(`start_worker`), the config as msgpack on stdin (never pickled). A rank on another node
+than rank 0 is started by its node's headless launcher (tp_node.py) with no STEP_ADDRESS: it
+reads the tcp address rank 0 published its steps on from the rendezvous store, and, its parent
+being that launcher, checks that rank 0 is there by asking the store (which lives in rank 0).
+The engine core runs in a daemonic multiprocessing child, which multiprocessing forbids to
+have children of its own; a plain subprocess is the same fresh interpreter a spawn context
+would give. A worker exits on `WorkerShutdown`, when rank 0 (or its launcher) is gone, or on
+any error (a collective whose peer died raises): rank 0 notices the exit and fails the engine
+(tp_executor.py).
 """
 
 from __future__ import annotations
@@ -20,21 +24,44 @@ import gc
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import traceback
+from dataclasses import replace
 
 import msgspec
 import torch
+import torch.distributed as dist
 import zmq
 
-from nanoserve.config import EngineConfig
+from nanoserve.config import EngineConfig, SamplerConfig, SchedulerConfig
 from nanoserve.engine.memory import keep_freed_memory_in_heap
 from nanoserve.engine.model_runner import ModelRunner, resolve_kv_cache_dtype
 from nanoserve.model.loader import load_model
-from nanoserve.model.parallel import destroy_group, init_group
+from nanoserve.model.parallel import connect_rendezvous, destroy_group, init_group
 from nanoserve.protocol import StepInput, WorkerShutdown, decode_worker_message
 
 _PARENT_CHECK_MS = 500  # how long an idle worker waits for a step before checking rank 0
+STEP_ADDRESS_KEY = "nanoserve/step_address"  # rank 0's tcp step publisher, in the store
+
+
+def worker_config_bytes(config: EngineConfig) -> bytes:
+    """The config a worker reads on stdin: no scheduler or sampler settings (those may name
+    classes, and only rank 0 schedules and samples)."""
+    return msgspec.msgpack.encode(
+        replace(config, scheduler=SchedulerConfig(), sampler=SamplerConfig()))
+
+
+def start_worker(config_bytes: bytes, rank: int, world_size: int, port: int,
+                 step_address: str, cores: list[int] | None) -> subprocess.Popen[bytes]:
+    """Rank `rank` as a process of its own (`step_address` "" on a node without rank 0)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "nanoserve.engine.tp_worker", str(rank), str(world_size),
+         str(port), step_address, ",".join(map(str, cores or []))], stdin=subprocess.PIPE)
+    assert proc.stdin is not None
+    proc.stdin.write(config_bytes)
+    proc.stdin.close()
+    return proc
 
 
 def split_cores(cores: list[int], world_size: int) -> list[list[int]] | None:
@@ -78,8 +105,12 @@ def run_tp_worker(config: EngineConfig, rank: int, world_size: int, port: int,
     pin_to_cores(cores)
     keep_freed_memory_in_heap()  # as the engine core does: no page faults on each temporary
     parallel, model = config.parallel, config.model
-    group = init_group(rank, world_size, parallel.master_addr, port,
+    store = connect_rendezvous(parallel.master_addr, port, parallel.distributed_timeout_s)
+    group = init_group(rank, world_size, parallel.master_addr, port, store=store,
                        timeout_s=parallel.distributed_timeout_s)
+    is_remote = not step_address  # on another node than rank 0
+    if is_remote:  # rank 0 set it before it joined the group
+        step_address = store.get(STEP_ADDRESS_KEY).decode()
     device, dtype = model.torch_device, model.torch_dtype
     loaded = load_model(model.model, device, dtype, model.max_model_len, model.quantization,
                         group)
@@ -100,9 +131,12 @@ def run_tp_worker(config: EngineConfig, rank: int, world_size: int, port: int,
     # 3) steps until shutdown, or until rank 0 is gone
     while True:
         if not sock.poll(_PARENT_CHECK_MS):
-            if os.getppid() != parent:  # rank 0 is gone (killed: it cleaned nothing up)
-                shutil.rmtree(os.path.dirname(step_address.removeprefix("ipc://")),
-                              ignore_errors=True)
+            if is_remote and not _store_answers(store):  # rank 0 is gone
+                return 1
+            if os.getppid() != parent:  # rank 0 (or the node's launcher) is gone
+                if not is_remote:  # rank 0 was killed: it cleaned nothing up
+                    shutil.rmtree(os.path.dirname(step_address.removeprefix("ipc://")),
+                                  ignore_errors=True)
                 return 1
             continue
         message = decode_worker_message(sock.recv())
@@ -113,6 +147,15 @@ def run_tp_worker(config: EngineConfig, rank: int, world_size: int, port: int,
     context.term()
     destroy_group(group)
     return 0
+
+
+def _store_answers(store: dist.TCPStore) -> bool:
+    """Whether rank 0's rendezvous store still answers (it lives in rank 0's process)."""
+    try:
+        store.check([STEP_ADDRESS_KEY])
+    except Exception:  # DistNetworkError: the connection closed
+        return False
+    return True
 
 
 def main(argv: list[str]) -> None:

@@ -42,6 +42,7 @@ from nanoserve.engine.core_client import (
     make_addresses,
     start_engine_process,
 )
+from nanoserve.engine.tp_node import run_headless_node
 from nanoserve.entrypoints.async_engine import AsyncEngine
 from nanoserve.entrypoints.listen import AddressInUseError, bind_listening_socket
 from nanoserve.entrypoints.openai.api_server import build_app, drain
@@ -78,6 +79,8 @@ def run_serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     """The launcher. Returns the process exit status."""
     logging.basicConfig(level=server_config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if engine_config.parallel.headless:  # another node's ranks: no engine core, no API
+        return run_headless_node(engine_config)
     try:
         sock = bind_listening_socket(server_config.host, server_config.port)
     except AddressInUseError as e:

@@ -8,9 +8,10 @@ as nano-vllm's `ParallelLMHead`; reference/scale-out.md §1). At one rank, the o
 without workers, the group is the identity and returns its argument (a Python call, ~50 ns:
 no copy, no op).
 
-Several ranks talk over torch.distributed's gloo backend on the CPU. Rank 0 opens the
-rendezvous store on a port the OS picks (port 0), so no fixed port can collide (nano-vllm's
-2333 does) and no port is picked, closed and bound again by someone else in between. Gloo's
+Several ranks talk over torch.distributed's gloo backend on the CPU. On one node rank 0 opens
+the rendezvous store on a port the OS picks (port 0), so no fixed port can collide (nano-vllm's
+2333 does) and no port is picked, closed and bound again by someone else in between; across
+nodes it listens on the `--master-port` the other nodes were told. Gloo's
 own connections stay on loopback when the ranks meet there; else they use the interface
 GLOO_SOCKET_IFNAME names (read by torch's constructor: one concrete interface, not NCCL's `^lo`
 syntax), or the address the hostname resolves to.
@@ -79,12 +80,21 @@ class TensorParallelGroup:
         return int(t.item())
 
 
-def open_rendezvous(host: str = "127.0.0.1",
-                    timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[dist.TCPStore, int]:
-    """Rank 0's rendezvous store, listening on a free port the OS picked; (store, its port)."""
-    store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
+def open_rendezvous(host: str = "127.0.0.1", timeout_s: float = DEFAULT_TIMEOUT_S,
+                    port: int | None = None) -> tuple[dist.TCPStore, int]:
+    """Rank 0's rendezvous store, listening on `port` (across nodes, where the others look for
+    it) or on a free port the OS picked; (store, its port)."""
+    store = dist.TCPStore(host, port or 0, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=timeout_s))
     return store, store.port
+
+
+def connect_rendezvous(host: str, port: int,
+                       timeout_s: float = DEFAULT_TIMEOUT_S) -> dist.TCPStore:
+    """A rank's connection to rank 0's store (retried until rank 0 listens, up to
+    `timeout_s`)."""
+    return dist.TCPStore(host, port, is_master=False,
+                         timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def init_group(rank: int, world_size: int, host: str, port: int,
@@ -100,7 +110,7 @@ def init_group(rank: int, world_size: int, host: str, port: int,
         return TensorParallelGroup()
     timeout = datetime.timedelta(seconds=timeout_s)
     if store is None:
-        store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+        store = connect_rendezvous(host, port, timeout_s)
     if not _is_loopback(host):
         group = dist.ProcessGroupGloo(store, rank, world_size, timeout)
         return TensorParallelGroup(rank, world_size, group)

@@ -1,0 +1,67 @@
+"""A headless node: its tensor-parallel ranks, and no engine core and no API server.
+
+`nanoserve serve --tensor-parallel-size N --nnodes M --node-rank R --headless` (R > 0) runs
+ranks [R * N / M, (R + 1) * N / M) as tp_worker.py processes, as vLLM's and SGLang's headless
+nodes do. They meet rank 0 at `--master-addr`:`--master-port`, read from the rendezvous store
+there where rank 0 publishes its steps (tcp), and run every step it publishes. This launcher
+only starts and watches them, so a node started before node 0 just waits (up to the
+distributed timeout) for rank 0 to listen. It exits once its ranks have: when rank 0 tells
+them to stop (0), when rank 0 is gone or a rank fails (the first non-zero code; a rank
+without its peers cannot go on, so the others are stopped). SIGTERM or Ctrl-C stops them.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from nanoserve.config import EngineConfig
+from nanoserve.engine.tp_worker import split_cores, start_worker, worker_config_bytes
+
+_STOP_WAIT_S = 5.0  # how long a rank gets to leave after SIGTERM before it is killed
+
+
+def run_headless_node(config: EngineConfig) -> int:
+    """Start this node's ranks, wait for them; the exit status."""
+    parallel = config.parallel
+    first, count = parallel.first_local_rank, parallel.num_local_ranks
+    cores = split_cores(list(os.sched_getaffinity(0)), count)
+    print(f"nanoserve: node {parallel.node_rank} of {parallel.nnodes}: tensor-parallel ranks "
+          f"{first}..{first + count - 1} of {parallel.tensor_parallel_size}, meeting rank 0 at "
+          f"{parallel.master_addr}:{parallel.master_port}", file=sys.stderr, flush=True)
+    config_bytes = worker_config_bytes(config)
+    procs = [start_worker(config_bytes, first + i, parallel.tensor_parallel_size,
+                          parallel.master_port or 0, "", cores[i] if cores else None)
+             for i in range(count)]
+
+    def stop(signum: int, _: object) -> None:
+        _terminate(procs)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    try:
+        while all(proc.poll() is None for proc in procs):
+            time.sleep(0.2)
+        # one rank has left: the others cannot go on without it (nor without rank 0)
+        _terminate(procs)
+    finally:
+        _terminate(procs)
+    codes = [proc.returncode for proc in procs]
+    return next((abs(code) for code in codes if code), 0)
+
+
+def _terminate(procs: list[subprocess.Popen[bytes]]) -> None:
+    """SIGTERM to every rank still running, then wait; killed after a few seconds."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    deadline = time.monotonic() + _STOP_WAIT_S
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
