@@ -98,6 +98,25 @@ class Streams:
         for thread in self.threads:
             thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
+    def assert_all_told(self, server: RunningServer, killed_at: float, within: float) -> None:
+        """After a kill at `killed_at`: every stream ended with an error within `within`
+        seconds (an SSE error event says 503), /health says 503 or the server is gone, and
+        the server exits non-zero."""
+        self.join(timeout=10)
+        assert not any(t.is_alive() for t in self.threads), "an in-flight stream hung"
+        waits = [end - killed_at for end in self.ended_at if end is not None]
+        assert len(waits) == len(self.threads) and max(waits) < within, \
+            f"clients told after {max(waits):.2f} s"
+        for errors in self.errors:
+            assert errors, "a stream ended without an error"
+            if errors[0].startswith("{"):  # an SSE error event, OpenAI's shape
+                assert json.loads(errors[0])["error"]["code"] == 503
+        health = None
+        with contextlib.suppress(httpx.HTTPError):  # (it may have exited already)
+            health = httpx.get(server.url + "/health", timeout=2).status_code
+        assert health in (503, None)
+        assert server.proc.wait(timeout=15) != 0
+
 
 def test_killing_the_engine_under_32_streams_fails_every_client_fast(
         tiny_model_dir: Any, start_server: Starter) -> None:
@@ -107,19 +126,7 @@ def test_killing_the_engine_under_32_streams_fails_every_client_fast(
     assert all(not errors for errors in streams.errors), "a stream failed before the kill"
     killed_at = time.monotonic()
     os.kill(engine_pid(server), signal.SIGKILL)
-    streams.join(timeout=10)
-    assert not any(t.is_alive() for t in streams.threads), "an in-flight stream hung"
-    waits = [end - killed_at for end in streams.ended_at if end is not None]
-    assert len(waits) == 32 and max(waits) < 2.0, f"clients told after {max(waits):.2f} s"
-    for errors in streams.errors:
-        assert errors, "a stream ended without an error"
-        if errors[0].startswith("{"):  # an SSE error event, OpenAI's shape
-            assert json.loads(errors[0])["error"]["code"] == 503
-    health = None
-    with contextlib.suppress(httpx.HTTPError):  # (it may have exited already)
-        health = httpx.get(server.url + "/health", timeout=2).status_code
-    assert health in (503, None)
-    assert server.proc.wait(timeout=15) != 0
+    streams.assert_all_told(server, killed_at, within=2.0)
 
 
 def test_killing_the_api_process_leaves_no_orphan(tiny_model_dir: Any,
