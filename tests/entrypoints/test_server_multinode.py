@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 from server_harness import RunningServer, free_port, process_gone, wait_until
-from test_server_lifecycle import child_pids
+from test_server_lifecycle import child_pids, engine_pid
 
 from nanoserve.engine_args import EngineArgs
 from nanoserve.entrypoints.llm import LLM
@@ -67,9 +67,11 @@ def test_two_nodes_on_loopback_equal_one_node_and_stop_together(
                                                      strict=True)]
             assert got["logprobs"]["token_logprobs"] == pytest.approx(chosen, abs=1e-6)
         # SIGTERM to node 0: its engine core tells rank 1 to stop, and node 1 exits too
+        engine = engine_pid(node0)
         assert node0.stop(timeout=30) == 0
         assert node1.wait(timeout=20) == 0
-        wait_until(lambda: all(process_gone(pid) for pid in ranks), "rank 1 to exit")
+        wait_until(lambda: all(process_gone(pid) for pid in [engine, *ranks]),
+                   "rank 0 and rank 1 to exit")
     finally:
         node0.stop(timeout=10)
         if node1.poll() is None:
