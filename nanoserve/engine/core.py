@@ -18,7 +18,6 @@ import gc
 import logging
 import random
 import time
-from typing import Any
 
 import numpy as np
 import torch
@@ -125,7 +124,7 @@ class EngineCore:
         # the sampler lives in the worker; the core reads it only to validate requests
         self.sampler = Sampler(
             num_slots, loaded.arch.vocab_size, device, loaded.eos_token_ids,
-            reasoning_tokens(loaded.tokenizer),
+            ReasoningTokens.of(loaded.tokenizer),
             load_processor_classes(config.sampler.logits_processors))
         worker = Worker(runner, self.sampler)
         self.executor: Executor = (InProcessExecutor(worker) if ranks is None
@@ -402,9 +401,3 @@ class EngineCore:
         stats.num_preemptions = scheduler.num_preemptions
         stats.num_computed_tokens += num_computed_tokens
 
-
-def reasoning_tokens(tokenizer: Any) -> ReasoningTokens | None:
-    """`<think>` / `</think>` when the vocabulary has each as one token (Qwen3, DeepSeek-R1)."""
-    vocab = tokenizer.get_vocab()
-    start, end = vocab.get("<think>"), vocab.get("</think>")
-    return ReasoningTokens(start, end) if start is not None and end is not None else None

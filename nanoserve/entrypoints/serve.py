@@ -34,7 +34,6 @@ import torch
 import uvicorn
 
 from nanoserve.config import EngineConfig, ServerConfig
-from nanoserve.engine.core import reasoning_tokens
 from nanoserve.engine.core_client import (
     EngineAddresses,
     EngineCoreClient,
@@ -55,6 +54,7 @@ from nanoserve.model.loader import load_frontend
 from nanoserve.parsers.tool_format import template_tool_format
 from nanoserve.protocol import EngineDead, EngineReady, Shutdown
 from nanoserve.sample.logits_processor import load_processor_classes
+from nanoserve.sample.state import ReasoningTokens
 from nanoserve.structured.grammar import GrammarTokenizer
 
 logger = logging.getLogger("nanoserve")
@@ -182,7 +182,7 @@ async def serve_api(engine_config: EngineConfig, server_config: ServerConfig,
         tool_call_parser=tool_call_parser, template_reads_tools=tool_format.reads_tools,
         chat_template=server_config.chat_template,
         processor_classes=load_processor_classes(engine_config.sampler.logits_processors),
-        has_reasoning_tokens=reasoning_tokens(frontend.tokenizer) is not None,
+        has_reasoning_tokens=ReasoningTokens.of(frontend.tokenizer) is not None,
         grammar_tokenizer=GrammarTokenizer(frontend.tokenizer, ready.vocab_size, ()),
         max_logprobs=engine_config.sampler.max_logprobs,
         max_in_flight=server_config.max_in_flight, limits=server_config.limits,

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
 import numpy as np
 import torch
@@ -30,6 +31,13 @@ class ReasoningTokens:
 
     start: int
     end: int
+
+    @classmethod
+    def of(cls, tokenizer: Any) -> ReasoningTokens | None:
+        """`<think>` / `</think>` when the vocabulary has each as one token (Qwen3, R1)."""
+        vocab = tokenizer.get_vocab()
+        start, end = vocab.get("<think>"), vocab.get("</think>")
+        return cls(start, end) if start is not None and end is not None else None
 
 
 class SamplingState:
