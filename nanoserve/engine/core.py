@@ -20,10 +20,9 @@ import random
 import time
 
 import numpy as np
-import torch
 from torch.profiler import record_function
 
-from nanoserve.config import EngineConfig, GiB
+from nanoserve.config import EngineConfig
 from nanoserve.engine.block_table import BlockTable
 from nanoserve.engine.drafts import (
     draft_budget,
@@ -38,7 +37,7 @@ from nanoserve.engine.kv_cache import KVCacheManager
 from nanoserve.engine.memory import keep_freed_memory_in_heap
 from nanoserve.engine.model_runner import (
     ModelRunner,
-    kv_bytes_per_block,
+    kv_cache_num_blocks,
     resolve_kv_cache_dtype,
 )
 from nanoserve.engine.request import Request, RequestStatus
@@ -64,11 +63,6 @@ from nanoserve.sampling_params import SamplingParams
 from nanoserve.structured.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
-# Touching the cache's pages at start-up costs ~1.5 s per GiB on a small VM; 1 GiB holds
-# ~23,000 tokens of the default model in float32 (~46,000 in the float16 cache that quantized
-# weights get), more than a CPU serves at once.
-DEFAULT_CPU_KV_CACHE_BYTES = 1 * GiB
-GPU_MEMORY_FRACTION = 0.9
 # With only compiling requests left, how long a step waits for a compile to finish: short, so
 # new inputs are not held up, and not a spin that takes the core the compile runs on.
 GRAMMAR_WAIT_S = 0.005
@@ -102,8 +96,8 @@ class EngineCore:
         block_size = config.cache.block_size
         kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, loaded.quantization,
                                           device, dtype)
-        num_blocks = config.cache.num_blocks or self._blocks_for_budget(block_size, kv_dtype,
-                                                                         device)
+        num_blocks = config.cache.num_blocks or kv_cache_num_blocks(
+            config.cache.kv_cache_memory_bytes, loaded.arch, block_size, kv_dtype, device)
         if ranks is not None:  # every rank's cache holds the blocks rank 0 sized
             num_blocks = ranks.group.broadcast_int(num_blocks)
         self.max_model_len = self._max_model_len(num_blocks * block_size)
@@ -140,17 +134,6 @@ class EngineCore:
         # same). Measured: the collector took ~2% of the engine thread in `bench throughput`.
         gc.collect()
         gc.freeze()
-
-    def _blocks_for_budget(self, block_size: int, dtype: torch.dtype,
-                           device: torch.device) -> int:
-        budget = self.config.cache.kv_cache_memory_bytes
-        if budget is None:
-            if device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(device)
-                budget = int(free * GPU_MEMORY_FRACTION)
-            else:
-                budget = DEFAULT_CPU_KV_CACHE_BYTES
-        return max(1, budget // kv_bytes_per_block(self.loaded.arch, block_size, dtype))
 
     def _max_model_len(self, cache_tokens: int) -> int:
         arch = self.loaded.arch
