@@ -14,12 +14,13 @@ from collections.abc import Iterator
 import msgspec
 import pytest
 import zmq
+from test_kv_cache import admit as admit_request
+from test_kv_cache import request
 
 from nanoserve.config import KVEventsConfig
 from nanoserve.engine.kv_cache import KVCacheManager, hash_block
 from nanoserve.engine.kv_events import KVEventPublisher, wire_hash
 from nanoserve.engine.request import Request
-from nanoserve.sampling_params import SamplingParams
 
 BLOCK = 4
 STORED_KEYS = {"type", "block_hashes", "parent_block_hash", "token_ids", "block_size",
@@ -27,11 +28,9 @@ STORED_KEYS = {"type", "block_hashes", "parent_block_hash", "token_ids", "block_
 
 
 def admit(kv: KVCacheManager, request_id: str, ids: list[int]) -> Request:
-    req = Request(request_id, ids, SamplingParams())
-    blocks, num_cached = kv.get_computed_blocks(req)
-    assert kv.allocate_slots(req, req.num_tokens - num_cached, blocks)
-    req.num_computed_tokens = req.num_tokens
-    kv.cache_blocks(req)
+    """A request admitted as the scheduler admits it (test_kv_cache.py's admit)."""
+    req = request(request_id, ids)
+    admit_request(kv, req)
     return req
 
 
