@@ -19,6 +19,8 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 QUANTIZATION_MODES = ("auto", "gguf", "int8", "fp16", "none")
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "int8")
 POOLING_METHODS = ("last", "mean")  # how embeddings pool hidden states (engine/pooler.py)
+# how the API servers pick a data-parallel engine core for a request (engine/dp_router.py)
+LOAD_BALANCE_METHODS = ("cache_aware", "round_robin")
 
 
 @dataclass(frozen=True)
@@ -136,9 +138,15 @@ class ParallelConfig:
     on one node, at `master_port` across `nnodes` nodes. Node R runs ranks
     [R * N / nnodes, (R + 1) * N / nnodes); the nodes other than 0 are `headless` (their ranks
     and no API server or engine core, engine/tp_node.py). A collective that waits
-    `distributed_timeout_s` has lost a rank."""
+    `distributed_timeout_s` has lost a rank.
+
+    `data_parallel_size` K > 1 runs K engine cores on this host, each with its own KV and
+    prefix cache and its share of the cores; the API servers pick one per request by
+    `load_balance_method` (SGLang's flag; engine/dp_router.py)."""
 
     tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    load_balance_method: str = "cache_aware"
     master_addr: str = "127.0.0.1"
     distributed_timeout_s: float = 60.0  # mini-sglang's
     nnodes: int = 1
@@ -150,6 +158,15 @@ class ParallelConfig:
         tp, nnodes = self.tensor_parallel_size, self.nnodes
         if tp < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {tp}")
+        if self.data_parallel_size < 1:
+            raise ValueError(f"--data-parallel-size must be >= 1, got {self.data_parallel_size}")
+        if self.load_balance_method not in LOAD_BALANCE_METHODS:
+            raise ValueError(f"--load-balance-method {self.load_balance_method!r} is not one of "
+                             f"{', '.join(LOAD_BALANCE_METHODS)}")
+        if self.data_parallel_size > 1 and nnodes > 1:
+            raise ValueError(f"--data-parallel-size {self.data_parallel_size} runs its engine "
+                             f"cores on one host: not with --nnodes {nnodes} (run a replica "
+                             "per host behind vllm-router instead)")
         if not self.distributed_timeout_s > 0:
             raise ValueError("distributed_timeout_s must be > 0 seconds, "
                              f"got {self.distributed_timeout_s}")

@@ -18,6 +18,7 @@ from typing import Any
 from nanoserve.config import (
     DEFAULT_MODEL_NAME,
     KV_CACHE_DTYPES,
+    LOAD_BALANCE_METHODS,
     POOLING_METHODS,
     QUANTIZATION_MODES,
     CacheConfig,
@@ -124,6 +125,15 @@ class EngineArgs:
         "--nnodes (rank 0 is the engine core; the model's heads, KV heads or MLP rows must "
         "split evenly, or the start-up error names the sizes that do) (default: %(default)s)",
         type=int)
+    data_parallel_size: int = _arg(
+        ParallelConfig.data_parallel_size,
+        "engine cores behind the API servers, each with its own KV and prefix cache and its "
+        "share of this host's cores (nanoserve serve only) (default: %(default)s)", type=int)
+    load_balance_method: str = _arg(
+        ParallelConfig.load_balance_method,
+        "how a request's engine core is picked with --data-parallel-size > 1: cache_aware "
+        "(where its prompt's leading blocks were sent before, unless the loads are "
+        "imbalanced) | round_robin (default: %(default)s)", choices=LOAD_BALANCE_METHODS)
     nnodes: int = _arg(ParallelConfig.nnodes, "nodes the tensor-parallel ranks are spread "
                        "over, each with --tensor-parallel-size / --nnodes of them "
                        "(default: %(default)s)", type=int)
@@ -187,11 +197,17 @@ class EngineArgs:
     def _parallel_config(self) -> ParallelConfig:
         parallel = ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size, nnodes=self.nnodes,
+            data_parallel_size=self.data_parallel_size,
+            load_balance_method=self.load_balance_method,
             node_rank=self.node_rank, master_port=self.master_port, headless=self.headless,
             master_addr=self.master_addr or ParallelConfig.master_addr)
         if self.nnodes > 1 and self.master_addr is None:  # no default that could be wrong
             raise ValueError(f"--nnodes {self.nnodes} needs --master-addr (node 0's address, "
                              "which every node can reach)")
+        if self.data_parallel_size > 1 and self.kv_events_config is not None:
+            raise ValueError(f"--data-parallel-size {self.data_parallel_size} with "
+                             "--kv-events-config: every engine core would publish on the same "
+                             "endpoint; run one replica per --kv-events-config instead")
         return parallel
 
     def _scheduler_config(self) -> SchedulerConfig:

@@ -105,12 +105,14 @@ class EngineReady(msgspec.Struct, tag=True, array_like=True):
     logits_processors: list[str]  # 'module:Class' of each loaded processor
     hidden_size: int = 0  # the length of an embedding (task "embed" without dimensions)
     pooling: str = "last"  # how embeddings pool the prompt's hidden states (--pooling)
+    engine_index: int = 0  # which data-parallel engine core (vLLM's `engine_index`)
 
 
 class EngineOutputs(msgspec.Struct, tag=True, array_like=True):
     outputs: list[EngineCoreOutput]
     stats: SchedulerStats
     timestamp: float
+    engine_index: int = 0  # the data-parallel engine core that sent them
 
 
 class RequestError(msgspec.Struct, tag=True, array_like=True):
@@ -122,6 +124,7 @@ class RequestError(msgspec.Struct, tag=True, array_like=True):
 
 class EngineDead(msgspec.Struct, tag=True, array_like=True):
     message: str
+    engine_index: int = 0
 
 
 EngineMessage = EngineReady | EngineOutputs | RequestError | EngineDead

@@ -1,7 +1,9 @@
-"""Starting the engine-core process, and the API server's end of its sockets.
+"""Starting the engine-core processes, and the API server's end of their sockets.
 
-Addresses are IPC paths in a private temporary directory (one input socket bound by the engine,
-one output socket bound by each API server), so nothing listens on the network but HTTP.
+Addresses are IPC paths in a private temporary directory (one input socket bound by each engine
+core, one output socket bound by each API server, which every engine core pushes to), so
+nothing listens on the network but HTTP. With `--data-parallel-size` K there are K engine
+cores, each with its own input; their messages say which one sent them (`engine_index`).
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ logger = logging.getLogger("nanoserve")
 
 @dataclass
 class EngineAddresses:
-    input: str
-    outputs: list[str]
+    inputs: list[str]  # one per engine core
+    outputs: list[str]  # one per API server
     directory: str = field(default="", repr=False)
 
     def cleanup(self) -> None:
@@ -36,20 +38,23 @@ class EngineAddresses:
             shutil.rmtree(self.directory, ignore_errors=True)
 
 
-def make_addresses(num_clients: int) -> EngineAddresses:
+def make_addresses(num_clients: int, num_engines: int = 1) -> EngineAddresses:
     directory = tempfile.mkdtemp(prefix="nanoserve-")
     os.chmod(directory, 0o700)  # only this user may talk to the engine
-    return EngineAddresses(f"ipc://{directory}/input",
+    return EngineAddresses([f"ipc://{directory}/input-{k}" for k in range(num_engines)],
                            [f"ipc://{directory}/output-{i}" for i in range(num_clients)],
                            directory)
 
 
-def start_engine_process(config: EngineConfig, addresses: EngineAddresses) -> BaseProcess:
-    """Spawn the engine core (a fresh interpreter: no forked torch or sockets)."""
+def start_engine_process(config: EngineConfig, addresses: EngineAddresses,
+                         engine_index: int = 0, cores: list[int] | None = None) -> BaseProcess:
+    """Spawn engine core `engine_index` (a fresh interpreter: no forked torch or sockets),
+    pinned to `cores` when given."""
     context = multiprocessing.get_context("spawn")
     process = context.Process(
-        target=run_engine_core, name="nanoserve-engine-core", daemon=True,
-        args=(msgspec.msgpack.encode(config), addresses.input, addresses.outputs))
+        target=run_engine_core, name=f"nanoserve-engine-core-{engine_index}", daemon=True,
+        args=(msgspec.msgpack.encode(config), addresses.inputs[engine_index],
+              addresses.outputs, engine_index, cores))
     process.start()
     return process
 
@@ -70,22 +75,29 @@ def engine_is_alive(pid: int) -> bool:
 
 
 class EngineCoreClient:
-    """asyncio sockets: requests out to the engine core, its messages back in."""
+    """asyncio sockets: requests out to each engine core, all their messages back in."""
 
     def __init__(self, addresses: EngineAddresses, client_index: int) -> None:
         self.context = zmq.asyncio.Context()
-        self.input = self.context.socket(zmq.PUSH)
-        self.input.connect(addresses.input)
+        self.inputs = []
+        for address in addresses.inputs:  # one socket each: PUSH would spread over them
+            sock = self.context.socket(zmq.PUSH)
+            sock.connect(address)
+            self.inputs.append(sock)
         self.output = self.context.socket(zmq.PULL)
         self.output.bind(addresses.outputs[client_index])
         self.client_index = client_index
 
-    async def send(self, message: EngineInput) -> None:
-        await self.input.send(encode(message))
+    @property
+    def num_engines(self) -> int:
+        return len(self.inputs)
 
-    def send_nowait(self, message: EngineInput) -> None:
+    async def send(self, message: EngineInput, engine: int = 0) -> None:
+        await self.inputs[engine].send(encode(message))
+
+    def send_nowait(self, message: EngineInput, engine: int = 0) -> None:
         """For paths that cannot await (a cancelled request's cleanup): queue it now."""
-        self.input.send(encode(message), flags=zmq.NOBLOCK)
+        self.inputs[engine].send(encode(message), flags=zmq.NOBLOCK)
 
     async def recv(self) -> EngineMessage:
         while True:
@@ -97,6 +109,7 @@ class EngineCoreClient:
                                "(%d bytes): %s", len(data), e)
 
     def close(self) -> None:
-        self.input.close(linger=0)
+        for sock in self.inputs:
+            sock.close(linger=0)
         self.output.close(linger=0)
         self.context.term()

@@ -54,8 +54,9 @@ class EngineCoreProc:
     """Owns an EngineCore and the sockets to the API servers."""
 
     def __init__(self, config: EngineConfig, input_address: str,
-                 output_addresses: list[str]) -> None:
+                 output_addresses: list[str], engine_index: int = 0) -> None:
         self.core = EngineCore(config)
+        self.engine_index = engine_index  # among --data-parallel-size engine cores
         self.inputs: queue.Queue[EngineInput] = queue.Queue()
         self.outputs: queue.Queue[tuple[int, bytes] | None] = queue.Queue()
         self.context = zmq.Context()
@@ -75,7 +76,8 @@ class EngineCoreProc:
             block_size=core.config.cache.block_size,
             logits_processors=[f"{p.__module__}:{p.__qualname__}"
                                for p in map(type, core.sampler.processors)],
-            hidden_size=core.loaded.arch.hidden_size, pooling=core.config.model.pooling)
+            hidden_size=core.loaded.arch.hidden_size, pooling=core.config.model.pooling,
+            engine_index=self.engine_index)
 
     # -- threads ------------------------------------------------------------------------------
     def _input_loop(self) -> None:
@@ -136,7 +138,7 @@ class EngineCoreProc:
                 elif changed:
                     self._send_outputs([])
         except Exception:
-            self._broadcast(EngineDead(traceback.format_exc(limit=20)))
+            self._broadcast(EngineDead(traceback.format_exc(limit=20), self.engine_index))
             raise
         finally:
             self.outputs.put(None)
@@ -184,7 +186,7 @@ class EngineCoreProc:
         now = time.time()
         for client in range(len(self.output_addresses)):  # everyone gets fresh stats
             self.outputs.put((client, encode(EngineOutputs(by_client.get(client, []), stats,
-                                                           now))))
+                                                           now, self.engine_index))))
 
     def _broadcast(self, message: msgspec.Struct) -> None:
         self.outputs.put((-1, encode(message)))
@@ -201,13 +203,16 @@ def use_all_cores() -> None:
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
 
 
-def run_engine_core(config_bytes: bytes, input_address: str,
-                    output_addresses: list[str]) -> None:
-    """Process entry point. The config arrives as msgpack bytes (never pickled objects)."""
+def run_engine_core(config_bytes: bytes, input_address: str, output_addresses: list[str],
+                    engine_index: int = 0, cores: list[int] | None = None) -> None:
+    """Process entry point. The config arrives as msgpack bytes (never pickled objects).
+    A data-parallel engine core runs on its share of the `cores` (its TP ranks split them)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the launcher, which stops us
     config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
+    if cores:
+        os.sched_setaffinity(0, cores)
     use_all_cores()
-    proc = EngineCoreProc(config, input_address, output_addresses)
+    proc = EngineCoreProc(config, input_address, output_addresses, engine_index)
     executor = proc.core.executor
     if isinstance(executor, TPExecutor):
         executor.ranks.pin_rank0()  # the cores were split before the workers started

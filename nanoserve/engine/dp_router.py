@@ -29,9 +29,10 @@ from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from nanoserve.config import LOAD_BALANCE_METHODS
 from nanoserve.engine.kv_cache import BlockHash, hash_block
 
-ROUTING_POLICIES = ("cache_aware", "round_robin")
+ROUTING_POLICIES = LOAD_BALANCE_METHODS  # --load-balance-method
 
 
 @dataclass(frozen=True)

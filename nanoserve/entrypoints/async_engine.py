@@ -6,7 +6,9 @@ vector. One task receives the engine's messages and runs them through the Output
 (detokenization, stop strings, logprob formatting) -- in this process, so the engine never
 waits on text -- then hands each update to its request's queue (a pooling output goes straight
 to its request). A request whose consumer goes away (a client disconnect cancels it) is
-aborted in the engine core at once.
+aborted in the engine core at once. With several data-parallel engine cores, the client
+(dp_client.py) picks each request's engine and sends its aborts there; every engine's outputs
+come through the same loop, and any engine that dies fails every request (the server exits).
 """
 
 from __future__ import annotations
@@ -18,14 +20,13 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from nanoserve.engine.core_client import EngineCoreClient
+from nanoserve.entrypoints.dp_client import DPEngineClient
 from nanoserve.entrypoints.request_logger import RequestLogger
 from nanoserve.entrypoints.tenant import current_tenant
 from nanoserve.output.processor import OutputProcessor, TimingObserver
 from nanoserve.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
 from nanoserve.pooling_params import PoolingParams
 from nanoserve.protocol import (
-    AbortRequests,
     EngineCoreOutput,
     EngineDead,
     EngineOutputs,
@@ -56,7 +57,7 @@ class SlowReaderError(RequestTimeoutError):
 class AsyncEngine:
     """Requests in, RequestOutputs out, over the engine-core sockets."""
 
-    def __init__(self, client: EngineCoreClient, tokenizer: Any, ready: EngineReady,
+    def __init__(self, client: DPEngineClient, tokenizer: Any, ready: EngineReady,
                  engine_alive: Callable[[], bool],
                  observer: TimingObserver | None = None, request_timeout: float | None = None,
                  request_logger: RequestLogger | None = None,
@@ -70,7 +71,6 @@ class AsyncEngine:
         # pooling requests in flight: each gets its one output (never through the processor)
         self.pooling: dict[str, asyncio.Future[EngineCoreOutput]] = {}
         self._num_sequences = 0  # the n of each request in `queues`, summed
-        self.stats = SchedulerStats()
         self.dead_reason: str | None = None
         self.on_dead: Callable[[], None] | None = None
         self.request_timeout = request_timeout  # seconds from admission; None = no deadline
@@ -90,6 +90,11 @@ class AsyncEngine:
     @property
     def num_in_flight(self) -> int:
         return len(self.queues) + len(self.pooling)
+
+    @property
+    def engine_stats(self) -> list[SchedulerStats]:
+        """Each engine core's latest stats (one per --data-parallel-size)."""
+        return self.client.engine_stats
 
     @property
     def num_sequences_in_flight(self) -> int:
@@ -133,10 +138,11 @@ class AsyncEngine:
         self._num_sequences += params.n
         finished = False
         try:
-            for engine_id, sample_params, leader in engine_requests:
-                await self.client.send(EngineRequest(engine_id, prompt_token_ids, sample_params,
-                                                     self.client.client_index, leader,
-                                                     tenant=current_tenant.get()))
+            tenant = current_tenant.get()
+            await self.client.add([  # every sample on one engine core, beside its leader
+                EngineRequest(engine_id, prompt_token_ids, sample_params,
+                              self.client.client_index, leader, tenant=tenant)
+                for engine_id, sample_params, leader in engine_requests])
             while True:
                 item = await self._next(queue, deadline)
                 self.last_read[request_id] = asyncio.get_running_loop().time()
@@ -172,9 +178,9 @@ class AsyncEngine:
         started = time.monotonic()
         self._num_sequences += 1
         try:
-            await self.client.send(EngineRequest(
+            await self.client.add([EngineRequest(
                 request_id, prompt_token_ids, SamplingParams(max_tokens=1),
-                self.client.client_index, None, pooling_params))
+                self.client.client_index, None, pooling_params)])
             try:
                 async with asyncio.timeout(self.request_timeout):
                     out = await asyncio.shield(future)
@@ -195,7 +201,7 @@ class AsyncEngine:
 
     def _abort_pooling_nowait(self, request_id: str) -> None:
         try:
-            self.client.send_nowait(AbortRequests([request_id]))
+            self.client.abort_nowait([request_id])
         except Exception as e:  # zmq.Again (queue full) or a closed socket
             logger.warning("could not send the abort of %s to the engine core: %r",
                            request_id, e)
@@ -236,7 +242,7 @@ class AsyncEngine:
         self.processor.abort(request_id)
         if engine_ids and self.dead_reason is None:
             try:
-                self.client.send_nowait(AbortRequests(engine_ids))
+                self.client.abort_nowait(engine_ids)
             except Exception as e:  # zmq.Again (queue full) or a closed socket
                 # the engine keeps running the request until it ends by itself: say so
                 logger.warning("could not send the abort of %s to the engine core: %r",
@@ -246,7 +252,6 @@ class AsyncEngine:
         while True:
             message = await self.client.recv()
             if isinstance(message, EngineOutputs):
-                self.stats = message.stats
                 outputs = message.outputs
                 if self.pooling:
                     outputs = self._deliver_pooled(outputs)
@@ -256,11 +261,12 @@ class AsyncEngine:
                     if queue is not None and not self._reader_stalled(output.request_id, queue):
                         queue.put_nowait(output)
                 if result.to_abort:  # stop strings: free the blocks now
-                    await self.client.send(AbortRequests(result.to_abort))
+                    await self.client.abort(result.to_abort)
             elif isinstance(message, RequestError):
                 self._fail_engine_request(message)
             elif isinstance(message, EngineDead):
-                self._die(f"the engine core failed: {message.message.splitlines()[-1]}")
+                self._die(f"engine core {message.engine_index} failed: "
+                          f"{message.message.splitlines()[-1]}")
 
     def _reader_stalled(self, request_id: str,
                         queue: asyncio.Queue[RequestOutput | BaseException]) -> bool:

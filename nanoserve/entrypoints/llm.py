@@ -50,6 +50,10 @@ class LLM:
         return llm
 
     def _start(self, config: EngineConfig) -> None:
+        if config.parallel.data_parallel_size > 1:  # one engine core in this process
+            raise ValueError(f"data_parallel_size={config.parallel.data_parallel_size}: LLM "
+                             "runs one engine core; several run behind `nanoserve serve "
+                             "--data-parallel-size N`")
         self.engine = EngineCore(config)
         self.tokenizer = self.engine.loaded.tokenizer
         self._request_ids = itertools.count()

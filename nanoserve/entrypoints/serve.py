@@ -1,30 +1,32 @@
 """`nanoserve serve`: the engine core in its own process, the HTTP API in one or more others.
 
-    launcher ── spawns ──> engine core process (model, scheduler, sampler; no HTTP, no text)
+    launcher ── spawns ──> engine core process (model, scheduler, sampler; no HTTP, no text),
+       │                   or K of them (--data-parallel-size K), each on its share of the cores
        │
        └── runs the API server itself (--api-server-count 1), or spawns N API processes that
-           inherit its one listening socket (`listen.py`); each talks to the engine core over
-           its own sockets
+           inherit its one listening socket (`listen.py`); each talks to every engine core over
+           its own sockets and picks one per request (dp_client.py)
 
 The port is bound first, before the engine starts: a busy port is a one-line error and exit
 status 1 within a second, never a second server silently sharing the address.
 
 Lifetimes are tied both ways: the engine core exits when its launcher is gone; an API server
-whose engine core dies fails its in-flight requests at once, answers /health with 503, and
-exits non-zero. SIGTERM (or Ctrl-C) drains in-flight requests (bounded by --shutdown-timeout),
-then stops the engine core.
+whose engine core dies (any one of them, with data parallelism: vLLM's choice) fails its
+in-flight requests at once, answers /health with 503, and exits non-zero. SIGTERM (or
+Ctrl-C) drains in-flight requests (bounded by --shutdown-timeout), then stops the engine
+cores.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import multiprocessing
 import os
 import signal
 import socket
 import sys
+import time
 from collections.abc import Coroutine
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -41,18 +43,20 @@ from nanoserve.engine.core_client import (
     make_addresses,
     start_engine_process,
 )
+from nanoserve.engine.dp_router import RoutingConfig
 from nanoserve.engine.tp_node import run_headless_node
+from nanoserve.engine.tp_worker import split_cores
 from nanoserve.entrypoints.async_engine import AsyncEngine
+from nanoserve.entrypoints.dp_client import DPEngineClient, wait_for_engines
 from nanoserve.entrypoints.listen import AddressInUseError, bind_listening_socket
 from nanoserve.entrypoints.openai.api_server import build_app, drain
 from nanoserve.entrypoints.openai.metrics import Metrics
-from nanoserve.entrypoints.openai.router_endpoints import instance_id
+from nanoserve.entrypoints.openai.router_endpoints import instance_id, kv_event_sources
 from nanoserve.entrypoints.openai.server_context import ServerContext
 from nanoserve.entrypoints.request_logger import RequestLogger
 from nanoserve.entrypoints.web.router import page_banner
 from nanoserve.model.loader import load_frontend
 from nanoserve.parsers.tool_format import template_tool_format
-from nanoserve.protocol import EngineDead, EngineReady, Shutdown
 from nanoserve.sample.logits_processor import load_processor_classes
 from nanoserve.sample.state import ReasoningTokens
 from nanoserve.structured.grammar import GrammarTokenizer
@@ -87,27 +91,33 @@ def run_serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
         print(f"nanoserve serve: {e.strerror}", file=sys.stderr, flush=True)
         return 1
     count = server_config.api_server_count
-    addresses = make_addresses(count)
-    engine = start_engine_process(engine_config, addresses)
+    num_engines = engine_config.parallel.data_parallel_size
+    addresses = make_addresses(count, num_engines)
+    # data-parallel engine cores: each on its own share of the cores (one each on two)
+    cores = split_cores(list(os.sched_getaffinity(0)), num_engines) if num_engines > 1 else None
+    engines = [start_engine_process(engine_config, addresses, k, cores[k] if cores else None)
+               for k in range(num_engines)]
     try:
         if count == 1:
-            return run_event_loop(serve_api(engine_config, server_config, addresses, 0, sock,
-                                            engine_pid=engine.pid or 0, engine_process=engine))
-        return _run_api_processes(engine_config, server_config, addresses, engine, sock)
+            return run_event_loop(serve_api(
+                engine_config, server_config, addresses, 0, sock,
+                engine_pids=[e.pid or 0 for e in engines], engine_processes=engines))
+        return _run_api_processes(engine_config, server_config, addresses, engines, sock)
     finally:
         sock.close()
-        _stop_engine(engine, addresses)
+        _stop_engines(engines, addresses)
 
 
 def _run_api_processes(engine_config: EngineConfig, server_config: ServerConfig,
-                       addresses: EngineAddresses, engine: BaseProcess,
+                       addresses: EngineAddresses, engines: list[BaseProcess],
                        sock: socket.socket) -> int:
     context = multiprocessing.get_context("spawn")
     # the socket travels as an inherited file descriptor (multiprocessing hands a socket
     # argument to a spawned child as a duplicated fd); every process accepts on that one socket
     procs = [context.Process(target=api_process_main, name=f"nanoserve-api-{i}", args=(
         msgspec.msgpack.encode(engine_config), msgspec.msgpack.encode(server_config),
-        addresses.input, addresses.outputs, i, engine.pid, sock)) for i in range(
+        addresses.inputs, addresses.outputs, i, [e.pid for e in engines], sock))
+        for i in range(
         server_config.api_server_count)]
     for proc in procs:
         proc.start()
@@ -126,39 +136,44 @@ def _run_api_processes(engine_config: EngineConfig, server_config: ServerConfig,
     return status
 
 
-def api_process_main(engine_bytes: bytes, server_bytes: bytes, input_address: str,
-                     output_addresses: list[str], index: int, engine_pid: int,
+def api_process_main(engine_bytes: bytes, server_bytes: bytes, input_addresses: list[str],
+                     output_addresses: list[str], index: int, engine_pids: list[int],
                      sock: socket.socket) -> None:
     """Entry point of one API-server process (configs arrive as msgpack, never pickled)."""
     engine_config = msgspec.msgpack.decode(engine_bytes, type=EngineConfig)
     server_config = msgspec.msgpack.decode(server_bytes, type=ServerConfig)
     logging.basicConfig(level=server_config.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s api-{index}: %(message)s")
-    addresses = EngineAddresses(input_address, output_addresses)
+    addresses = EngineAddresses(input_addresses, output_addresses)
     sys.exit(run_event_loop(serve_api(engine_config, server_config, addresses, index, sock,
-                                      engine_pid=engine_pid, watch_parent=True)))
+                                      engine_pids=engine_pids, watch_parent=True)))
 
 
 async def serve_api(engine_config: EngineConfig, server_config: ServerConfig,
                     addresses: EngineAddresses, index: int, sock: socket.socket,
-                    engine_pid: int, engine_process: BaseProcess | None = None,
+                    engine_pids: list[int], engine_processes: list[BaseProcess] | None = None,
                     watch_parent: bool = False) -> int:
-    """One API server: wait for the engine core, then serve HTTP until told to stop."""
+    """One API server: wait for the engine cores, then serve HTTP until told to stop."""
     # The API process computes no tensors worth threads; a torch pool here would only wake
     # workers on the cores the engine's threads use (engine/core_proc.py).
     torch.set_num_threads(1)
     frontend = load_frontend(engine_config.model.model)
-    client = EngineCoreClient(addresses, index)
+    sockets = EngineCoreClient(addresses, index)
 
-    def engine_alive() -> bool:
-        if engine_process is not None:
-            return engine_process.is_alive()
-        return engine_is_alive(engine_pid)
+    def engine_alive() -> bool:  # all of them: one engine core gone fails the server
+        if engine_processes is not None:
+            return all(p.is_alive() for p in engine_processes)
+        return all(engine_is_alive(pid) for pid in engine_pids)
 
-    ready = await _wait_ready(client, engine_alive)
+    ready = await wait_for_engines(sockets, engine_alive, _ENGINE_START_TIMEOUT_S)
     if ready is None:
-        client.close()
+        sockets.close()
         return 1
+    parallel = engine_config.parallel
+    client = DPEngineClient(sockets, RoutingConfig(
+        policy=parallel.load_balance_method,
+        balance_abs_threshold=max(1, engine_config.scheduler.max_num_seqs // 8)),
+        ready.block_size)
     name = server_config.served_model_name or ready.model_name
     tool_format = template_tool_format(server_config.chat_template
                                        or _template_text(frontend.tokenizer))
@@ -167,7 +182,7 @@ async def serve_api(engine_config: EngineConfig, server_config: ServerConfig,
         logger.info("tool calls read by the %s parser: %s (--tool-call-parser to choose)",
                     tool_format.parser, tool_format.reason)
     ctx_holder: list[ServerContext] = []
-    metrics = Metrics(name, lambda: ctx_holder[0].engine.stats)
+    metrics = Metrics(name, lambda: ctx_holder[0].engine.engine_stats)
     engine = AsyncEngine(client, frontend.tokenizer, ready, engine_alive, observer=metrics,
                          request_timeout=server_config.limits.request_timeout,
                          slow_reader_timeout=server_config.limits.slow_reader_timeout,
@@ -187,7 +202,8 @@ async def serve_api(engine_config: EngineConfig, server_config: ServerConfig,
         max_logprobs=engine_config.sampler.max_logprobs,
         max_in_flight=server_config.max_in_flight, limits=server_config.limits,
         model_path=engine_config.model.model or ready.model_name,
-        instance_id=instance_id(server_config.port, engine_pid))
+        instance_id=instance_id(server_config.port, engine_pids[0]),
+        kv_event_sources=kv_event_sources(engine_config.kv_events))
     ctx_holder.append(ctx)
     app = build_app(ctx, server_config)
     server = DrainingServer(uvicorn.Config(
@@ -217,9 +233,8 @@ async def serve_api(engine_config: EngineConfig, server_config: ServerConfig,
         for task in watchers:
             task.cancel()
         await engine.stop()
-        if engine_process is not None and not engine.is_dead:  # single-process mode
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(client.send(Shutdown()), timeout=1.0)
+        if engine_processes is not None:  # single-process mode; after a death, the others
+            await client.shutdown(timeout=1.0)
         client.close()
     return exit_status
 
@@ -269,31 +284,14 @@ async def _watch_parent(server: uvicorn.Server) -> None:
     _stop(server)
 
 
-async def _wait_ready(client: EngineCoreClient, alive: object) -> EngineReady | None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + _ENGINE_START_TIMEOUT_S
-    while loop.time() < deadline:
-        try:
-            message = await asyncio.wait_for(client.recv(), timeout=0.5)
-        except TimeoutError:
-            if callable(alive) and not alive():
-                logger.error("the engine core exited while starting")
-                return None
-            continue
-        if isinstance(message, EngineReady):
-            return message
-        if isinstance(message, EngineDead):
-            logger.error("the engine core failed to start:\n%s", message.message)
-            return None
-    logger.error("the engine core did not start within %.0f s", _ENGINE_START_TIMEOUT_S)
-    return None
-
-
-def _stop_engine(engine: BaseProcess, addresses: EngineAddresses) -> None:
-    engine.join(timeout=5)  # with one API server, it was sent Shutdown
-    if engine.is_alive():
-        engine.terminate()
-        engine.join(timeout=5)
-    if engine.is_alive():
-        engine.kill()
+def _stop_engines(engines: list[BaseProcess], addresses: EngineAddresses) -> None:
+    deadline = time.monotonic() + 5
+    for engine in engines:  # with one API server, each was sent Shutdown
+        engine.join(timeout=max(0.0, deadline - time.monotonic()))
+    for engine in engines:
+        if engine.is_alive():
+            engine.terminate()
+            engine.join(timeout=5)
+        if engine.is_alive():
+            engine.kill()
     addresses.cleanup()

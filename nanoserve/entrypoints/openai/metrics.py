@@ -3,7 +3,9 @@
 Gauges and the prefix-cache counters come from the engine core's latest SchedulerStats (sent
 with every step and after idle-time changes); token counters and latency histograms are
 measured here, in the API server, as outputs arrive (generated tokens step by step, as vLLM
-counts them, not when a request ends).
+counts them, not when a request ends). The engine's own figures carry an `engine` label, one
+sample per engine core ("0", "1", ... with --data-parallel-size; "0" alone otherwise), as
+vLLM labels them; a sum over the label is the server's figure.
 """
 
 from __future__ import annotations
@@ -22,53 +24,57 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
                     5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
 
 
-class _EngineCollector(Collector):
-    """Reads the engine's latest stats at scrape time."""
+# (metric name, help, SchedulerStats field) of each engine core's gauges and counters
+_ENGINE_GAUGES = (
+    ("num_requests_running", "Requests in the running batch.", "num_running"),
+    ("num_requests_waiting", "Requests waiting to run.", "num_waiting"),
+    ("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).", "kv_cache_usage"),
+    ("kv_cache_blocks_in_use", "KV-cache blocks held by requests.", "kv_blocks_in_use"))
+_ENGINE_COUNTERS = (
+    ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+     "prefix_cache_queries"),
+    ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
+    ("num_preemptions", "Requests preempted (KV cache full).", "num_preemptions"),
+    ("spec_decode_num_drafts", "Speculative steps: requests that drafted.",
+     "spec_decode_num_drafts"),
+    ("spec_decode_num_draft_tokens", "Draft tokens proposed.", "spec_decode_num_draft_tokens"),
+    ("spec_decode_num_accepted_tokens", "Draft tokens accepted (equal to the model's own "
+     "draws).", "spec_decode_num_accepted_tokens"))
 
-    def __init__(self, stats: Callable[[], SchedulerStats], model: str) -> None:
+
+class _EngineCollector(Collector):
+    """Reads each engine core's latest stats at scrape time: one sample per engine."""
+
+    def __init__(self, stats: Callable[[], list[SchedulerStats]], model: str) -> None:
         self.stats = stats
         self.model = model
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        s = self.stats()
-        label = ["model_name"]
-        for name, doc, value in (
-                ("num_requests_running", "Requests in the running batch.", s.num_running),
-                ("num_requests_waiting", "Requests waiting to run.", s.num_waiting),
-                ("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).",
-                 s.kv_cache_usage),
-                ("kv_cache_blocks_in_use", "KV-cache blocks held by requests.",
-                 s.kv_blocks_in_use)):
+        stats = list(enumerate(self.stats()))
+        label = ["model_name", "engine"]
+        for name, doc, field in _ENGINE_GAUGES:
             gauge = GaugeMetricFamily(PREFIX + name, doc, labels=label)
-            gauge.add_metric([self.model], value)
+            for engine, s in stats:
+                gauge.add_metric([self.model, str(engine)], getattr(s, field))
             yield gauge
-        for name, doc, value in (
-                ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                 s.prefix_cache_queries),
-                ("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-                 s.prefix_cache_hits),
-                ("num_preemptions", "Requests preempted (KV cache full).", s.num_preemptions),
-                ("spec_decode_num_drafts", "Speculative steps: requests that drafted.",
-                 s.spec_decode_num_drafts),
-                ("spec_decode_num_draft_tokens", "Draft tokens proposed.",
-                 s.spec_decode_num_draft_tokens),
-                ("spec_decode_num_accepted_tokens", "Draft tokens accepted (equal to the "
-                 "model's own draws).", s.spec_decode_num_accepted_tokens)):
+        for name, doc, field in _ENGINE_COUNTERS:
             counter = CounterMetricFamily(PREFIX + name, doc, labels=label)
-            counter.add_metric([self.model], value)
+            for engine, s in stats:
+                counter.add_metric([self.model, str(engine)], getattr(s, field))
             yield counter
         per_position = CounterMetricFamily(
             PREFIX + "spec_decode_num_accepted_tokens_per_pos",
-            "Draft tokens accepted at each draft position.", labels=["model_name", "position"])
-        for position, value in enumerate(s.spec_decode_num_accepted_tokens_per_pos):
-            per_position.add_metric([self.model, str(position)], value)
+            "Draft tokens accepted at each draft position.", labels=[*label, "position"])
+        for engine, s in stats:
+            for position, value in enumerate(s.spec_decode_num_accepted_tokens_per_pos):
+                per_position.add_metric([self.model, str(engine), str(position)], value)
         yield per_position
 
 
 class Metrics:
     """The server's registry; also the OutputProcessor's timing observer."""
 
-    def __init__(self, model: str, stats: Callable[[], SchedulerStats]) -> None:
+    def __init__(self, model: str, stats: Callable[[], list[SchedulerStats]]) -> None:
         self.registry = CollectorRegistry()
         self.model = model
         self.registry.register(_EngineCollector(stats, model))
