@@ -1,7 +1,9 @@
 """What vllm-router asks a replica, through a real `nanoserve serve` (the tiny model, shared
 with test_chaos.py): the render routes give exactly the ids the endpoint prefills (equal to
 /tokenize, counted the same as the completion's prompt_tokens), with the endpoints' own
-errors; /get_server_info names the model, the instance and the block size."""
+errors; /get_server_info names the model, the instance and the block size; /kv_event_sources
+is a 404 where no events are published (the router's "route this one by load"), and names
+each engine's publisher where they are (through vllm-router: test_vllm_router.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,9 @@ from typing import Any
 import pytest
 from server_harness import RunningServer
 from shared_server import shared_server
+
+from nanoserve.config import KVEventsConfig
+from nanoserve.entrypoints.openai.router_endpoints import kv_event_sources
 
 MESSAGES = [{"role": "system", "content": "You answer in one word."},
             {"role": "user", "content": "What colour is the sky?"}]
@@ -92,6 +97,33 @@ def test_get_server_info_names_model_instance_and_block_size(server: RunningServ
     assert info["worker_type"] == "regular" and info["max_model_len"] > 0
     assert len(info["instance_id"]) == 32 and httpx_get(server, "/get_server_info") == info
     assert "tiny-llama" in info["model_path"]  # the directory served
+
+
+def test_kv_event_sources_is_404_without_events(server: RunningServer) -> None:
+    import httpx
+
+    response = httpx.get(server.url + "/kv_event_sources", headers=server.headers, timeout=30)
+    assert response.status_code == 404, response.text
+    assert "--kv-events-config" in response.json()["error"]["message"]
+
+
+def test_kv_event_sources_names_each_engines_publisher() -> None:
+    config = KVEventsConfig(enable_kv_cache_events=True, endpoint="tcp://*:5557",
+                            replay_endpoint="tcp://*:5558")
+    sources = kv_event_sources(config, num_engines=2)
+    assert list(sources) == ["0", "1"]
+    assert (sources["0"]["endpoint"], sources["0"]["replay_endpoint"]) == \
+        ("tcp://*:5557", "tcp://*:5558")
+    # engine k publishes on the configured ports plus k, as vLLM's data-parallel ranks do
+    assert (sources["1"]["endpoint"], sources["1"]["replay_endpoint"]) == \
+        ("tcp://*:5558", "tcp://*:5559")
+    # what vllm-router checks before it subscribes (its `events_enabled`)
+    assert all((s["publisher"], s["encoding"], s["schema_version"]) == ("zmq", "msgpack", 1)
+               for s in sources.values())
+    assert kv_event_sources(KVEventsConfig(enable_kv_cache_events=True),
+                            1)["0"]["replay_endpoint"] is None
+    assert kv_event_sources(KVEventsConfig()) == {}  # events off
+    assert kv_event_sources(KVEventsConfig(enable_kv_cache_events=True, publisher="null")) == {}
 
 
 def httpx_get(server: RunningServer, path: str) -> Any:

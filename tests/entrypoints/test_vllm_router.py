@@ -3,6 +3,8 @@ the KV-cache events each replica publishes (--kv-events-config): every stream co
 both replicas serve, and their summed prefix-cache hits reach 90 % of one server's on the
 same kind of workload; with `cache_aware` (the router's own guess from the text) too. With
 `round_robin` they fall short: the control that shows the workload tells them apart.
+`kv_discovered` is `kv_aware` with no event-source flags at all: the router finds each
+replica's model, block size and publisher itself (/get_server_info, /kv_event_sources).
 
 The workload is llm-d's shared prefix, scaled down: groups of requests that share a long
 system prompt, sent in waves (one request of every group at once), so a router that ignored
@@ -102,17 +104,19 @@ def single_hits(replicas: Any) -> float:
     return hits
 
 
-@pytest.mark.parametrize(("policy", "seed"), [("kv_aware", 2), ("cache_aware", 3),
-                                              ("round_robin", 4)])
+@pytest.mark.parametrize(("policy", "seed"), [("kv_aware", 2), ("kv_discovered", 5),
+                                              ("cache_aware", 3), ("round_robin", 4)])
 def test_router_keeps_prefixes_together(replicas: Any, single_hits: float, policy: str,
                                         seed: int, tmp_path: Path) -> None:
     (one, _, _), (two, _, _) = replicas
     # both behind the router, which subscribes to each one's events
     port, prometheus = free_port(), free_port()
+    discovered = policy == "kv_discovered"
+    policy = "kv_aware" if discovered else policy
     cmd = [router_binary(), "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prometheus),
            "--worker-urls", one.url, two.url]
-    if policy == "kv_aware":  # the router refuses event sources for its other policies
+    if policy == "kv_aware" and not discovered:  # refused for the router's other policies
         cmd += ["--kv-event-block-size", "16", "--kv-event-model", MODEL]
         # the router joins after the replicas published the single-server phase's events:
         # it asks each replay socket for what it missed

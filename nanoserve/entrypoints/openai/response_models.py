@@ -163,6 +163,24 @@ class CompletionRenderResponse(RootModel[list[RenderResponse]]):
     """/v1/completions/render: one entry per prompt of the batch."""
 
 
+class KVEventSourceResponse(ResponseModel):
+    """One engine core's entry in /kv_event_sources (vllm-router's `KvEventSourceEntry`)."""
+
+    endpoint: str  # the PUB socket; a bind address (tcp://*:5557) means this host
+    replay_endpoint: str | None
+    topic: str
+    hwm: int
+    buffer_steps: int
+    publisher: Literal["zmq"]
+    encoding: Literal["msgpack"]
+    schema_version: Literal[1]
+    enable_kv_cache_events: bool
+
+
+class KVEventSourcesResponse(RootModel[dict[str, KVEventSourceResponse]]):
+    """/kv_event_sources: an entry per data-parallel engine core, keyed by its rank ("0", ...)."""
+
+
 class ServerInfoResponse(ResponseModel):
     """/get_server_info: what vllm-router's worker discovery reads (its `ServerInfo`)."""
 

@@ -1,6 +1,8 @@
 """What a router in front of replicas asks a replica (../shared/reference/scale-out.md §8):
 the token ids a request would prefill, to hash against the blocks each replica holds, and who
-the replica is.
+the replica is, and where it publishes its KV-cache events (`/kv_event_sources`): with these
+two, `vllm-router --policy kv_aware --worker-urls ...` finds each replica's publisher itself,
+without `--kv-event-source` flags.
 
 `vllm-router --policy kv_aware` asks every worker for the ids of each incoming request within
 a 1 s budget, and they must be exactly the ids the worker prefills; so the render routes run
@@ -18,10 +20,13 @@ from typing import Any
 from fastapi import FastAPI
 
 import nanoserve
+from nanoserve.config import KVEventsConfig
+from nanoserve.entrypoints.openai.errors import APIError
 from nanoserve.entrypoints.openai.openapi import responses
 from nanoserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from nanoserve.entrypoints.openai.response_models import (
     CompletionRenderResponse,
+    KVEventSourcesResponse,
     RenderResponse,
     ServerInfoResponse,
 )
@@ -39,8 +44,33 @@ def instance_id(port: int, engine_pid: int) -> str:
                       f"nanoserve://{socket.gethostname()}:{port}/{engine_pid}").hex
 
 
+def kv_event_sources(config: KVEventsConfig, num_engines: int = 1) -> dict[str, dict[str, Any]]:
+    """/kv_event_sources' body: one entry per data-parallel engine core, keyed by its rank as a
+    string, in the shape vllm-router's discovery reads (vLLM's KVEventsConfig fields, and the
+    wire format's name and version: "zmq", "msgpack", 1). Empty when no events are published.
+    Engine k publishes on the configured ports plus k (vLLM's `offset_endpoint_port`); a bind
+    address such as `tcp://*:5557` is the router's to resolve to this host."""
+    if not config.is_publishing:
+        return {}
+
+    def port_plus(endpoint: str | None, rank: int) -> str | None:
+        if endpoint is None or rank == 0:
+            return endpoint
+        head, _, port = endpoint.rpartition(":")
+        return f"{head}:{int(port) + rank}"
+
+    return {str(rank): {"endpoint": port_plus(config.endpoint, rank),
+                        "replay_endpoint": port_plus(config.replay_endpoint, rank),
+                        "topic": config.topic, "hwm": config.hwm,
+                        "buffer_steps": config.buffer_steps, "publisher": "zmq",
+                        "encoding": "msgpack", "schema_version": 1,
+                        "enable_kv_cache_events": True}
+            for rank in range(num_engines)}
+
+
 def add_router_routes(app: FastAPI, ctx: ServerContext) -> None:
-    """POST /v1/chat/completions/render, POST /v1/completions/render, GET /get_server_info."""
+    """POST /v1/chat/completions/render, POST /v1/completions/render, GET /get_server_info,
+    GET /kv_event_sources."""
 
     @app.post("/v1/chat/completions/render", responses=responses(RenderResponse, *RENDER_ERRORS))
     async def render_chat_ids(req: ChatCompletionRequest) -> dict[str, Any]:
@@ -58,3 +88,12 @@ def add_router_routes(app: FastAPI, ctx: ServerContext) -> None:
                 "instance_id": ctx.instance_id, "kv_block_size": block_size,
                 "effective_attention_block_size": block_size, "worker_type": "regular",
                 "max_model_len": ctx.max_model_len, "version": nanoserve.__version__}
+
+    @app.get("/kv_event_sources",
+             responses=responses(KVEventSourcesResponse, 401, 404))
+    async def event_sources() -> dict[str, Any]:
+        # a 404 is the router's "no events here" (it then routes this replica by load alone)
+        if not ctx.kv_event_sources:
+            raise APIError(404, "this server publishes no KV-cache events (start it with "
+                                "--kv-events-config '{\"enable_kv_cache_events\": true}')")
+        return ctx.kv_event_sources

@@ -39,6 +39,8 @@ class ServerContext:
     limits: RequestLimits = field(default_factory=RequestLimits)
     model_path: str = ""  # the checkpoint served (--model), for /get_server_info
     instance_id: str = ""  # this server's id for routers: one per engine start (router_info.py)
+    # where each engine core publishes KV-cache events, for /kv_event_sources (none: 404)
+    kv_event_sources: dict[str, dict[str, Any]] = field(default_factory=dict)
     shutting_down: bool = False
 
     def check_model(self, model: str | None) -> None:
