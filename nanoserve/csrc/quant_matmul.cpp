@@ -35,6 +35,30 @@ namespace {
 
 constexpr int TILE_M = 4;  // activation rows that share one unpacked weight block
 
+// Below kWideMinRows activation rows the kernel waits on memory: a batch-1 step streams ~66 MB
+// of the default model's layer weights from DRAM, a few hundred KB per call, and the hardware
+// prefetcher alone left the core idle between its demand misses. Each block then asks for the
+// lines kPrefetchBytes ahead of it (past a group's end that is the next group of the same
+// thread's range). Measured on the 2-core EPYC (Zen 3), the 30 layers' four projections at one
+// row, 11 interleaved rounds: one thread 7.56 -> 6.29 ms (-17%) at 1024 bytes (512: 7.02,
+// 2048: 6.46, L2 hint at 1024: 6.40), two threads 5.57 -> 5.24-5.37 ms; the whole decode
+// step, 4 alternated processes each: batch 1 13.7 -> 12.6 ms, batch 8 35.0 -> 33.4 ms (batch 64
+// runs the same code as before: 224 against 234 ms, noise). Where many rows share
+// each block the kernel is bound by arithmetic and asks for nothing. The bytes and the
+// arithmetic are unchanged: every output is the same.
+constexpr int64_t kPrefetchBytes = 1024;
+
+// From this many activation rows on, a weight's wide form is used where it has one: below,
+// the kernel waits on memory and twice the bytes would cost more than the unpacking saves.
+constexpr int64_t kWideMinRows = 16;
+
+template <bool Stream, int64_t BPB>
+inline void prefetch_ahead(const uint8_t* blk) {
+  if constexpr (Stream)
+    for (int64_t o = 0; o < BPB; o += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchBytes + o), _MM_HINT_T0);
+}
+
 using namespace gguf_blocks;
 
 // ---- activations --------------------------------------------------------------------------------
@@ -115,7 +139,7 @@ inline void load_scales(const uint8_t* blk, __m256& a, __m256& b) {
 // w = d*q + m with 4-bit q: sum over 8 maddubs stays within int16 (8 * 2 * 15 * 127 = 30480).
 // The 8 unpacked weight vectors stay in registers while the R activation rows pass over them
 // (measured 8% faster than unpacking per row pair: fewer spills).
-template <Layout L, int R, bool Wide>
+template <Layout L, int R, bool Wide, bool Stream>
 void u4_group(const uint8_t* w, int64_t KB, const RowPtrs& rows) {
   constexpr int64_t BPB = block_bytes<L, Wide>();
   const __m256i nibble = _mm256_set1_epi8(0x0F);
@@ -123,6 +147,7 @@ void u4_group(const uint8_t* w, int64_t KB, const RowPtrs& rows) {
   __m256 acc[R] = {};  // zeroed
   for (int64_t b = 0; b < KB; ++b) {
     const uint8_t* blk = w + b * BPB;
+    prefetch_ahead<Stream, BPB>(blk);
     const uint8_t* qs = blk + qs_offset(L);
     __m256i wq[8];  // wq[j] lane i: row i's inputs 4j..4j+3
     if constexpr (Wide) {
@@ -158,7 +183,7 @@ void u4_group(const uint8_t* w, int64_t KB, const RowPtrs& rows) {
 
 // w = d*q with signed q: maddubs(|q|, sign(a, q)). Q8_0 widens each product pair to int32 at
 // once (two could overflow int16); Q6_K's |q| <= 32 lets four sum in int16 (4*2*32*127 = 32512).
-template <Layout L, int R>
+template <Layout L, int R, bool Stream>
 void s8_group(const uint8_t* w, int64_t KB, const RowPtrs& rows) {
   constexpr int64_t BPB = packed_block_bytes(L);
   constexpr bool kPerHalf = L == Layout::S8F2;
@@ -166,6 +191,7 @@ void s8_group(const uint8_t* w, int64_t KB, const RowPtrs& rows) {
   __m256 acc[R] = {};  // zeroed
   for (int64_t b = 0; b < KB; ++b) {
     const uint8_t* blk = w + b * BPB;
+    prefetch_ahead<Stream, BPB>(blk);
     const uint8_t* qs = blk + qs_offset(L);
     __m256i sum[R][2];
     for (int t = 0; t < 8; ++t) {
@@ -199,14 +225,14 @@ void s8_group(const uint8_t* w, int64_t KB, const RowPtrs& rows) {
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(rows.y[r], acc[r]);
 }
 
-template <Layout L, int R, bool Wide>
+template <Layout L, int R, bool Wide, bool Stream>
 inline void group_kernel(const uint8_t* w, int64_t KB, const RowPtrs& rows) {
-  if constexpr (is_u4(L)) u4_group<L, R, Wide>(w, KB, rows);
-  else s8_group<L, R>(w, KB, rows);
+  if constexpr (is_u4(L)) u4_group<L, R, Wide, Stream>(w, KB, rows);
+  else s8_group<L, R, Stream>(w, KB, rows);
 }
 
 // Groups [g0, g1) of the packed weight against all M activation rows.
-template <Layout L, bool Wide>
+template <Layout L, bool Wide, bool Stream>
 void matmul_groups(const uint8_t* packed, const Acts& acts, int64_t M, int64_t N, int64_t K,
                    float* y, int64_t g0, int64_t g1) {
   const int64_t KB = K / QK, group_bytes = KB * block_bytes<L, Wide>();
@@ -230,10 +256,10 @@ void matmul_groups(const uint8_t* packed, const Acts& acts, int64_t M, int64_t N
         }
         const uint8_t* w = packed + g * group_bytes;
         switch (R) {
-          case 4: group_kernel<L, 4, Wide>(w, KB, rows); break;
-          case 3: group_kernel<L, 3, Wide>(w, KB, rows); break;
-          case 2: group_kernel<L, 2, Wide>(w, KB, rows); break;
-          default: group_kernel<L, 1, Wide>(w, KB, rows); break;
+          case 4: group_kernel<L, 4, Wide, Stream>(w, KB, rows); break;
+          case 3: group_kernel<L, 3, Wide, Stream>(w, KB, rows); break;
+          case 2: group_kernel<L, 2, Wide, Stream>(w, KB, rows); break;
+          default: group_kernel<L, 1, Wide, Stream>(w, KB, rows); break;
         }
         if (!is_full) {
           for (int r = 0; r < R; ++r)
@@ -252,7 +278,8 @@ void matmul_layout(const uint8_t* packed, const Acts& acts, int64_t M, int64_t N
   // at least ~16 KB of weights per task, so that small layers do not pay for a thread wake-up
   const int64_t grain = std::max<int64_t>(1, 16384 / (group_bytes * std::max<int64_t>(1, M)));
   at::parallel_for(0, G, grain, [&](int64_t g0, int64_t g1) {
-    matmul_groups<L, Wide>(packed, acts, M, N, K, y, g0, g1);
+    if (M < kWideMinRows) matmul_groups<L, Wide, true>(packed, acts, M, N, K, y, g0, g1);
+    else matmul_groups<L, Wide, false>(packed, acts, M, N, K, y, g0, g1);
   });
 }
 
@@ -304,10 +331,6 @@ at::Tensor widen(const at::Tensor& packed, int64_t ggml_type, int64_t N, int64_t
   });
   return wide;
 }
-
-// From this many activation rows on, a weight's wide form is used where it has one: below,
-// the kernel waits on memory and twice the bytes would cost more than the unpacking saves.
-constexpr int64_t kWideMinRows = 16;
 
 at::Tensor packed_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t ggml_type,
                          int64_t N, int64_t K, const std::optional<at::Tensor>& wide) {
