@@ -5,6 +5,7 @@ Environment variables are read here and nowhere else.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -225,6 +226,22 @@ class KVEventsConfig:
     @property
     def is_publishing(self) -> bool:
         return self.enable_kv_cache_events and self.publisher == "zmq"
+
+    def for_engine(self, engine_index: int) -> KVEventsConfig:
+        """Data-parallel engine core k's own config: the endpoints' ports plus k (vLLM's
+        `offset_endpoint_port`), so each engine core publishes on sockets of its own."""
+        def plus(endpoint: str | None) -> str | None:
+            if endpoint is None or engine_index == 0:
+                return endpoint
+            head, _, port = endpoint.rpartition(":")
+            if not (endpoint.startswith("tcp://") and port.isdigit()):
+                raise ValueError(f"kv_events_config endpoint {endpoint!r}: data-parallel engine "
+                                 "cores publish on its port plus their rank, so it must be "
+                                 "tcp://HOST:PORT")
+            return f"{head}:{int(port) + engine_index}"
+
+        return dataclasses.replace(self, endpoint=plus(self.endpoint) or self.endpoint,
+                                   replay_endpoint=plus(self.replay_endpoint))
 
     @classmethod
     def from_json(cls, text: str) -> KVEventsConfig:

@@ -205,9 +205,8 @@ class EngineArgs:
             raise ValueError(f"--nnodes {self.nnodes} needs --master-addr (node 0's address, "
                              "which every node can reach)")
         if self.data_parallel_size > 1 and self.kv_events_config is not None:
-            raise ValueError(f"--data-parallel-size {self.data_parallel_size} with "
-                             "--kv-events-config: every engine core would publish on the same "
-                             "endpoint; run one replica per --kv-events-config instead")
+            # engine core k publishes on the ports plus k: a port that cannot move fails here
+            KVEventsConfig.from_json(self.kv_events_config).for_engine(1)
         return parallel
 
     def _scheduler_config(self) -> SchedulerConfig:

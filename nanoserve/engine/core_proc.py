@@ -65,7 +65,9 @@ class EngineCoreProc:
         self.client_of: dict[str, int] = {}  # request id -> API server index
         self.running = True
         # the prefix cache's changes for a router (--kv-events-config), sent off the loop
-        self.kv_events = (KVEventPublisher(config.kv_events)
+        # (engine core k on the configured ports plus k; its batches name it, as vLLM's do)
+        self.kv_events = (KVEventPublisher(config.kv_events.for_engine(engine_index),
+                                           data_parallel_rank=engine_index)
                           if config.kv_events.is_publishing else None)
 
     def ready_message(self) -> EngineReady:

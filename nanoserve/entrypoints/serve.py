@@ -203,7 +203,8 @@ async def serve_api(engine_config: EngineConfig, server_config: ServerConfig,
         max_in_flight=server_config.max_in_flight, limits=server_config.limits,
         model_path=engine_config.model.model or ready.model_name,
         instance_id=instance_id(server_config.port, engine_pids[0]),
-        kv_event_sources=kv_event_sources(engine_config.kv_events))
+        kv_event_sources=kv_event_sources(engine_config.kv_events,
+                                          engine_config.parallel.data_parallel_size))
     ctx_holder.append(ctx)
     app = build_app(ctx, server_config)
     server = DrainingServer(uvicorn.Config(

@@ -131,8 +131,10 @@ def test_metrics_carry_an_engine_label() -> None:
     ({"data_parallel_size": 2, "nnodes": 2, "tensor_parallel_size": 2,
       "master_addr": "127.0.0.1", "master_port": 29500},
      "--data-parallel-size 2 runs its engine cores on one host: not with --nnodes 2"),
-    ({"data_parallel_size": 2, "kv_events_config": '{"enable_kv_cache_events": true}'},
-     "--data-parallel-size 2 with --kv-events-config"),
+    ({"data_parallel_size": 2,
+      "kv_events_config": '{"enable_kv_cache_events": true, "endpoint": "ipc:///tmp/kv"}'},
+     "kv_events_config endpoint 'ipc:///tmp/kv': data-parallel engine cores publish on its "
+     "port plus their rank, so it must be tcp://HOST:PORT"),
 ])
 def test_bad_data_parallel_flags_are_named(flags: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):

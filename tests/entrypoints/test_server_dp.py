@@ -7,12 +7,15 @@ engine alone sets the bar: an engine core in this process (`LLM`, the server's E
 fed the same waves as the token ids the server renders for them; `cache_aware` keeps >= 90 %
 of its prefix-cache hits and `round_robin` measurably fewer; both engines serve (the `engine`
 label of /metrics). The engines skip the model (`--zero-cost-engine`): the KV cache, prefix
-cache, scheduler and routing are the real ones. Then the fault: one engine
+cache, scheduler and routing are the real ones. With --kv-events-config each engine core
+publishes its own events, on the configured ports plus its rank, named in /kv_event_sources
+for vllm-router's discovery. Then the fault: one engine
 core killed under 8 streams fails every client, and the whole server exits (vLLM's choice).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -22,9 +25,11 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
+import msgspec
 import openai
 import pytest
-from server_harness import RunningServer, process_gone, wait_until
+import zmq
+from server_harness import RunningServer, free_port, process_gone, wait_until
 from test_server_lifecycle import Starter, Streams, child_pids, start_server
 
 pytestmark = [pytest.mark.server, pytest.mark.distributed]
@@ -95,8 +100,12 @@ def servers(tiny_model_dir: Any) -> Iterator[dict[str, RunningServer]]:
     """Two engines under each policy, started side by side."""
     model = [str(tiny_model_dir("llama")), "--served-model-name", "tiny", "--zero-cost-engine",
              "--data-parallel-size", "2"]
-    started = {policy: RunningServer(*model, "--load-balance-method", policy, wait=False)
-               for policy in ("cache_aware", "round_robin")}
+    events = {"enable_kv_cache_events": True, "endpoint": f"tcp://127.0.0.1:{free_port()}",
+              "replay_endpoint": f"tcp://127.0.0.1:{free_port()}"}
+    extra = {"cache_aware": ["--kv-events-config", json.dumps(events)], "round_robin": []}
+    started = {policy: RunningServer(*model, "--load-balance-method", policy, *flags,
+                                     wait=False)
+               for policy, flags in extra.items()}
     try:
         for server in started.values():
             server.wait_healthy()
@@ -139,6 +148,32 @@ def test_two_engines_keep_prefixes_together(servers: dict[str, RunningServer],
         assert kept >= 0.9, (hits, single_hits, served)
     else:  # a group split over both engines misses twice: ~6/7 of one engine's hits
         assert kept < 0.9, (hits, single_hits, served)
+
+
+def test_each_engine_publishes_its_own_kv_events(servers: dict[str, RunningServer]) -> None:
+    server = servers["cache_aware"]
+    sources = httpx.get(server.url + "/kv_event_sources", timeout=10).json()
+    assert sorted(sources) == ["0", "1"]
+    port = int(sources["0"]["endpoint"].rsplit(":", 1)[1])
+    assert sources["1"]["endpoint"].endswith(f":{port + 1}")
+    send_waves(server)  # (whatever ran before) both engines store blocks
+    context = zmq.Context()
+    try:
+        for rank, source in sources.items():
+            # each engine's replay socket gives back its batches from the first, its rank in each
+            dealer = context.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.RCVTIMEO, 5000)
+            dealer.connect(source["replay_endpoint"])
+            dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+            batches = []
+            while (frames := dealer.recv_multipart())[1:] != \
+                    [b"", (-1).to_bytes(8, "big", signed=True), b""]:
+                batches.append(msgspec.msgpack.decode(frames[3]))
+            assert batches and all(batch[2] == int(rank) for batch in batches), rank
+            assert any(event["type"] == "BlockStored" for _, events, _ in batches
+                       for event in events)
+    finally:
+        context.destroy(linger=0)
 
 
 def test_one_engine_killed_under_8_streams_stops_the_server(

@@ -52,20 +52,13 @@ def kv_event_sources(config: KVEventsConfig, num_engines: int = 1) -> dict[str, 
     address such as `tcp://*:5557` is the router's to resolve to this host."""
     if not config.is_publishing:
         return {}
-
-    def port_plus(endpoint: str | None, rank: int) -> str | None:
-        if endpoint is None or rank == 0:
-            return endpoint
-        head, _, port = endpoint.rpartition(":")
-        return f"{head}:{int(port) + rank}"
-
-    return {str(rank): {"endpoint": port_plus(config.endpoint, rank),
-                        "replay_endpoint": port_plus(config.replay_endpoint, rank),
-                        "topic": config.topic, "hwm": config.hwm,
-                        "buffer_steps": config.buffer_steps, "publisher": "zmq",
+    engines = [config.for_engine(rank) for rank in range(num_engines)]
+    return {str(rank): {"endpoint": engine.endpoint, "replay_endpoint": engine.replay_endpoint,
+                        "topic": engine.topic, "hwm": engine.hwm,
+                        "buffer_steps": engine.buffer_steps, "publisher": "zmq",
                         "encoding": "msgpack", "schema_version": 1,
                         "enable_kv_cache_events": True}
-            for rank in range(num_engines)}
+            for rank, engine in enumerate(engines)}
 
 
 def add_router_routes(app: FastAPI, ctx: ServerContext) -> None:
