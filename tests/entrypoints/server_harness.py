@@ -130,3 +130,15 @@ def sse_events(response: httpx.Response) -> list[str]:
         if line.startswith("data: "):
             events.append(line[len("data: "):])
     return events
+
+
+def stream_chat(client: openai.OpenAI, model: str, messages: Any, max_tokens: int) -> str:
+    """One greedy streamed chat read to its end; its finish reason ("stop" or "length")."""
+    stream = client.chat.completions.create(model=model, messages=messages,
+                                            max_tokens=max_tokens, temperature=0, stream=True)
+    finish = None
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].finish_reason:
+            finish = chunk.choices[0].finish_reason
+    assert finish in ("stop", "length")
+    return str(finish)

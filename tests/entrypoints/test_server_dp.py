@@ -29,7 +29,7 @@ import msgspec
 import openai
 import pytest
 import zmq
-from server_harness import RunningServer, free_port, process_gone, wait_until
+from server_harness import RunningServer, free_port, process_gone, stream_chat, wait_until
 from test_server_lifecycle import Starter, Streams, child_pids, start_server
 
 pytestmark = [pytest.mark.server, pytest.mark.distributed]
@@ -74,14 +74,7 @@ def waves(seed: int) -> list[list[list[dict[str, str]]]]:
 
 
 def chat(client: openai.OpenAI, messages: Any) -> str:
-    stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4,
-                                            temperature=0, stream=True)
-    finish = None
-    for chunk in stream:
-        if chunk.choices and chunk.choices[0].finish_reason:
-            finish = chunk.choices[0].finish_reason
-    assert finish in ("stop", "length")
-    return str(finish)
+    return stream_chat(client, "tiny", messages, max_tokens=4)
 
 
 def send_waves(server: RunningServer) -> float:

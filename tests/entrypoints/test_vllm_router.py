@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from server_harness import RunningServer, free_port, wait_until
+from server_harness import RunningServer, free_port, stream_chat, wait_until
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
@@ -55,22 +55,12 @@ def waves(seed: int) -> list[list[list[dict[str, str]]]]:
              for g in range(NUM_GROUPS)] for w in range(PER_GROUP)]
 
 
-def stream_chat(client: openai.OpenAI, messages: list[dict[str, str]]) -> str:
-    stream = client.chat.completions.create(model=MODEL, messages=messages,  # type: ignore
-                                            max_tokens=3, temperature=0, stream=True)
-    finish = None
-    for chunk in stream:
-        if chunk.choices and chunk.choices[0].finish_reason:
-            finish = chunk.choices[0].finish_reason
-    assert finish in ("stop", "length")
-    return str(finish)
-
-
 def send_waves(client: openai.OpenAI, seed: int, settle: Any = None) -> int:
     done = 0
     with ThreadPoolExecutor(NUM_GROUPS) as pool:
         for wave in waves(seed):
-            done += len(list(pool.map(lambda chat: stream_chat(client, chat), wave)))
+            done += len(list(pool.map(
+                lambda chat: stream_chat(client, MODEL, chat, max_tokens=3), wave)))
             if settle:
                 settle()  # the router hears this wave's blocks before it routes the next
     return done
