@@ -208,8 +208,11 @@ def test_chat_specific_errors(client: openai.OpenAI) -> None:
 
 
 def test_auth_on_every_route(server: RunningServer) -> None:
-    routes = [("GET", "/v1/models", None), ("POST", "/v1/completions", {"prompt": "x"}),
-              ("POST", "/v1/chat/completions", {"messages": CHAT}),
+    # short answers: this checks who gets in, and an unbounded chat on a slow machine can
+    # run past the client's timeout (it did: ~4,000 tokens of a sampled answer)
+    routes = [("GET", "/v1/models", None),
+              ("POST", "/v1/completions", {"prompt": "x", "max_tokens": 4}),
+              ("POST", "/v1/chat/completions", {"messages": CHAT, "max_tokens": 4}),
               ("POST", "/tokenize", {"prompt": "x"}), ("POST", "/detokenize", {"tokens": [1]}),
               ("GET", "/metrics", None), ("GET", "/version", None)]
     for method, path, body in routes:
