@@ -73,8 +73,12 @@ NO_GRAMMAR_BITMASK = np.zeros((0, 0), dtype=np.int32)
 class EngineCore:
     """The continuous-batching engine: `add_request`, `step`, `abort`, `has_unfinished`."""
 
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
+                 engine_tokenizer: bool = False) -> None:
+        """`engine_tokenizer`: load only what the engine reads of the tokenizer (an engine
+        process, whose text is made by the API process; `LLM` keeps the whole one)."""
         self.config = config
+        self._engine_tokenizer = engine_tokenizer
         keep_freed_memory_in_heap()
         # under tensor parallelism: ranks 1..N-1 started and joined (tp_executor.py)
         ranks = TensorParallelRanks(config) if config.parallel.tensor_parallel_size > 1 else None
@@ -90,7 +94,8 @@ class EngineCore:
         device, dtype = config.model.torch_device, config.model.torch_dtype
         if loaded is None:
             loaded = load_model(config.model.model, device, dtype, config.model.max_model_len,
-                                config.model.quantization, ranks.group if ranks else None)
+                                config.model.quantization, ranks.group if ranks else None,
+                                engine_tokenizer=self._engine_tokenizer)
         assert ranks is None or loaded.model.group is ranks.group, "a model of this group"
         self.loaded = loaded
         block_size = config.cache.block_size

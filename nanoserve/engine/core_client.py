@@ -1,77 +1,18 @@
-"""Starting the engine-core processes, and the API server's end of their sockets.
-
-Addresses are IPC paths in a private temporary directory (one input socket bound by each engine
-core, one output socket bound by each API server, which every engine core pushes to), so
-nothing listens on the network but HTTP. With `--data-parallel-size` K there are K engine
-cores, each with its own input; their messages say which one sent them (`engine_index`).
-"""
+"""The API server's end of the engine cores' sockets (their addresses and the processes
+themselves: launch.py)."""
 
 from __future__ import annotations
 
 import logging
-import multiprocessing
-import os
-import shutil
-import tempfile
-from dataclasses import dataclass, field
-from multiprocessing.process import BaseProcess
 
 import msgspec
 import zmq
 import zmq.asyncio
 
-from nanoserve.config import EngineConfig
-from nanoserve.engine.core_proc import run_engine_core
+from nanoserve.engine.launch import EngineAddresses
 from nanoserve.protocol import EngineInput, EngineMessage, decode_message, encode
 
 logger = logging.getLogger("nanoserve")
-
-
-@dataclass
-class EngineAddresses:
-    inputs: list[str]  # one per engine core
-    outputs: list[str]  # one per API server
-    directory: str = field(default="", repr=False)
-
-    def cleanup(self) -> None:
-        if self.directory:
-            shutil.rmtree(self.directory, ignore_errors=True)
-
-
-def make_addresses(num_clients: int, num_engines: int = 1) -> EngineAddresses:
-    directory = tempfile.mkdtemp(prefix="nanoserve-")
-    os.chmod(directory, 0o700)  # only this user may talk to the engine
-    return EngineAddresses([f"ipc://{directory}/input-{k}" for k in range(num_engines)],
-                           [f"ipc://{directory}/output-{i}" for i in range(num_clients)],
-                           directory)
-
-
-def start_engine_process(config: EngineConfig, addresses: EngineAddresses,
-                         engine_index: int = 0, cores: list[int] | None = None) -> BaseProcess:
-    """Spawn engine core `engine_index` (a fresh interpreter: no forked torch or sockets),
-    pinned to `cores` when given."""
-    context = multiprocessing.get_context("spawn")
-    process = context.Process(
-        target=run_engine_core, name=f"nanoserve-engine-core-{engine_index}", daemon=True,
-        args=(msgspec.msgpack.encode(config), addresses.inputs[engine_index],
-              addresses.outputs, engine_index, cores))
-    process.start()
-    return process
-
-
-def engine_is_alive(pid: int) -> bool:
-    """True while process `pid` runs (a zombie, exited but not yet reaped, counts as dead)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().split(b") ", 1)[1][:1] != b"Z"
-    except (OSError, IndexError):
-        return True  # no /proc here: trust os.kill
 
 
 class EngineCoreClient:

@@ -55,7 +55,7 @@ class EngineCoreProc:
 
     def __init__(self, config: EngineConfig, input_address: str,
                  output_addresses: list[str], engine_index: int = 0) -> None:
-        self.core = EngineCore(config)
+        self.core = EngineCore(config, engine_tokenizer=True)  # the API process makes text
         self.engine_index = engine_index  # among --data-parallel-size engine cores
         self.inputs: queue.Queue[EngineInput] = queue.Queue()
         self.outputs: queue.Queue[tuple[int, bytes] | None] = queue.Queue()

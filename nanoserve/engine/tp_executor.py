@@ -32,10 +32,10 @@ from typing import Any
 import zmq
 
 from nanoserve.config import EngineConfig
+from nanoserve.engine.launch import split_cores
 from nanoserve.engine.tp_worker import (
     STEP_ADDRESS_KEY,
     pin_to_cores,
-    split_cores,
     start_worker,
     worker_config_bytes,
 )

@@ -19,7 +19,8 @@ import sys
 import time
 
 from nanoserve.config import EngineConfig
-from nanoserve.engine.tp_worker import split_cores, start_worker, worker_config_bytes
+from nanoserve.engine.launch import split_cores
+from nanoserve.engine.tp_worker import start_worker, worker_config_bytes
 
 _STOP_WAIT_S = 5.0  # how long a rank gets to leave after SIGTERM before it is killed
 

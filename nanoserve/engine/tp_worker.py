@@ -64,16 +64,6 @@ def start_worker(config_bytes: bytes, rank: int, world_size: int, port: int,
     return proc
 
 
-def split_cores(cores: list[int], world_size: int) -> list[list[int]] | None:
-    """Each rank's cores: the usable ones split evenly (one left for the API server when
-    there are more than 2, as vLLM reserves one); None when there are fewer than ranks."""
-    usable = sorted(cores)[:-1] if len(cores) > 2 else sorted(cores)
-    if len(usable) < world_size:
-        return None
-    share = len(usable) // world_size
-    return [usable[r * share : (r + 1) * share] for r in range(world_size)]
-
-
 def pin_to_cores(cores: list[int] | None) -> None:
     """Run on `cores` with one torch thread each; without cores of its own, one thread."""
     if cores:
@@ -113,7 +103,7 @@ def run_tp_worker(config: EngineConfig, rank: int, world_size: int, port: int,
         step_address = store.get(STEP_ADDRESS_KEY).decode()
     device, dtype = model.torch_device, model.torch_dtype
     loaded = load_model(model.model, device, dtype, model.max_model_len, model.quantization,
-                        group)
+                        group, engine_tokenizer=True)
     num_blocks = group.broadcast_int(0)
     kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, loaded.quantization,
                                       device, dtype)

@@ -128,7 +128,7 @@ def read_chat_template(value: str) -> str:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from nanoserve.entrypoints.serve import run_serve
+    from nanoserve.entrypoints.launcher import run_serve
 
     engine_args = EngineArgs.from_cli_args(args)
     if args.model_positional and engine_args.model is None:

@@ -1,32 +1,18 @@
-"""`nanoserve serve`: the engine core in its own process, the HTTP API in one or more others.
+"""One API server process: wait for the engine cores, then serve the HTTP API on the socket
+the launcher bound (launcher.py starts the engine cores and runs this, or spawns N of these).
 
-    launcher ── spawns ──> engine core process (model, scheduler, sampler; no HTTP, no text),
-       │                   or K of them (--data-parallel-size K), each on its share of the cores
-       │
-       └── runs the API server itself (--api-server-count 1), or spawns N API processes that
-           inherit its one listening socket (`listen.py`); each talks to every engine core over
-           its own sockets and picks one per request (dp_client.py)
-
-The port is bound first, before the engine starts: a busy port is a one-line error and exit
-status 1 within a second, never a second server silently sharing the address.
-
-Lifetimes are tied both ways: the engine core exits when its launcher is gone; an API server
-whose engine core dies (any one of them, with data parallelism: vLLM's choice) fails its
-in-flight requests at once, answers /health with 503, and exits non-zero. SIGTERM (or
-Ctrl-C) drains in-flight requests (bounded by --shutdown-timeout), then stops the engine
-cores.
+Its engine core dying (any one of them, with data parallelism: vLLM's choice) fails its
+in-flight requests at once, answers /health with 503, and exits non-zero. SIGTERM (or Ctrl-C)
+drains in-flight requests (bounded by --shutdown-timeout).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import multiprocessing
 import os
-import signal
 import socket
 import sys
-import time
 from collections.abc import Coroutine
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -36,19 +22,11 @@ import torch
 import uvicorn
 
 from nanoserve.config import EngineConfig, ServerConfig
-from nanoserve.engine.core_client import (
-    EngineAddresses,
-    EngineCoreClient,
-    engine_is_alive,
-    make_addresses,
-    start_engine_process,
-)
+from nanoserve.engine.core_client import EngineCoreClient
 from nanoserve.engine.dp_router import RoutingConfig
-from nanoserve.engine.tp_node import run_headless_node
-from nanoserve.engine.tp_worker import split_cores
+from nanoserve.engine.launch import EngineAddresses, engine_is_alive
 from nanoserve.entrypoints.async_engine import AsyncEngine
 from nanoserve.entrypoints.dp_client import DPEngineClient, wait_for_engines
-from nanoserve.entrypoints.listen import AddressInUseError, bind_listening_socket
 from nanoserve.entrypoints.openai.api_server import build_app, drain
 from nanoserve.entrypoints.openai.metrics import Metrics
 from nanoserve.entrypoints.openai.router_endpoints import instance_id, kv_event_sources
@@ -77,63 +55,6 @@ def run_event_loop(main: Coroutine[Any, Any, int]) -> int:
         return asyncio.run(main)
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         return runner.run(main)
-
-
-def run_serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
-    """The launcher. Returns the process exit status."""
-    logging.basicConfig(level=server_config.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if engine_config.parallel.headless:  # another node's ranks: no engine core, no API
-        return run_headless_node(engine_config)
-    try:
-        sock = bind_listening_socket(server_config.host, server_config.port)
-    except AddressInUseError as e:
-        print(f"nanoserve serve: {e.strerror}", file=sys.stderr, flush=True)
-        return 1
-    count = server_config.api_server_count
-    num_engines = engine_config.parallel.data_parallel_size
-    addresses = make_addresses(count, num_engines)
-    # data-parallel engine cores: each on its own share of the cores (one each on two)
-    cores = split_cores(list(os.sched_getaffinity(0)), num_engines) if num_engines > 1 else None
-    engines = [start_engine_process(engine_config, addresses, k, cores[k] if cores else None)
-               for k in range(num_engines)]
-    try:
-        if count == 1:
-            return run_event_loop(serve_api(
-                engine_config, server_config, addresses, 0, sock,
-                engine_pids=[e.pid or 0 for e in engines], engine_processes=engines))
-        return _run_api_processes(engine_config, server_config, addresses, engines, sock)
-    finally:
-        sock.close()
-        _stop_engines(engines, addresses)
-
-
-def _run_api_processes(engine_config: EngineConfig, server_config: ServerConfig,
-                       addresses: EngineAddresses, engines: list[BaseProcess],
-                       sock: socket.socket) -> int:
-    context = multiprocessing.get_context("spawn")
-    # the socket travels as an inherited file descriptor (multiprocessing hands a socket
-    # argument to a spawned child as a duplicated fd); every process accepts on that one socket
-    procs = [context.Process(target=api_process_main, name=f"nanoserve-api-{i}", args=(
-        msgspec.msgpack.encode(engine_config), msgspec.msgpack.encode(server_config),
-        addresses.inputs, addresses.outputs, i, [e.pid for e in engines], sock))
-        for i in range(
-        server_config.api_server_count)]
-    for proc in procs:
-        proc.start()
-
-    def forward(signum: int, _: object) -> None:
-        for proc in procs:
-            if proc.pid is not None and proc.is_alive():
-                os.kill(proc.pid, signum)
-
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGINT, forward)
-    status = 0
-    for proc in procs:
-        proc.join()
-        status = status or (proc.exitcode or 0)
-    return status
 
 
 def api_process_main(engine_bytes: bytes, server_bytes: bytes, input_addresses: list[str],
@@ -283,16 +204,3 @@ async def _watch_parent(server: uvicorn.Server) -> None:
     while os.getppid() == parent:
         await asyncio.sleep(0.5)
     _stop(server)
-
-
-def _stop_engines(engines: list[BaseProcess], addresses: EngineAddresses) -> None:
-    deadline = time.monotonic() + 5
-    for engine in engines:  # with one API server, each was sent Shutdown
-        engine.join(timeout=max(0.0, deadline - time.monotonic()))
-    for engine in engines:
-        if engine.is_alive():
-            engine.terminate()
-            engine.join(timeout=5)
-        if engine.is_alive():
-            engine.kill()
-    addresses.cleanup()

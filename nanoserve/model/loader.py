@@ -23,7 +23,12 @@ from nanoserve.model.llama import CausalLM
 from nanoserve.model.parallel import TensorParallelGroup
 from nanoserve.model.quantization import resolve_mode
 from nanoserve.model.rope import RotaryEmbedding, inverse_frequencies
-from nanoserve.model.tokenizer import load_tokenizer_from_dir, load_tokenizer_from_gguf
+from nanoserve.model.tokenizer import (
+    load_engine_tokenizer_from_dir,
+    load_engine_tokenizer_from_gguf,
+    load_tokenizer_from_dir,
+    load_tokenizer_from_gguf,
+)
 from nanoserve.model.weights import (
     ReadTensor,
     gguf_rope_factors,
@@ -46,7 +51,9 @@ class LoadedModel:
 
     model: CausalLM
     arch: ArchConfig  # this rank's (its heads and MLP rows; the whole model at one rank)
-    tokenizer: Any  # a transformers PreTrainedTokenizerBase
+    # a transformers PreTrainedTokenizerBase, or for an engine process (`engine_tokenizer`)
+    # only what the engine reads of it (tokenizer.py's EngineTokenizer)
+    tokenizer: Any
     path: Path
     name: str
     eos_token_ids: tuple[int, ...]
@@ -120,10 +127,12 @@ def load_arch(model: str | None) -> ArchConfig:
 
 def load_model(model: str | None, device: torch.device, dtype: torch.dtype,
                max_positions: int | None = None, quantization: str = "auto",
-               group: TensorParallelGroup | None = None) -> LoadedModel:
+               group: TensorParallelGroup | None = None,
+               engine_tokenizer: bool = False) -> LoadedModel:
     """Read weights, tokenizer and generation defaults; put the model on `device` in `dtype`,
     its matmul weights held as `quantization` says (model/quantization.py). With a `group` of
-    several ranks, only this rank's shard of the weights (shard.py)."""
+    several ranks, only this rank's shard of the weights (shard.py). With `engine_tokenizer`,
+    the tokenizer is only what an engine process reads (no text in or out: tokenizer.py)."""
     path = resolve_model_path(model)
     mode = resolve_mode(quantization, not path.is_dir(), device)
     block = LOAD_QUANTIZED_BLOCK.get(mode, 1)  # a rank's columns come in whole blocks of it
@@ -133,7 +142,8 @@ def load_model(model: str | None, device: torch.device, dtype: torch.dtype,
         arch = ArchConfig.from_hf_config(json.loads((path / "config.json").read_text()))
         tensors: Iterator[tuple[str, ReadTensor]] = read_safetensors_dir(path, arch, group,
                                                                          block)
-        tokenizer = load_tokenizer_from_dir(path)
+        tokenizer = (load_engine_tokenizer_from_dir if engine_tokenizer
+                     else load_tokenizer_from_dir)(path)
         gen_file = path / "generation_config.json"
         if gen_file.exists():
             generation_config = json.loads(gen_file.read_text())
@@ -143,7 +153,8 @@ def load_model(model: str | None, device: torch.device, dtype: torch.dtype,
         tensors = read_gguf_tensors(gguf, arch, keep_blocks=mode == "gguf", group=group,
                                     block=block)
         rope_factors = gguf_rope_factors(gguf)
-        tokenizer = load_tokenizer_from_gguf(gguf)
+        tokenizer = (load_engine_tokenizer_from_gguf if engine_tokenizer
+                     else load_tokenizer_from_gguf)(gguf)
         generation_config = gguf_sampling_defaults(gguf.metadata)
 
     net = CausalLM(arch, group)

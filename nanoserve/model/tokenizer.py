@@ -1,14 +1,25 @@
-"""Tokenizers for Hugging Face directories and GGUF files, as transformers tokenizer objects.
+"""Tokenizers for Hugging Face directories and GGUF files, as transformers tokenizer objects, or
+for the engine core, as the bare `tokenizers` pipeline (`EngineTokenizer`).
 
 A directory's `tokenizer.json` loads through transformers as usual. A GGUF file carries its
 vocabulary, merges and chat template as metadata; for byte-level BPE vocabularies (GPT-2 style,
 as in SmolLM2) we build the `tokenizers` pipeline from them directly, which takes a fraction of
 a second where transformers' own GGUF conversion takes about nine. Other GGUF vocabularies
 (sentencepiece, Llama 3's pre-tokenizer, ...) go through transformers' conversion.
+
+The engine core never turns ids into text: it reads the vocabulary (the reasoning markers, the
+grammar's token set) and the EOS id. Importing transformers and building its tokenizer object
+cost the engine process ~2-4 s of every start (2 cores, tiny test models and the default GGUF
+alike, where the API process pays the same at the same time); `EngineTokenizer` is the
+`tokenizers` pipeline alone, with what transformers would add to it from the directory's
+`tokenizer_config.json` (its added tokens, its EOS). tests/model/test_tokenizer.py holds its
+vocabulary, EOS and serialized pipeline equal to transformers' for every test model.
 """
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -29,12 +40,66 @@ def load_tokenizer_from_dir(path: Path) -> Any:
 
 def load_tokenizer_from_gguf(gguf: GGUFFile) -> Any:
     meta = gguf.metadata
-    if (meta.get("tokenizer.ggml.model") == "gpt2"
-            and meta.get("tokenizer.ggml.pre", "default") in _FAST_PRE_TOKENIZERS):
+    if _has_fast_vocabulary(meta):
         return _byte_level_tokenizer(meta)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(gguf.path.parent), gguf_file=gguf.path.name)
+
+
+@dataclass
+class EngineTokenizer:
+    """What the engine core reads of a tokenizer: the `tokenizers` pipeline (llguidance's
+    input), its vocabulary with the added tokens, and the EOS id. No text in or out."""
+
+    backend_tokenizer: Any  # tokenizers.Tokenizer
+    eos_token_id: int | None
+
+    def get_vocab(self) -> dict[str, int]:
+        return dict(self.backend_tokenizer.get_vocab(with_added_tokens=True))
+
+
+def load_engine_tokenizer_from_dir(path: Path) -> Any:
+    """The directory's `tokenizer.json` with its `tokenizer_config.json`'s added tokens and
+    EOS, as transformers would apply them; a directory without `tokenizer.json` (a slow,
+    sentencepiece-only tokenizer) loads through transformers."""
+    if not (path / "tokenizer.json").exists():
+        return load_tokenizer_from_dir(path)
+    from tokenizers import AddedToken, Tokenizer
+
+    backend = Tokenizer.from_file(str(path / "tokenizer.json"))
+    config_file = path / "tokenizer_config.json"
+    config = json.loads(config_file.read_text()) if config_file.exists() else {}
+    present = backend.get_vocab(with_added_tokens=True)
+    added = [entry for _, entry in sorted(config.get("added_tokens_decoder", {}).items(),
+                                          key=lambda item: int(item[0]))]
+    for entry in added:
+        if entry["content"] not in present:
+            token = AddedToken(entry["content"], single_word=entry.get("single_word", False),
+                               lstrip=entry.get("lstrip", False),
+                               rstrip=entry.get("rstrip", False),
+                               normalized=entry.get("normalized", True),
+                               special=entry.get("special", False))
+            (backend.add_special_tokens if token.special else backend.add_tokens)([token])
+    eos = config.get("eos_token")
+    if isinstance(eos, dict):
+        eos = eos.get("content")
+    return EngineTokenizer(backend, backend.token_to_id(eos) if isinstance(eos, str) else None)
+
+
+def load_engine_tokenizer_from_gguf(gguf: GGUFFile) -> Any:
+    """The byte-level pipeline built from the file's vocabulary, or (other vocabularies)
+    transformers' conversion."""
+    if not _has_fast_vocabulary(gguf.metadata):
+        return load_tokenizer_from_gguf(gguf)
+    backend, special = _byte_level_pipeline(gguf.metadata)
+    eos = special["eos_token"]
+    return EngineTokenizer(backend, None if eos is None else backend.token_to_id(eos))
+
+
+def _has_fast_vocabulary(meta: dict[str, Any]) -> bool:
+    return (meta.get("tokenizer.ggml.model") == "gpt2"
+            and meta.get("tokenizer.ggml.pre", "default") in _FAST_PRE_TOKENIZERS)
 
 
 @cache
@@ -53,8 +118,18 @@ def _byte_alphabet() -> dict[int, str]:
 
 
 def _byte_level_tokenizer(meta: dict[str, Any]) -> Any:
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
+
+    backend, special = _byte_level_pipeline(meta)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, **special, chat_template=meta.get("tokenizer.chat_template"),
+        clean_up_tokenization_spaces=False)
+
+
+def _byte_level_pipeline(meta: dict[str, Any]) -> tuple[Any, dict[str, str | None]]:
+    """The `tokenizers` pipeline of a byte-level BPE vocabulary, and its special tokens by
+    transformers' names (bos_token, eos_token, unk_token, pad_token)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
     alphabet = _byte_alphabet()
     spelled = set(alphabet.values())
@@ -89,12 +164,6 @@ def _byte_level_tokenizer(meta: dict[str, Any]) -> Any:
         token_id = meta.get(f"tokenizer.ggml.{key}")
         return tokens[token_id] if token_id is not None else None
 
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        bos_token=token("bos_token_id"),
-        eos_token=token("eos_token_id"),
-        unk_token=token("unknown_token_id"),
-        pad_token=token("padding_token_id"),
-        chat_template=meta.get("tokenizer.chat_template"),
-        clean_up_tokenization_spaces=False,
-    )
+    return backend, {"bos_token": token("bos_token_id"), "eos_token": token("eos_token_id"),
+                     "unk_token": token("unknown_token_id"),
+                     "pad_token": token("padding_token_id")}

@@ -37,6 +37,7 @@ grammar followed the BPE tokens of a valid document, each mask fill timed; 16 ma
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 import re
@@ -279,12 +280,24 @@ class GrammarTokenizer:
         """The llguidance tokenizer (thread-safe; built on the caller's thread if need be)."""
         with self._lock:
             if self._built is None:
-                import llguidance.hf
-
-                self._built = llguidance.hf.from_tokenizer(
-                    self._hf_tokenizer, n_vocab=self.vocab_size,
-                    eos_token=self.eos_token_ids or None)
+                self._built = _ll_tokenizer(self._hf_tokenizer, self.vocab_size,
+                                            self.eos_token_ids)
             return self._built
+
+
+def _ll_tokenizer(tokenizer: Any, vocab_size: int,
+                  eos_token_ids: Sequence[int]) -> llguidance.LLTokenizer:
+    """What `llguidance.hf.from_tokenizer` builds, from anything with a `backend_tokenizer`
+    (a transformers fast tokenizer, or the engine's `EngineTokenizer`) and without importing
+    transformers: the pipeline serialized (padding and truncation off), and the EOS."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise ValueError("structured outputs need a fast (Rust `tokenizers`) tokenizer")
+    backend = copy.copy(backend)
+    backend.no_padding()
+    backend.no_truncation()
+    eos = list(eos_token_ids) or tokenizer.eos_token_id
+    return llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=eos)
 
 
 class GrammarCompiler:

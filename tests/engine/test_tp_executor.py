@@ -28,8 +28,8 @@ from nanoserve.config import (
     SchedulerConfig,
 )
 from nanoserve.engine.core import EngineCore
+from nanoserve.engine.launch import split_cores
 from nanoserve.engine.tp_executor import TPExecutor, WorkerDiedError
-from nanoserve.engine.tp_worker import split_cores
 from nanoserve.entrypoints.llm import LLM
 from nanoserve.pooling_params import PoolingParams
 from nanoserve.protocol import StepInput

@@ -12,8 +12,9 @@ from typing import Any
 import pytest
 import zmq
 
-from nanoserve.engine.core_client import EngineCoreClient, make_addresses
+from nanoserve.engine.core_client import EngineCoreClient
 from nanoserve.engine.dp_router import RoutingConfig
+from nanoserve.engine.launch import make_addresses
 from nanoserve.engine_args import EngineArgs
 from nanoserve.entrypoints.dp_client import DPEngineClient
 from nanoserve.entrypoints.openai.metrics import Metrics

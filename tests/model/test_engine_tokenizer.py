@@ -1,0 +1,106 @@
+"""The engine process's tokenizer (the `tokenizers` pipeline alone, no transformers) reads as
+transformers' own: the same vocabulary with added tokens, the same EOS, the same serialized
+pipeline (what llguidance builds its token set from), for the test checkpoints' directories
+(one with added reasoning tokens) and the default GGUF."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import default_model_path
+
+from nanoserve.model.gguf_file import GGUFFile
+from nanoserve.model.tokenizer import (
+    EngineTokenizer,
+    load_engine_tokenizer_from_dir,
+    load_engine_tokenizer_from_gguf,
+    load_tokenizer_from_dir,
+)
+from nanoserve.structured.grammar import GrammarTokenizer
+
+
+def pipeline(tokenizer: Any) -> dict[str, Any]:
+    """The serialized pipeline as llguidance reads it (padding and truncation off)."""
+    data = json.loads(tokenizer.backend_tokenizer.to_str())
+    data["padding"] = data["truncation"] = None
+    return data
+
+
+def assert_reads_the_same(engine: Any, full: Any) -> None:
+    assert isinstance(engine, EngineTokenizer)
+    assert engine.get_vocab() == full.get_vocab()
+    assert engine.eos_token_id == full.eos_token_id is not None
+    assert pipeline(engine) == pipeline(full)
+
+
+@pytest.mark.parametrize("family", ["llama", "reasoning"])
+def test_a_directory_reads_as_transformers_reads_it(family: str, tiny_model_dir: Any,
+                                                    tiny_reasoning_model_dir: Path) -> None:
+    path = tiny_reasoning_model_dir if family == "reasoning" else tiny_model_dir("llama")
+    engine = load_engine_tokenizer_from_dir(path)
+    assert_reads_the_same(engine, load_tokenizer_from_dir(path))
+    if family == "reasoning":
+        assert {"<think>", "</think>"} <= engine.get_vocab().keys()
+
+
+def test_the_default_gguf_reads_as_its_transformers_tokenizer(default_tokenizer: Any) -> None:
+    assert_reads_the_same(load_engine_tokenizer_from_gguf(GGUFFile(default_model_path())),
+                          default_tokenizer)
+
+
+def test_added_tokens_only_in_the_config_are_added(tiny_model_dir: Any, tmp_path: Path) -> None:
+    """A token that tokenizer_config.json lists but tokenizer.json lacks: transformers adds it
+    to the pipeline, and so does the engine's loader."""
+    for f in tiny_model_dir("llama").glob("tokenizer*"):
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config.setdefault("added_tokens_decoder", {})["49152"] = {
+        "content": "<|tool_marker|>", "lstrip": False, "normalized": False, "rstrip": False,
+        "single_word": False, "special": True}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    engine = load_engine_tokenizer_from_dir(tmp_path)
+    assert engine.get_vocab()["<|tool_marker|>"] == 49152
+    assert_reads_the_same(engine, load_tokenizer_from_dir(tmp_path))
+
+
+def test_grammars_compile_against_either(tiny_model_dir: Any) -> None:
+    """llguidance's token set from the engine's tokenizer answers as from transformers'."""
+    path = tiny_model_dir("llama")
+    engine = GrammarTokenizer(load_engine_tokenizer_from_dir(path), 49152, ()).get()
+    full = GrammarTokenizer(load_tokenizer_from_dir(path), 49152, ()).get()
+    text = 'Hello {"a": [1, 2]} <|im_end|>'
+    assert engine.tokenize_str(text) == full.tokenize_str(text)
+    assert engine.eos_token == full.eos_token
+    assert engine.vocab_size == full.vocab_size
+
+
+def test_the_engine_process_loads_no_transformers(tiny_model_dir: Any) -> None:
+    """What the engine process saves: it never imports transformers for its tokenizer."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from pathlib import Path\n"
+            "from nanoserve.model.tokenizer import load_engine_tokenizer_from_dir\n"
+            f"load_engine_tokenizer_from_dir(Path({str(tiny_model_dir('llama'))!r}))\n"
+            "print('transformers' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "False"
+
+
+def test_the_gguf_engine_tokenizer_loads_no_transformers() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from nanoserve.model.gguf_file import GGUFFile\n"
+            "from nanoserve.model.tokenizer import load_engine_tokenizer_from_gguf\n"
+            f"load_engine_tokenizer_from_gguf(GGUFFile({str(default_model_path())!r}))\n"
+            "print('transformers' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "False"
