@@ -12,7 +12,6 @@ import asyncio
 import logging
 import os
 import socket
-import sys
 from collections.abc import Coroutine
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -31,6 +30,7 @@ from nanoserve.entrypoints.openai.api_server import build_app, drain
 from nanoserve.entrypoints.openai.metrics import Metrics
 from nanoserve.entrypoints.openai.router_endpoints import instance_id, kv_event_sources
 from nanoserve.entrypoints.openai.server_context import ServerContext
+from nanoserve.entrypoints.process_exit import exit_now
 from nanoserve.entrypoints.request_logger import RequestLogger
 from nanoserve.entrypoints.web.router import page_banner
 from nanoserve.model.loader import load_frontend
@@ -66,7 +66,7 @@ def api_process_main(engine_bytes: bytes, server_bytes: bytes, input_addresses: 
     logging.basicConfig(level=server_config.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s api-{index}: %(message)s")
     addresses = EngineAddresses(input_addresses, output_addresses)
-    sys.exit(run_event_loop(serve_api(engine_config, server_config, addresses, index, sock,
+    exit_now(run_event_loop(serve_api(engine_config, server_config, addresses, index, sock,
                                       engine_pids=engine_pids, watch_parent=True)))
 
 
