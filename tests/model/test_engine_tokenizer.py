@@ -6,6 +6,8 @@ pipeline (what llguidance builds its token set from), for the test checkpoints' 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -77,29 +79,18 @@ def test_grammars_compile_against_either(tiny_model_dir: Any) -> None:
     assert engine.vocab_size == full.vocab_size
 
 
-def test_the_engine_process_loads_no_transformers(tiny_model_dir: Any) -> None:
+@pytest.mark.parametrize("source", ["directory", "gguf"])
+def test_the_engine_tokenizer_imports_no_transformers(source: str, tiny_model_dir: Any) -> None:
     """What the engine process saves: it never imports transformers for its tokenizer."""
-    import subprocess
-    import sys
-
+    load = (f"load_engine_tokenizer_from_dir(Path({str(tiny_model_dir('llama'))!r}))"
+            if source == "directory"
+            else f"load_engine_tokenizer_from_gguf(GGUFFile(Path({str(default_model_path())!r})))")
     code = ("import sys\n"
             "from pathlib import Path\n"
-            "from nanoserve.model.tokenizer import load_engine_tokenizer_from_dir\n"
-            f"load_engine_tokenizer_from_dir(Path({str(tiny_model_dir('llama'))!r}))\n"
-            "print('transformers' in sys.modules)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True).stdout
-    assert out.strip() == "False"
-
-
-def test_the_gguf_engine_tokenizer_loads_no_transformers() -> None:
-    import subprocess
-    import sys
-
-    code = ("import sys\n"
             "from nanoserve.model.gguf_file import GGUFFile\n"
-            "from nanoserve.model.tokenizer import load_engine_tokenizer_from_gguf\n"
-            f"load_engine_tokenizer_from_gguf(GGUFFile({str(default_model_path())!r}))\n"
+            "from nanoserve.model.tokenizer import load_engine_tokenizer_from_dir, "
+            "load_engine_tokenizer_from_gguf\n"
+            f"{load}\n"
             "print('transformers' in sys.modules)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
