@@ -78,24 +78,23 @@ class EngineCore:
         """`engine_tokenizer`: load only what the engine reads of the tokenizer (an engine
         process, whose text is made by the API process; `LLM` keeps the whole one)."""
         self.config = config
-        self._engine_tokenizer = engine_tokenizer
         keep_freed_memory_in_heap()
         # under tensor parallelism: ranks 1..N-1 started and joined (tp_executor.py)
         ranks = TensorParallelRanks(config) if config.parallel.tensor_parallel_size > 1 else None
         try:
-            self._start(config, loaded, ranks)
+            self._start(config, loaded, ranks, engine_tokenizer)
         except BaseException:
             if ranks is not None:
                 ranks.shutdown()
             raise
 
     def _start(self, config: EngineConfig, loaded: LoadedModel | None,
-               ranks: TensorParallelRanks | None) -> None:
+               ranks: TensorParallelRanks | None, engine_tokenizer: bool) -> None:
         device, dtype = config.model.torch_device, config.model.torch_dtype
         if loaded is None:
             loaded = load_model(config.model.model, device, dtype, config.model.max_model_len,
                                 config.model.quantization, ranks.group if ranks else None,
-                                engine_tokenizer=self._engine_tokenizer)
+                                engine_tokenizer=engine_tokenizer)
         assert ranks is None or loaded.model.group is ranks.group, "a model of this group"
         self.loaded = loaded
         block_size = config.cache.block_size
