@@ -12,7 +12,7 @@ grammar's token set) and the EOS id. Importing transformers and building its tok
 cost the engine process ~2-4 s of every start (2 cores, tiny test models and the default GGUF
 alike, where the API process pays the same at the same time); `EngineTokenizer` is the
 `tokenizers` pipeline alone, with what transformers would add to it from the directory's
-`tokenizer_config.json` (its added tokens, its EOS). tests/model/test_tokenizer.py holds its
+`tokenizer_config.json` (its added tokens, its EOS). tests/model/test_engine_tokenizer.py holds its
 vocabulary, EOS and serialized pipeline equal to transformers' for every test model.
 """
 
