@@ -79,7 +79,7 @@ class CacheConfig:
     """The paged KV cache: block size and how much memory it may take."""
 
     block_size: int = 16
-    kv_cache_memory_bytes: int | None = None  # None = 1 GiB on CPU, 90% of free GPU memory
+    kv_cache_memory_bytes: int | None = None  # None: engine/model_runner.py's default
     num_blocks: int | None = None  # overrides the memory budget (tests use tiny caches)
     enable_prefix_caching: bool = True
     # The keys' and values' element type (engine/model_runner.py: resolve_kv_cache_dtype):

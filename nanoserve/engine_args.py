@@ -66,7 +66,8 @@ class EngineArgs:
         "tokens in one forward pass; smaller chunks long prefills finer, which lowers "
         "time-to-first-token under load (default: %(default)s)", type=int)
     kv_cache_memory_gb: float | None = _arg(
-        None, "KV cache size in GiB (default: 1 on CPU, 90%% of free GPU memory)",
+        None, "KV cache size in GiB (default: on CPU 1, or less where --max-num-seqs sequences at "
+        "the full context need less; 90%% of free GPU memory)",
         flag="--kv-cache-memory", type=float, metavar="GIB")
     num_kv_blocks: int | None = _arg(
         CacheConfig.num_blocks, "KV cache size in blocks, instead of --kv-cache-memory",

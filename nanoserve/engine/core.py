@@ -101,7 +101,9 @@ class EngineCore:
         kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, loaded.quantization,
                                           device, dtype)
         num_blocks = config.cache.num_blocks or kv_cache_num_blocks(
-            config.cache.kv_cache_memory_bytes, loaded.arch, block_size, kv_dtype, device)
+            config.cache.kv_cache_memory_bytes, loaded.arch, block_size, kv_dtype, device,
+            max_num_seqs=config.scheduler.max_num_seqs,
+            context_len=config.model.max_model_len or loaded.arch.max_position_embeddings)
         if ranks is not None:  # every rank's cache holds the blocks rank 0 sized
             num_blocks = ranks.group.broadcast_int(num_blocks)
         self.max_model_len = self._max_model_len(num_blocks * block_size)

@@ -55,22 +55,28 @@ def resolve_kv_cache_dtype(choice: str, quantization: str, device: torch.device,
 
 # Touching the cache's pages at start-up costs ~1.5 s per GiB on a small VM; 1 GiB holds
 # ~23,000 tokens of the default model in float32 (~46,000 in the float16 cache that quantized
-# weights get), more than a CPU serves at once.
+# weights get), more than a CPU serves at once. A model whose `max_num_seqs` sequences at its
+# full context fit in less (a small model with a short context) gets only that: the blocks past
+# it could hold nothing but evicted prefixes, and the tests' tiny checkpoints start ~1.5 s sooner.
 DEFAULT_CPU_KV_CACHE_BYTES = 1 * GiB
 GPU_MEMORY_FRACTION = 0.9
 
 
 def kv_cache_num_blocks(budget: int | None, arch: ArchConfig, block_size: int,
-                        dtype: torch.dtype, device: torch.device) -> int:
-    """The blocks a cache of `dtype` gets from `budget` bytes (None: 1 GiB on the CPU, 90 % of
-    the free memory on a GPU)."""
+                        dtype: torch.dtype, device: torch.device, *, max_num_seqs: int,
+                        context_len: int) -> int:
+    """The blocks a cache of `dtype` gets from `budget` bytes (None: on the CPU 1 GiB, or the
+    blocks `max_num_seqs` sequences of `context_len` tokens fill if fewer; on a GPU 90 % of
+    its free memory)."""
+    block_bytes = kv_bytes_per_block(arch, block_size, dtype)
     if budget is None:
         if device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
             budget = int(free * GPU_MEMORY_FRACTION)
         else:
-            budget = DEFAULT_CPU_KV_CACHE_BYTES
-    return max(1, budget // kv_bytes_per_block(arch, block_size, dtype))
+            needed = max_num_seqs * -(-context_len // block_size)
+            return max(1, min(DEFAULT_CPU_KV_CACHE_BYTES // block_bytes, needed))
+    return max(1, budget // block_bytes)
 
 
 def kv_bytes_per_block(arch: ArchConfig, block_size: int, dtype: torch.dtype) -> int:

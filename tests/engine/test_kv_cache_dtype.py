@@ -11,9 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanoserve.config import CacheConfig
+from nanoserve.config import CacheConfig, GiB
 from nanoserve.engine.core import EngineCore
-from nanoserve.engine.model_runner import resolve_kv_cache_dtype
+from nanoserve.engine.model_runner import (
+    kv_bytes_per_block,
+    kv_cache_num_blocks,
+    resolve_kv_cache_dtype,
+)
 from nanoserve.engine_args import EngineArgs
 from nanoserve.model.attention import can_read_cache_in_place
 from nanoserve.sampling_params import SamplingParams
@@ -88,6 +92,29 @@ def test_engine_allocates_the_resolved_dtype_and_twice_the_blocks(
             head_dim + 4)
     assert half.kv_cache.num_blocks == 2 * exact.kv_cache.num_blocks
     assert half.max_model_len == exact.max_model_len  # the model's 1,024, not the cache's
+
+
+def test_cpu_default_cache_stops_at_what_the_running_sequences_can_fill(
+        tiny_model_dir: Callable[[str], Path]) -> None:
+    """Without a size, the CPU cache is 1 GiB unless `max_num_seqs` sequences at the full
+    context fill less (the tiny model: 1,024 positions, 512 bytes a float32 token); then it
+    holds exactly them, and a shorter max_model_len shrinks it again."""
+    path = tiny_model_dir("llama")
+
+    def default_engine(**kwargs: int) -> EngineCore:
+        return EngineCore(EngineArgs(model=str(path), device="cpu", dtype="float32",
+                                     quantization="none", **kwargs).to_config())
+
+    full = default_engine(max_num_seqs=4)
+    assert full.kv_cache.num_blocks == 4 * 1024 // 16
+    assert full.max_model_len == 1024
+    assert default_engine(max_num_seqs=4, max_model_len=200).kv_cache.num_blocks == 4 * 13
+    arch = full.loaded.arch
+    gib_blocks = GiB // kv_bytes_per_block(arch, 16, torch.float32)
+    assert kv_cache_num_blocks(None, arch, 16, torch.float32, CPU, max_num_seqs=10**6,
+                               context_len=1024) == gib_blocks
+    assert kv_cache_num_blocks(GiB // 2, arch, 16, torch.float32, CPU, max_num_seqs=1,
+                               context_len=16) == gib_blocks // 2  # a size given is kept
 
 
 def greedy_with_logprobs(engine: EngineCore, prompts: dict[str, list[int]]
