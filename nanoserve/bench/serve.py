@@ -102,14 +102,24 @@ def nanoserve_server(model: str | None, extra_args: Sequence[str] = ()
         yield url, process.pid
 
 
+def llama_slot_tokens(input_len: int, output_len: int) -> int:
+    """The context each llama-server slot gets (it splits `--ctx-size` across `--parallel`
+    slots and refuses a longer request with a 400): twice the request's length, as a prompt
+    of `input_len` random words can run past `input_len` tokens, and at least 512."""
+    return max(512, 2 * (input_len + output_len))
+
+
 @contextlib.contextmanager
-def llama_server(gguf: Path, parallel: int, threads: int) -> Iterator[str]:
-    """llama-server (built if missing) on a free port until the block ends; yields its URL."""
+def llama_server(gguf: Path, parallel: int, threads: int, slot_tokens: int = 512
+                 ) -> Iterator[str]:
+    """llama-server (built if missing) on a free port until the block ends, `slot_tokens` of
+    context for each of its `parallel` slots; yields its URL."""
     from nanoserve.bench.llama_server import ensure_llama_server, start_llama_server
 
     binary = ensure_llama_server()
     port = free_port()
-    process = start_llama_server(binary, gguf, port, parallel=parallel, threads=threads)
+    process = start_llama_server(binary, gguf, port, parallel=parallel,
+                                 ctx_size=parallel * slot_tokens, threads=threads)
     with _ready(process, port, "llama-server") as url:
         yield url
 
@@ -178,7 +188,8 @@ def _bench_llama_server(args: argparse.Namespace, levels: Sequence[int]) -> Serv
     # started after the server under test has been stopped (when it was ours), so neither
     # takes CPU from the other's measurement
     for level in levels:
-        with llama_server(gguf, parallel=level, threads=threads) as url:
+        with llama_server(gguf, parallel=level, threads=threads,
+                          slot_tokens=llama_slot_tokens(args.input_len, args.output_len)) as url:
             runs.append(asyncio.run(bench_server("llama-server", url, None, args, [level])))
     return ServerRun(runs[0].name, runs[0].model, [run.levels[0] for run in runs])
 

@@ -1,7 +1,8 @@
 """`nanoserve bench serve`: the client's parsing, statistics and concurrency, on fake servers.
 
-No network and no model: requests go to `httpx.MockTransport` handlers that replay recorded
-streams. Nothing here builds or starts llama-server.
+No network and no model (the default model's tokenizer only): requests go to
+`httpx.MockTransport` handlers that replay recorded streams. Nothing here builds or starts
+llama-server.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from nanoserve.bench.load_client import (
     send_request,
     summarize,
 )
+from nanoserve.bench.serve import llama_slot_tokens
 
 URL = "http://fake"
 
@@ -212,6 +214,19 @@ def test_prompts_are_seeded_common_words() -> None:
     assert prompts != make_prompts(3, 128, seed=2)
     assert len(set(prompts)) == 3
     assert all(len(p.split()) == 128 and set(p.split()) <= set(COMMON_WORDS) for p in prompts)
+
+
+@pytest.mark.parametrize("input_len", [128, 2048])
+def test_each_llama_server_slot_holds_a_whole_request(input_len: int,
+                                                      default_tokenizer: Any) -> None:
+    """llama-server refuses (400) a request longer than its slot's share of --ctx-size: every
+    prompt of the bench, tokenized by the model's tokenizer, plus its output fits a slot; the
+    default load (128 + 128) keeps the 512 tokens a slot had before."""
+    assert llama_slot_tokens(128, 128) == 512
+    output_len = 128
+    slot = llama_slot_tokens(input_len, output_len)
+    for prompt in make_prompts(8, input_len, seed=input_len):
+        assert len(default_tokenizer.encode(prompt)) + output_len <= slot
 
 
 def test_levels_and_request_counts() -> None:
