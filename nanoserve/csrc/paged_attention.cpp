@@ -27,152 +27,12 @@
 #include <type_traits>
 #include <vector>
 
-#include "attention_tiles.h"
 #include "kv_int8.h"
+#include "paged_attend.h"
 
 namespace {
 
-using namespace attention_tiles;
-
-// Contexts longer than this are split into partitions attended in parallel (see the top).
-constexpr int64_t kPartitionTokens = 512;  // a multiple of kTileTokens
-
-template <typename T>
-struct Problem {
-  const float* q;    // [B, H, D]
-  const T* k_cache;  // [Hkv, num_blocks, block_size, D]
-  const T* v_cache;
-  const int32_t* block_table;  // [B, max_blocks]
-  const int32_t* context_lens;  // [B]
-  int64_t num_heads, num_kv_heads, dim, num_blocks, block_size, max_blocks;
-  float scale;
-};
-
-// One thread's working memory: the scaled queries, a tile's scores and its rows' addresses.
-template <typename T>
-struct Scratch {
-  std::vector<float> q, scores, corr;
-  std::vector<int8_t> q8;  // q's heads as int8 rows, for an int8 cache's integer scores
-  std::vector<const T*> keys, values;  // two tiles' worth: this one and the next
-  explicit Scratch(int64_t group, int64_t dim)
-      : q(group * dim), scores(group * kTileTokens), corr(group),
-        q8(group * row_elements<int8_t>(dim)), keys(2 * kTileTokens), values(2 * kTileTokens) {}
-};
-
-// Whether an int8 cache's scores are taken in integers (score_tile_int8): 32 bytes per load.
-template <typename T>
-bool scores_in_int8(int64_t dim) {
-  return std::is_same_v<T, int8_t> && dim % 32 == 0;
-}
-
-// Row pointers of tokens [t0, t0 + n).
-template <typename T>
-void locate_rows(const Problem<T>& pb, const int32_t* table, int64_t plane, int64_t t0,
-                 int64_t n, const T** keys, const T** values) {
-  const int64_t bs = pb.block_size, dim = pb.dim;
-  int64_t block = t0 / bs, offset = t0 % bs;  // stepped, not divided, per token
-  for (int64_t j = 0; j < n; ++j) {
-    const int64_t row = plane + static_cast<int64_t>(table[block]) * bs + offset;
-    keys[j] = pb.k_cache + row * row_elements<T>(dim);
-    values[j] = pb.v_cache + row * row_elements<T>(dim);
-    if (++offset == bs) {
-      offset = 0;
-      ++block;
-    }
-  }
-}
-
-// Attention of one (request, KV head) over tokens [begin, end): unnormalized acc [G, D], the
-// running max and sum [G].
-template <typename T>
-void attend_range(const Problem<T>& pb, int64_t b, int64_t kv_head, int64_t begin, int64_t end,
-                  Scratch<T>& sc, float* acc, float* max, float* sum) {
-  const int64_t group = pb.num_heads / pb.num_kv_heads, dim = pb.dim;
-  const float* q = pb.q + (b * pb.num_heads + kv_head * group) * dim;
-  for (int64_t i = 0; i < group * dim; ++i) sc.q[i] = q[i] * pb.scale;
-  if (scores_in_int8<T>(dim))
-    for (int64_t g = 0; g < group; ++g)
-      kv_int8::quantize_row(sc.q.data() + g * dim, sc.q8.data() + g * row_elements<int8_t>(dim),
-                            dim);
-  std::fill(acc, acc + group * dim, 0.0f);
-  std::fill(max, max + group, kNegInf);
-  std::fill(sum, sum + group, 0.0f);
-  const int32_t* table = pb.block_table + b * pb.max_blocks;
-  const int64_t plane = kv_head * pb.num_blocks * pb.block_size;  // this head's first row
-  const T** keys = sc.keys.data();  // [this tile | next tile]
-  const T** values = sc.values.data();
-  locate_rows(pb, table, plane, begin, std::min(kTileTokens, end - begin), keys, values);
-  for (int64_t t0 = begin; t0 < end; t0 += kTileTokens) {
-    const int64_t n = std::min(kTileTokens, end - t0);
-    // the next tile's rows load while this one computes
-    const int64_t num_next = std::clamp<int64_t>(end - t0 - n, 0, kTileTokens);
-    locate_rows(pb, table, plane, t0 + n, num_next, keys + kTileTokens, values + kTileTokens);
-    const NextRows<T> next{keys + kTileTokens, values + kTileTokens, num_next};
-    if constexpr (std::is_same_v<T, int8_t>) {
-      if (scores_in_int8<T>(dim))
-        score_heads_int8(sc.q8.data(), keys, n, dim, group, next, sc.scores.data());
-      else
-        score_heads<T>(sc.q.data(), keys, n, dim, group, next, sc.scores.data());
-    } else {
-      score_heads<T>(sc.q.data(), keys, n, dim, group, next, sc.scores.data());
-    }
-    softmax_tile(sc.scores.data(), n, group, max, sum, sc.corr.data());
-    if constexpr (std::is_same_v<T, int8_t>) {  // each value row's scale, once per weight
-      for (int64_t j = 0; j < n; ++j) {
-        const float scale = row_scale(values[j], dim);
-        for (int64_t g = 0; g < group; ++g) sc.scores[g * kTileTokens + j] *= scale;
-      }
-    }
-    accumulate_heads<T>(sc.scores.data(), values, n, dim, group, sc.corr.data(), acc);
-    std::copy(keys + kTileTokens, keys + kTileTokens + num_next, keys);
-    std::copy(values + kTileTokens, values + kTileTokens + num_next, values);
-  }
-}
-
-void check_inputs(const torch::Tensor& q, const torch::Tensor& k_cache,
-                  const torch::Tensor& v_cache, const torch::Tensor& block_table,
-                  const torch::Tensor& context_lens, const torch::Tensor& out) {
-  for (const auto* t : {&q, &k_cache, &v_cache, &out}) {
-    TORCH_CHECK(t->device().is_cpu() && t->is_contiguous(),
-                "paged decode_attention takes contiguous CPU tensors");
-  }
-  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && out.scalar_type() == torch::kFloat32,
-              "q and out must be float32");
-  const auto type = k_cache.scalar_type();
-  TORCH_CHECK((type == torch::kFloat32 || type == torch::kFloat16 || type == torch::kChar) &&
-                  v_cache.scalar_type() == type,
-              "the caches must both be float32, both float16 or both int8");
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
-              "expected q [B, H, D] and caches [Hkv, num_blocks, block_size, D]");
-  TORCH_CHECK(out.sizes() == q.sizes(), "out must have q's shape [B, H, D]");
-  const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2);
-  const int64_t row = type == torch::kChar ? dim + kv_int8::kScaleBytes : dim;
-  TORCH_CHECK(k_cache.size(3) == row && dim % 8 == 0,
-              "head_dim must be a multiple of 8, and cache rows ", row, " elements (head_dim ",
-              dim, type == torch::kChar ? " + a 4-byte scale)" : ")");
-  TORCH_CHECK(k_cache.size(0) > 0 && heads % k_cache.size(0) == 0,
-              "num_heads must be a multiple of num_kv_heads");
-  TORCH_CHECK(block_table.scalar_type() == torch::kInt32 && block_table.dim() == 2 &&
-                  block_table.size(0) == batch && block_table.is_contiguous(),
-              "block_table must be contiguous int32 [B, max_blocks]");
-  TORCH_CHECK(context_lens.scalar_type() == torch::kInt32 && context_lens.numel() == batch &&
-                  context_lens.is_contiguous(),
-              "context_lens must be contiguous int32 [B]");
-  // An id out of range would read outside the cache: check every block a context uses.
-  const int64_t bs = k_cache.size(2), num_blocks = k_cache.size(1);
-  const int64_t max_blocks = block_table.size(1);
-  const int32_t* table = block_table.data_ptr<int32_t>();
-  const int32_t* lens = context_lens.data_ptr<int32_t>();
-  for (int64_t b = 0; b < batch; ++b) {
-    const int64_t used = (static_cast<int64_t>(lens[b]) + bs - 1) / bs;
-    TORCH_CHECK(lens[b] >= 0 && used <= max_blocks, "context_lens[", b, "] = ", lens[b],
-                " does not fit the block table's ", max_blocks, " blocks of ", bs);
-    for (int64_t i = 0; i < used; ++i)
-      TORCH_CHECK(table[b * max_blocks + i] >= 0 && table[b * max_blocks + i] < num_blocks,
-                  "block_table[", b, ", ", i, "] = ", table[b * max_blocks + i],
-                  " is outside the cache's ", num_blocks, " blocks");
-  }
-}
+using namespace paged_attend;
 
 // The whole batch for one cache element type T (float or Half); writes out [B, H, D].
 template <typename T>
@@ -188,66 +48,27 @@ void attend_batch(const torch::Tensor& q, const torch::Tensor& k_cache,
   const int64_t batch = q.size(0), group = pb.num_heads / pb.num_kv_heads, dim = pb.dim;
   const int64_t items = batch * pb.num_kv_heads;
   if (items == 0) return;
-  int64_t max_len = 0;
-  for (int64_t b = 0; b < batch; ++b) max_len = std::max<int64_t>(max_len, pb.context_lens[b]);
-
   // Fixed-length partitions (an item's empty ones, past its context, are skipped in the merge;
   // one non-empty partition merges to exactly the unsplit result).
-  const int64_t part_len = kPartitionTokens;
-  const int64_t parts = std::max<int64_t>(1, (max_len + part_len - 1) / part_len);
-
+  const int64_t parts = num_parts(pb.context_lens, batch);
   if (parts == 1) {  // each item writes its G output rows directly
     at::parallel_for(0, items, 1, [&](int64_t first, int64_t last) {
       Scratch<T> sc(group, dim);
       std::vector<float> max(group), sum(group);
-      for (int64_t item = first; item < last; ++item) {
-        const int64_t b = item / pb.num_kv_heads, kv_head = item % pb.num_kv_heads;
-        float* acc = out_ptr + (b * pb.num_heads + kv_head * group) * dim;
-        attend_range(pb, b, kv_head, 0, pb.context_lens[b], sc, acc, max.data(), sum.data());
-        for (int64_t g = 0; g < group; ++g) {
-          const float inv = sum[g] > 0.0f ? 1.0f / sum[g] : 0.0f;
-          for (int64_t d = 0; d < dim; ++d) acc[g * dim + d] *= inv;
-        }
-      }
+      attend_items(pb, first, last, sc, max.data(), sum.data(), out_ptr);
     });
     return;
   }
-
   // Split contexts: partial [items, parts, G, D] results, then a log-sum-exp merge per head.
   std::vector<float> part_acc(items * parts * group * dim);
   std::vector<float> part_max(items * parts * group), part_sum(items * parts * group);
   at::parallel_for(0, items * parts, 1, [&](int64_t first, int64_t last) {
     Scratch<T> sc(group, dim);
-    for (int64_t i = first; i < last; ++i) {
-      const int64_t item = i / parts, part = i % parts;
-      const int64_t b = item / pb.num_kv_heads, kv_head = item % pb.num_kv_heads;
-      const int64_t begin = part * part_len;
-      const int64_t end = std::min<int64_t>(begin + part_len, pb.context_lens[b]);
-      attend_range(pb, b, kv_head, begin, std::max(begin, end), sc,
-                   part_acc.data() + i * group * dim, part_max.data() + i * group,
-                   part_sum.data() + i * group);
-    }
+    attend_parts(pb, parts, first, last, sc, part_acc.data(), part_max.data(), part_sum.data());
   });
   at::parallel_for(0, items * group, 1, [&](int64_t first, int64_t last) {
-    for (int64_t row = first; row < last; ++row) {  // row = (item, g) = (b, query head)
-      const int64_t item = row / group, g = row % group;
-      float global_max = kNegInf;
-      for (int64_t p = 0; p < parts; ++p)
-        global_max = std::max(global_max, part_max[(item * parts + p) * group + g]);
-      float* o = out_ptr + row * dim;  // items * group rows are exactly [B, H] in order
-      std::fill(o, o + dim, 0.0f);
-      float total = 0.0f;
-      for (int64_t p = 0; p < parts; ++p) {
-        const int64_t at = (item * parts + p) * group + g;
-        if (part_sum[at] == 0.0f) continue;  // an empty partition (context ended before it)
-        const float w = std::exp(part_max[at] - global_max);
-        total += part_sum[at] * w;
-        const float* a = part_acc.data() + at * dim;
-        for (int64_t d = 0; d < dim; ++d) o[d] += w * a[d];
-      }
-      const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-      for (int64_t d = 0; d < dim; ++d) o[d] *= inv;
-    }
+    merge_parts(parts, group, dim, part_acc.data(), part_max.data(), part_sum.data(), first,
+                last, out_ptr);
   });
 }
 

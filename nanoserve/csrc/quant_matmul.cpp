@@ -29,70 +29,12 @@
 #include <optional>
 
 #include "gguf_blocks.h"
-#include "simd_reduce.h"
+#include "matmul_tiles.h"
 
 namespace {
 
-constexpr int TILE_M = 4;  // activation rows that share one unpacked weight block
-
-// Below kWideMinRows activation rows the kernel waits on memory: a batch-1 step streams ~66 MB
-// of the default model's layer weights from DRAM, a few hundred KB per call, and the hardware
-// prefetcher alone left the core idle between its demand misses. Each block then asks for the
-// lines kPrefetchBytes ahead of it (past a group's end that is the next group of the same
-// thread's range). Measured on the 2-core EPYC (Zen 3), the 30 layers' four projections at one
-// row, 11 interleaved rounds: one thread 7.56 -> 6.29 ms (-17%) at 1024 bytes (512: 7.02,
-// 2048: 6.46, L2 hint at 1024: 6.40), two threads 5.57 -> 5.24-5.37 ms; the whole decode
-// step, 4 alternated processes each: batch 1 13.7 -> 12.6 ms, batch 8 35.0 -> 33.4 ms (batch 64
-// runs the same code as before: 224 against 234 ms, noise). Where many rows share
-// each block the kernel is bound by arithmetic and asks for nothing. The bytes and the
-// arithmetic are unchanged: every output is the same.
-constexpr int64_t kPrefetchBytes = 1024;
-
-// From this many activation rows on, a weight's wide form is used where it has one: below,
-// the kernel waits on memory and twice the bytes would cost more than the unpacking saves.
-constexpr int64_t kWideMinRows = 16;
-
-template <bool Stream, int64_t BPB>
-inline void prefetch_ahead(const uint8_t* blk) {
-  if constexpr (Stream)
-    for (int64_t o = 0; o < BPB; o += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchBytes + o), _MM_HINT_T0);
-}
-
 using namespace gguf_blocks;
-
-// ---- activations --------------------------------------------------------------------------------
-
-// One row of x into int8 blocks of 32: q = round(x * 127 / amax), d = amax / 127, s = d * sum(q).
-void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* s) {
-  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-  for (int64_t b = 0; b < K / QK; ++b) {
-    const float* xb = x + b * QK;
-    __m256 v0 = _mm256_loadu_ps(xb), v1 = _mm256_loadu_ps(xb + 8);
-    __m256 v2 = _mm256_loadu_ps(xb + 16), v3 = _mm256_loadu_ps(xb + 24);
-    __m256 amax = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v0, abs_mask), _mm256_and_ps(v1, abs_mask)),
-                                _mm256_max_ps(_mm256_and_ps(v2, abs_mask), _mm256_and_ps(v3, abs_mask)));
-    const float max_abs = simd::hmax(amax);
-    const float scale = max_abs / 127.f;
-    const __m256 inv = _mm256_set1_ps(max_abs != 0.f ? 127.f / max_abs : 0.f);
-    // cvtps rounds to nearest even under the default MXCSR mode
-    __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, inv));
-    __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, inv));
-    __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, inv));
-    __m256i i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, inv));
-    __m256i sum = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
-    __m128i s4 = _mm_add_epi32(_mm256_extracti128_si256(sum, 1), _mm256_castsi256_si128(sum));
-    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
-    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
-    d[b] = scale;
-    s[b] = scale * float(_mm_cvtsi128_si32(s4));
-    // 32 x int32 -> 32 x int8 in order (packs interleave the 128-bit lanes; the permute undoes it)
-    const __m256i p01 = _mm256_packs_epi32(i0, i1), p23 = _mm256_packs_epi32(i2, i3);
-    const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p01, p23), order);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * QK), bytes);
-  }
-}
+using namespace matmul_tiles;
 
 struct Acts {
   at::Tensor q, d, s;  // [M, K] int8, [M, K / 32] f32, [M, K / 32] f32
@@ -112,164 +54,6 @@ Acts quantize_acts(const at::Tensor& x) {
   return a;
 }
 
-// ---- the tile kernels ---------------------------------------------------------------------------
-
-// R activation rows (as pointers to their quantized row) times one packed 8-row group.
-struct RowPtrs {
-  const int8_t* q[TILE_M];
-  const float* d[TILE_M];
-  const float* s[TILE_M];
-  float* y[TILE_M];  // 8 outputs each
-};
-
-template <Layout L>
-inline void load_scales(const uint8_t* blk, __m256& a, __m256& b) {
-  if constexpr (L == Layout::U4H) {
-    a = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
-    b = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16)));
-  } else if constexpr (L == Layout::S8H) {
-    a = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
-    b = a;
-  } else {
-    a = _mm256_loadu_ps(reinterpret_cast<const float*>(blk));
-    b = _mm256_loadu_ps(reinterpret_cast<const float*>(blk + 32));
-  }
-}
-
-// w = d*q + m with 4-bit q: sum over 8 maddubs stays within int16 (8 * 2 * 15 * 127 = 30480).
-// The 8 unpacked weight vectors stay in registers while the R activation rows pass over them
-// (measured 8% faster than unpacking per row pair: fewer spills).
-template <Layout L, int R, bool Wide, bool Stream>
-void u4_group(const uint8_t* w, int64_t KB, const RowPtrs& rows) {
-  constexpr int64_t BPB = block_bytes<L, Wide>();
-  const __m256i nibble = _mm256_set1_epi8(0x0F);
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[R] = {};  // zeroed
-  for (int64_t b = 0; b < KB; ++b) {
-    const uint8_t* blk = w + b * BPB;
-    prefetch_ahead<Stream, BPB>(blk);
-    const uint8_t* qs = blk + qs_offset(L);
-    __m256i wq[8];  // wq[j] lane i: row i's inputs 4j..4j+3
-    if constexpr (Wide) {
-      for (int t = 0; t < 8; ++t)
-        wq[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * t));
-    } else {
-      for (int t = 0; t < 4; ++t) {
-        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * t));
-        wq[t] = _mm256_and_si256(raw, nibble);
-        wq[t + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
-      }
-    }
-    __m256 dw, mw;
-    load_scales<L>(blk, dw, mw);
-    for (int r = 0; r < R; ++r) {
-      const int8_t* a = rows.q[r] + b * QK;
-      // two chains of four, so that the adds do not wait on each other
-      __m256i s0 = _mm256_maddubs_epi16(wq[0], _mm256_set1_epi32(load_i32(a)));
-      __m256i s1 = _mm256_maddubs_epi16(wq[1], _mm256_set1_epi32(load_i32(a + 4)));
-      for (int j = 2; j < 8; j += 2) {
-        s0 = _mm256_add_epi16(
-            s0, _mm256_maddubs_epi16(wq[j], _mm256_set1_epi32(load_i32(a + 4 * j))));
-        s1 = _mm256_add_epi16(
-            s1, _mm256_maddubs_epi16(wq[j + 1], _mm256_set1_epi32(load_i32(a + 4 * j + 4))));
-      }
-      const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_add_epi16(s0, s1), ones));
-      acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(dw, _mm256_set1_ps(rows.d[r][b])), acc[r]);
-      acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(rows.s[r][b]), acc[r]);
-    }
-  }
-  for (int r = 0; r < R; ++r) _mm256_storeu_ps(rows.y[r], acc[r]);
-}
-
-// w = d*q with signed q: maddubs(|q|, sign(a, q)). Q8_0 widens each product pair to int32 at
-// once (two could overflow int16); Q6_K's |q| <= 32 lets four sum in int16 (4*2*32*127 = 32512).
-template <Layout L, int R, bool Stream>
-void s8_group(const uint8_t* w, int64_t KB, const RowPtrs& rows) {
-  constexpr int64_t BPB = packed_block_bytes(L);
-  constexpr bool kPerHalf = L == Layout::S8F2;
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[R] = {};  // zeroed
-  for (int64_t b = 0; b < KB; ++b) {
-    const uint8_t* blk = w + b * BPB;
-    prefetch_ahead<Stream, BPB>(blk);
-    const uint8_t* qs = blk + qs_offset(L);
-    __m256i sum[R][2];
-    for (int t = 0; t < 8; ++t) {
-      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * t));
-      const __m256i q_abs = _mm256_abs_epi8(q);
-      for (int r = 0; r < R; ++r) {
-        const __m256i a = _mm256_set1_epi32(load_i32(rows.q[r] + b * QK + 4 * t));
-        const __m256i p = _mm256_maddubs_epi16(q_abs, _mm256_sign_epi8(a, q));
-        if constexpr (kPerHalf) {
-          sum[r][t / 4] = t % 4 == 0 ? p : _mm256_add_epi16(sum[r][t / 4], p);
-        } else {
-          const __m256i p32 = _mm256_madd_epi16(p, ones);
-          sum[r][0] = t == 0 ? p32 : _mm256_add_epi32(sum[r][0], p32);
-        }
-      }
-    }
-    __m256 d0, d1;
-    load_scales<L>(blk, d0, d1);
-    for (int r = 0; r < R; ++r) {
-      const __m256 da = _mm256_set1_ps(rows.d[r][b]);
-      if constexpr (kPerHalf) {
-        const __m256 lo = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum[r][0], ones));
-        const __m256 hi = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum[r][1], ones));
-        acc[r] = _mm256_fmadd_ps(lo, _mm256_mul_ps(d0, da), acc[r]);
-        acc[r] = _mm256_fmadd_ps(hi, _mm256_mul_ps(d1, da), acc[r]);
-      } else {
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r][0]), _mm256_mul_ps(d0, da), acc[r]);
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r) _mm256_storeu_ps(rows.y[r], acc[r]);
-}
-
-template <Layout L, int R, bool Wide, bool Stream>
-inline void group_kernel(const uint8_t* w, int64_t KB, const RowPtrs& rows) {
-  if constexpr (is_u4(L)) u4_group<L, R, Wide, Stream>(w, KB, rows);
-  else s8_group<L, R, Stream>(w, KB, rows);
-}
-
-// Groups [g0, g1) of the packed weight against all M activation rows.
-template <Layout L, bool Wide, bool Stream>
-void matmul_groups(const uint8_t* packed, const Acts& acts, int64_t M, int64_t N, int64_t K,
-                   float* y, int64_t g0, int64_t g1) {
-  const int64_t KB = K / QK, group_bytes = KB * block_bytes<L, Wide>();
-  // a few groups stay in L1/L2 while every tile of activation rows passes over them
-  constexpr int64_t kGroupsPerChunk = 8;
-  const int8_t* q = acts.q.data_ptr<int8_t>();
-  const float *d = acts.d.data_ptr<float>(), *s = acts.s.data_ptr<float>();
-  alignas(32) float tail[TILE_M][TILE_N];
-  for (int64_t gc = g0; gc < g1; gc += kGroupsPerChunk) {
-    const int64_t gc_end = std::min(g1, gc + kGroupsPerChunk);
-    for (int64_t r0 = 0; r0 < M; r0 += TILE_M) {
-      const int R = int(std::min<int64_t>(TILE_M, M - r0));
-      for (int64_t g = gc; g < gc_end; ++g) {
-        const bool is_full = (g + 1) * TILE_N <= N;
-        RowPtrs rows;
-        for (int r = 0; r < R; ++r) {
-          rows.q[r] = q + (r0 + r) * K;
-          rows.d[r] = d + (r0 + r) * KB;
-          rows.s[r] = s + (r0 + r) * KB;
-          rows.y[r] = is_full ? y + (r0 + r) * N + g * TILE_N : tail[r];
-        }
-        const uint8_t* w = packed + g * group_bytes;
-        switch (R) {
-          case 4: group_kernel<L, 4, Wide, Stream>(w, KB, rows); break;
-          case 3: group_kernel<L, 3, Wide, Stream>(w, KB, rows); break;
-          case 2: group_kernel<L, 2, Wide, Stream>(w, KB, rows); break;
-          default: group_kernel<L, 1, Wide, Stream>(w, KB, rows); break;
-        }
-        if (!is_full) {
-          for (int r = 0; r < R; ++r)
-            std::memcpy(y + (r0 + r) * N + g * TILE_N, tail[r], (N - g * TILE_N) * sizeof(float));
-        }
-      }
-    }
-  }
-}
-
 template <Layout L, bool Wide = false>
 void matmul_layout(const uint8_t* packed, const Acts& acts, int64_t M, int64_t N, int64_t K,
                    float* y) {
@@ -278,8 +62,10 @@ void matmul_layout(const uint8_t* packed, const Acts& acts, int64_t M, int64_t N
   // at least ~16 KB of weights per task, so that small layers do not pay for a thread wake-up
   const int64_t grain = std::max<int64_t>(1, 16384 / (group_bytes * std::max<int64_t>(1, M)));
   at::parallel_for(0, G, grain, [&](int64_t g0, int64_t g1) {
-    if (M < kWideMinRows) matmul_groups<L, Wide, true>(packed, acts, M, N, K, y, g0, g1);
-    else matmul_groups<L, Wide, false>(packed, acts, M, N, K, y, g0, g1);
+    const int8_t* q = acts.q.data_ptr<int8_t>();
+    const float *d = acts.d.data_ptr<float>(), *s = acts.s.data_ptr<float>();
+    if (M < kWideMinRows) matmul_groups<L, Wide, true>(packed, q, d, s, M, N, K, y, g0, g1);
+    else matmul_groups<L, Wide, false>(packed, q, d, s, M, N, K, y, g0, g1);
   });
 }
 
