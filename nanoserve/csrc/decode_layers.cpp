@@ -14,6 +14,13 @@
 //   delta = down_matmul(silu_mul(gate_up_matmul(x)))
 //
 // and after the last layer, add_rms_norm(hidden, delta, final_norm).
+//
+// Up to kTeamMaxTokens tokens (a decode of a few requests) the stack runs instead as ONE
+// parallel region (team_forward.h): the same kernels' inner loops, called directly, each thread
+// taking its share of every matmul's output rows and of attention's work items, with a spin
+// barrier between them, where the dispatcher path forks and joins the thread team for every
+// matmul and attention (~5 a layer) and allocates every output. Same functions, same inputs,
+// same order per output element: the same bits (tests/model/test_native_layers.py).
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/extension.h>
 
@@ -22,10 +29,11 @@
 #include <tuple>
 #include <vector>
 
+#include "team_forward.h"
+
 namespace {
 
-// (packed weight, ggml type, N, K, wide form or None): what packed_matmul takes after x
-using PackedMatmul = std::tuple<at::Tensor, int64_t, int64_t, int64_t, std::optional<at::Tensor>>;
+using team_forward::PackedMatmul;
 
 // The kernels' own C++ signatures (a typed handle must name them exactly): quant_matmul.cpp
 // takes references, fused_ops.cpp and paged_attention.cpp take tensors by value.
@@ -62,12 +70,7 @@ const Ops& ops() {  // found once: the kernels' extensions are loaded before the
   return found;
 }
 
-struct Layer {
-  at::Tensor input_norm, post_norm;
-  PackedMatmul qkv, o, gate_up, down;
-  std::optional<at::Tensor> qkv_bias, q_norm, k_norm;
-  at::Tensor k_cache, v_cache;
-};
+using team_forward::Layer;
 
 at::Tensor matmul(const Ops& f, const at::Tensor& x, const PackedMatmul& w) {
   return f.matmul.call(x, std::get<0>(w), std::get<1>(w), std::get<2>(w), std::get<3>(w),
@@ -99,9 +102,14 @@ class LayerStack {
                      const at::Tensor& positions, const at::Tensor& cache_index,
                      const at::Tensor& block_table, const at::Tensor& context_lens) {
     TORCH_CHECK(!layers_.empty(), "decode_layers: a model has at least one layer");
-    const Ops& f = ops();
     const int64_t tokens = hidden.size(0);
     const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim_));
+    if (tokens > 0 && tokens <= team_forward::kTeamMaxTokens) {
+      const team_forward::Step step{cos_table, sin_table, positions, cache_index, block_table,
+                                    context_lens, num_heads_, head_dim_, eps_, scale};
+      return team_forward::forward(layers_, final_norm_, hidden, step);
+    }
+    const Ops& f = ops();
     at::Tensor delta;
     for (Layer& layer : layers_) {
       at::Tensor x = delta.defined() ? f.add_rms_norm.call(hidden, delta, layer.input_norm, eps_)

@@ -6,6 +6,7 @@ decodes with chunked prefills."""
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 import pytest
@@ -68,3 +69,26 @@ def test_enforce_eager_keeps_the_python_loop_with_the_same_outputs(tiny_model_di
         stacks[eager] = engine.loaded.model._layer_stack
     assert stacks[True] is None and stacks[False] is not None and stacks[False][1] is not None
     assert outputs[True] == outputs[False]
+
+
+@needs_native
+@pytest.mark.parametrize("kv_cache_dtype", ["float32", "float16", "int8"])
+def test_decodes_past_a_split_context_equal_the_python_loop(kv_cache_dtype: str,
+                                                             tiny_model_dir: Any) -> None:
+    """A few tokens a step run the stack as one parallel region (csrc/team_forward.h), and a
+    context past 512 tokens splits attention into partitions merged by log-sum-exp: those
+    decodes, on each cache type, equal the Python loop's bit for bit."""
+    from nanoserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from nanoserve.engine.core import EngineCore
+
+    engine = EngineCore(EngineConfig(
+        model=ModelConfig(model=str(tiny_model_dir("llama")), device="cpu", dtype="float32",
+                          quantization="int8"),
+        cache=CacheConfig(num_blocks=96, kv_cache_dtype=kv_cache_dtype),
+        scheduler=SchedulerConfig(max_num_batched_tokens=256)))
+    rng = random.Random(1)
+    long_prompts = {f"long{n}": [rng.randrange(3, 49152) for _ in range(n)] for n in (530, 700)}
+    both = NativeAndPython(engine.loaded.model)
+    outputs = run_to_completion(engine, long_prompts, GREEDY)
+    assert all(len(ids) == GREEDY.max_tokens for ids in outputs.values())
+    assert both.identical and all(both.identical)

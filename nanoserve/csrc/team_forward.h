@@ -1,0 +1,270 @@
+// decode_layers.cpp's forward for a few tokens, in one parallel region.
+//
+// Each thread holds its own copy of what every thread needs whole and is cheap to make: the
+// normed rows, their int8 quantization, SiLU's output, and (all but thread 0, which updates
+// the caller's tensor) the residual stream. It computes those itself, the same rows in the
+// same order, so nothing waits on them. What is split is what costs: each matmul's output
+// groups (thread t takes groups [G t / n, G (t + 1) / n)), RoPE's tokens and the cache write,
+// and attention's work items; a barrier follows each, since the next step reads all of it.
+// Per layer:
+//
+//   x = add_rms_norm(residual, down)          every thread, its own x (rms_norm at layer 0)
+//   qkv = x @ W_qkv                           split by output groups              | barrier
+//   q, cache = rope_store(qkv)                split by tokens                     | barrier
+//   attn = attention(q, cache)                split by items (+ merge if split)   | barrier
+//   o = attn @ W_o                            split                               | barrier
+//   x = add_rms_norm(residual, o); gu = x @ W_gate_up                 split       | barrier
+//   h = silu_mul(gu); down = h @ W_down                               split       | barrier
+//
+// Below kWideMinRows rows packed_matmul takes the narrow form with prefetching, and so does
+// this: the same tile kernels as the dispatcher path's for every output.
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <omp.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+#include "fused_rows.h"
+#include "gguf_blocks.h"
+#include "matmul_tiles.h"
+#include "paged_attend.h"
+#include "spin_barrier.h"
+
+namespace team_forward {
+
+// (packed weight, ggml type, N, K, wide form or None): what packed_matmul takes after x
+using PackedMatmul = std::tuple<at::Tensor, int64_t, int64_t, int64_t, std::optional<at::Tensor>>;
+
+struct Layer {
+  at::Tensor input_norm, post_norm;
+  PackedMatmul qkv, o, gate_up, down;
+  std::optional<at::Tensor> qkv_bias, q_norm, k_norm;
+  at::Tensor k_cache, v_cache;
+};
+
+// Up to this many tokens a forward is one region: below the matmul's wide-form threshold, so
+// every matmul is the narrow, prefetching kernel on both paths.
+constexpr int64_t kTeamMaxTokens = matmul_tiles::kWideMinRows - 1;
+
+// The step's tensors (the attention backend's metadata) and the model's attention shape.
+struct Step {
+  const at::Tensor &cos_table, &sin_table, &positions, &cache_index, &block_table, &context_lens;
+  int64_t num_heads, head_dim;
+  double eps, scale;
+};
+
+// One thread's int8 activations: quantize_row's q [M, K], d and s [M, K / 32].
+struct Acts {
+  std::vector<int8_t> q;
+  std::vector<float> d, s;
+  Acts(int64_t rows, int64_t max_k) : q(rows * max_k), d(rows * max_k / 32), s(rows * max_k / 32) {}
+
+  void quantize(const float* x, int64_t rows, int64_t K) {
+    for (int64_t r = 0; r < rows; ++r)
+      matmul_tiles::quantize_row(x + r * K, K, q.data() + r * K, d.data() + r * (K / 32),
+                                 s.data() + r * (K / 32));
+  }
+};
+
+template <gguf_blocks::Layout L>
+void matmul_range(const PackedMatmul& w, const Acts& a, int64_t M, float* y, int64_t g0,
+                  int64_t g1) {
+  matmul_tiles::matmul_groups<L, false, true>(std::get<0>(w).data_ptr<uint8_t>(), a.q.data(),
+                                               a.d.data(), a.s.data(), M, std::get<2>(w),
+                                               std::get<3>(w), y, g0, g1);
+}
+
+// This thread's share of y [M, N] = x @ W^T (x quantized in `a`).
+inline void matmul_share(const PackedMatmul& w, const Acts& a, int64_t M, float* y, int tid,
+                         int team) {
+  using gguf_blocks::Layout;
+  const int64_t G = (std::get<2>(w) + gguf_blocks::TILE_N - 1) / gguf_blocks::TILE_N;
+  const int64_t g0 = G * tid / team, g1 = G * (tid + 1) / team;
+  switch (gguf_blocks::type_info(std::get<1>(w)).layout) {
+    case Layout::U4H: matmul_range<Layout::U4H>(w, a, M, y, g0, g1); break;
+    case Layout::U4F: matmul_range<Layout::U4F>(w, a, M, y, g0, g1); break;
+    case Layout::S8H: matmul_range<Layout::S8H>(w, a, M, y, g0, g1); break;
+    case Layout::S8F2: matmul_range<Layout::S8F2>(w, a, M, y, g0, g1); break;
+  }
+}
+
+// rows of x [M, n] -> out: hidden += delta first where delta is given (add_rms_norm), as the
+// fused ops do it row by row.
+inline void norm_rows(float* hidden, const float* delta, const at::Tensor& weight, double eps,
+                      int64_t M, int64_t n, float* out) {
+  const float* w = weight.data_ptr<float>();
+  for (int64_t r = 0; r < M; ++r) {
+    if (delta != nullptr) fused_rows::add_row(hidden + r * n, delta + r * n, n);
+    fused_rows::norm_row(hidden + r * n, w, static_cast<float>(eps), n, out + r * n);
+  }
+}
+
+inline int64_t share_begin(int64_t count, int tid, int team) { return count * tid / team; }
+
+// Every input a kernel would check before it reads or writes through an index.
+inline void check_step(const std::vector<Layer>& layers, const at::Tensor& hidden,
+                       const Step& st, const at::Tensor& q, const at::Tensor& attn) {
+  const Layer& first = layers.front();
+  TORCH_CHECK(hidden.scalar_type() == at::kFloat && hidden.dim() == 2 && hidden.is_contiguous(),
+              "decode_layers: hidden must be a contiguous float32 [tokens, hidden] tensor");
+  const int64_t tokens = hidden.size(0);
+  for (const at::Tensor* t : {&st.cos_table, &st.sin_table})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 2 && t->is_contiguous() &&
+                    t->size(1) == st.head_dim && t->sizes() == st.cos_table.sizes(),
+                "decode_layers: cos_table and sin_table must be float32 [positions, ",
+                st.head_dim, "]");
+  for (const at::Tensor* t : {&st.positions, &st.cache_index})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->dim() == 1 && t->numel() == tokens &&
+                    t->is_contiguous(),
+                "decode_layers: positions and cache_index must be contiguous int64 [", tokens, "]");
+  const int64_t plane = first.k_cache.size(1) * first.k_cache.size(2);
+  const int64_t *pos = st.positions.data_ptr<int64_t>(), *slots = st.cache_index.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < st.cos_table.size(0), "positions[", t, "] = ", pos[t],
+                " is outside the RoPE table's ", st.cos_table.size(0), " positions");
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < plane, "cache_index[", t, "] = ", slots[t],
+                " is outside the cache's ", plane, " rows");
+  }
+  for (const Layer& layer : layers) {
+    TORCH_CHECK(layer.k_cache.sizes() == first.k_cache.sizes() &&
+                    layer.k_cache.scalar_type() == first.k_cache.scalar_type(),
+                "decode_layers: every layer's cache must have the first layer's shape and dtype");
+    const int64_t qkv_heads = st.num_heads + 2 * first.k_cache.size(0);
+    TORCH_CHECK(std::get<2>(layer.qkv) == qkv_heads * st.head_dim &&
+                    std::get<3>(layer.qkv) == hidden.size(1) &&
+                    std::get<2>(layer.o) == hidden.size(1) &&
+                    std::get<2>(layer.down) == hidden.size(1),
+                "decode_layers: a layer's matmuls do not match hidden's ", hidden.size(1),
+                " features");
+  }
+  paged_attend::check_inputs(q, first.k_cache, first.v_cache, st.block_table, st.context_lens,
+                             attn);
+}
+
+// A float16 cache row is c10::Half to the RoPE store and its 16 bits to attention.
+template <typename T>
+using StoreType = std::conditional_t<std::is_same_v<T, uint16_t>, c10::Half, T>;
+
+template <typename T>
+at::Tensor forward_cache(const std::vector<Layer>& layers, const at::Tensor& final_norm,
+                         at::Tensor& hidden, const Step& st) {
+  const Layer& first = layers.front();
+  const int64_t M = hidden.size(0), n = hidden.size(1);
+  const int64_t H = st.num_heads, D = st.head_dim, Hkv = first.k_cache.size(0);
+  const int64_t n_qkv = std::get<2>(first.qkv), n_gu = std::get<2>(first.gate_up);
+  const int64_t inter = n_gu / 2, max_k = std::max({n, H * D, inter});
+  at::Tensor q = at::empty({M, H, D}, at::kFloat), attn = at::empty({M, H, D}, at::kFloat);
+  check_step(layers, hidden, st, q, attn);
+  at::Tensor out = at::empty_like(hidden);
+  std::vector<float> qkv(M * n_qkv), o(M * n), gu(M * n_gu), down(M * n);
+  const int32_t* lens = st.context_lens.data_ptr<int32_t>();
+  const int64_t parts = paged_attend::num_parts(lens, M), items = M * Hkv, group = H / Hkv;
+  std::vector<float> part_acc(parts > 1 ? items * parts * group * D : 0);
+  std::vector<float> part_max(parts > 1 ? items * parts * group : 0), part_sum(part_max.size());
+  const int64_t plane = first.k_cache.size(1) * first.k_cache.size(2);
+  float* residual0 = hidden.data_ptr<float>();
+  const int num_threads = at::get_num_threads();
+  SpinBarrier* barrier = nullptr;
+  std::vector<float> residual_copies;
+
+#pragma omp parallel num_threads(num_threads)
+  {
+    // the team may be smaller than asked (a nested call, OMP_DYNAMIC): shares follow its size
+    const int team = omp_get_num_threads(), tid = omp_get_thread_num();
+#pragma omp single
+    {
+      barrier = new SpinBarrier(team);
+      residual_copies.resize((team - 1) * M * n);
+      for (int t = 1; t < team; ++t)
+        std::memcpy(residual_copies.data() + (t - 1) * M * n, residual0, M * n * sizeof(float));
+    }  // (the single's own barrier: the copies exist before anyone updates the residual)
+    float* residual = tid == 0 ? residual0 : residual_copies.data() + (tid - 1) * M * n;
+    std::vector<float> x(M * max_k);
+    Acts acts(M, max_k);
+    paged_attend::Scratch<T> scratch(group, D);
+    std::vector<float> max(group), sum(group);
+    bool is_first = true;
+    for (const Layer& layer : layers) {
+      norm_rows(residual, is_first ? nullptr : down.data(), layer.input_norm, st.eps, M, n,
+                x.data());
+      is_first = false;
+      acts.quantize(x.data(), M, n);
+      matmul_share(layer.qkv, acts, M, qkv.data(), tid, team);
+      barrier->wait();
+
+      const fused_rows::RopeProblem rope{
+          qkv.data(), layer.qkv_bias ? layer.qkv_bias->data_ptr<float>() : nullptr,
+          layer.q_norm ? layer.q_norm->data_ptr<float>() : nullptr,
+          layer.k_norm ? layer.k_norm->data_ptr<float>() : nullptr, static_cast<float>(st.eps),
+          st.cos_table.data_ptr<float>(), st.sin_table.data_ptr<float>(),
+          st.positions.data_ptr<int64_t>(), st.cache_index.data_ptr<int64_t>(), H, Hkv, D, plane,
+          q.data_ptr<float>()};
+      fused_rows::rope_store_rows(rope, static_cast<StoreType<T>*>(layer.k_cache.data_ptr()),
+                                  static_cast<StoreType<T>*>(layer.v_cache.data_ptr()),
+                                  share_begin(M, tid, team), share_begin(M, tid + 1, team));
+      barrier->wait();
+
+      const paged_attend::Problem<T> pb{
+          q.data_ptr<float>(), static_cast<const T*>(layer.k_cache.data_ptr()),
+          static_cast<const T*>(layer.v_cache.data_ptr()), st.block_table.data_ptr<int32_t>(),
+          lens,
+          H, Hkv, D, first.k_cache.size(1), first.k_cache.size(2), st.block_table.size(1),
+          static_cast<float>(st.scale)};
+      float* attn_out = attn.data_ptr<float>();
+      if (parts == 1) {
+        paged_attend::attend_items(pb, share_begin(items, tid, team),
+                                   share_begin(items, tid + 1, team), scratch, max.data(),
+                                   sum.data(), attn_out);
+      } else {
+        paged_attend::attend_parts(pb, parts, share_begin(items * parts, tid, team),
+                                   share_begin(items * parts, tid + 1, team), scratch,
+                                   part_acc.data(), part_max.data(), part_sum.data());
+        barrier->wait();
+        paged_attend::merge_parts(parts, group, D, part_acc.data(), part_max.data(),
+                                  part_sum.data(), share_begin(items * group, tid, team),
+                                  share_begin(items * group, tid + 1, team), attn_out);
+      }
+      barrier->wait();
+
+      acts.quantize(attn_out, M, H * D);
+      matmul_share(layer.o, acts, M, o.data(), tid, team);
+      barrier->wait();
+
+      norm_rows(residual, o.data(), layer.post_norm, st.eps, M, n, x.data());
+      acts.quantize(x.data(), M, n);
+      matmul_share(layer.gate_up, acts, M, gu.data(), tid, team);
+      barrier->wait();
+
+      for (int64_t r = 0; r < M; ++r)
+        fused_rows::silu_mul_row(gu.data() + r * n_gu, inter, x.data() + r * inter);
+      acts.quantize(x.data(), M, inter);
+      matmul_share(layer.down, acts, M, down.data(), tid, team);
+      barrier->wait();
+    }
+    if (tid == 0)
+      norm_rows(residual, down.data(), final_norm, st.eps, M, n, out.data_ptr<float>());
+  }
+  delete barrier;
+  return out;
+}
+
+// hidden [T, n] (the embeddings, updated in place) -> the final norm's output, as
+// LayerStack::forward's dispatcher path computes it.
+inline at::Tensor forward(const std::vector<Layer>& layers, const at::Tensor& final_norm,
+                         at::Tensor& hidden, const Step& st) {
+  const auto type = layers.front().k_cache.scalar_type();
+  if (type == at::kHalf) return forward_cache<uint16_t>(layers, final_norm, hidden, st);
+  if (type == at::kChar) return forward_cache<int8_t>(layers, final_norm, hidden, st);
+  TORCH_CHECK(type == at::kFloat, "decode_layers: the KV cache must be float32, float16 or int8");
+  return forward_cache<float>(layers, final_norm, hidden, st);
+}
+
+}  // namespace team_forward
