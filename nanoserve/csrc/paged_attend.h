@@ -70,12 +70,16 @@ void locate_rows(const Problem<T>& pb, const int32_t* table, int64_t plane, int6
 }
 
 // Attention of one (request, KV head) over tokens [begin, end): unnormalized acc [G, D], the
-// running max and sum [G].
+// running max and sum [G], for the group's query heads [h0, h1) (all G by default; then G is
+// h1 - h0). A head's arithmetic is the same in any subset of fewer than four heads: score_heads
+// and accumulate_heads take heads in fours, and a four runs its own variant (attend_heads).
 template <typename T>
 void attend_range(const Problem<T>& pb, int64_t b, int64_t kv_head, int64_t begin, int64_t end,
-                  Scratch<T>& sc, float* acc, float* max, float* sum) {
-  const int64_t group = pb.num_heads / pb.num_kv_heads, dim = pb.dim;
-  const float* q = pb.q + (b * pb.num_heads + kv_head * group) * dim;
+                  Scratch<T>& sc, float* acc, float* max, float* sum, int64_t h0 = 0,
+                  int64_t h1 = -1) {
+  const int64_t dim = pb.dim, whole = pb.num_heads / pb.num_kv_heads;
+  const int64_t group = (h1 < 0 ? whole : h1) - h0;  // the query heads [h0, h1) of the group
+  const float* q = pb.q + (b * pb.num_heads + kv_head * whole + h0) * dim;
   for (int64_t i = 0; i < group * dim; ++i) sc.q[i] = q[i] * pb.scale;
   if (scores_in_int8<T>(dim))
     for (int64_t g = 0; g < group; ++g)
@@ -137,6 +141,32 @@ void attend_items(const Problem<T>& pb, int64_t first, int64_t last, Scratch<T>&
       const float inv = sum[g] > 0.0f ? 1.0f / sum[g] : 0.0f;
       for (int64_t d = 0; d < dim; ++d) acc[g * dim + d] *= inv;
     }
+  }
+}
+
+// Whether splitting a group's query heads keeps every head's bits: each subset must run the
+// tile variants the whole group runs, and the group runs one variant for all its heads only
+// when it has fewer than four (accumulate_tile's PH differs for four).
+inline bool heads_split_exactly(int64_t group) { return group < 4; }
+
+// Units [first, last) of an unsplit batch, a unit being one query head of one item (unit = item
+// * G + g): as attend_items, with an item's heads divided where the range cuts it. Balances
+// work where items are few (batch 1, 3 KV heads, 2 threads: 1.5 items each, not 1 and 2).
+template <typename T>
+void attend_heads(const Problem<T>& pb, int64_t first, int64_t last, Scratch<T>& sc, float* max,
+                  float* sum, float* out) {
+  const int64_t group = pb.num_heads / pb.num_kv_heads, dim = pb.dim;
+  for (int64_t unit = first; unit < last;) {
+    const int64_t item = unit / group, h0 = unit % group;
+    const int64_t h1 = std::min(group, h0 + (last - unit));
+    const int64_t b = item / pb.num_kv_heads, kv_head = item % pb.num_kv_heads;
+    float* acc = out + (b * pb.num_heads + kv_head * group + h0) * dim;
+    attend_range(pb, b, kv_head, 0, pb.context_lens[b], sc, acc, max, sum, h0, h1);
+    for (int64_t g = 0; g < h1 - h0; ++g) {
+      const float inv = sum[g] > 0.0f ? 1.0f / sum[g] : 0.0f;
+      for (int64_t d = 0; d < dim; ++d) acc[g * dim + d] *= inv;
+    }
+    unit += h1 - h0;
   }
 }
 

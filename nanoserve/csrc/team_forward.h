@@ -5,13 +5,14 @@
 // the caller's tensor) the residual stream. It computes those itself, the same rows in the
 // same order, so nothing waits on them. What is split is what costs: each matmul's output
 // groups (thread t takes groups [G t / n, G (t + 1) / n)), RoPE's tokens and the cache write,
-// and attention's work items; a barrier follows each, since the next step reads all of it.
+// and attention's work (query heads where a group can be divided exactly, else items); a
+// barrier follows each, since the next step reads all of it.
 // Per layer:
 //
 //   x = add_rms_norm(residual, down)          every thread, its own x (rms_norm at layer 0)
 //   qkv = x @ W_qkv                           split by output groups              | barrier
 //   q, cache = rope_store(qkv)                split by tokens                     | barrier
-//   attn = attention(q, cache)                split by items (+ merge if split)   | barrier
+//   attn = attention(q, cache)                split by heads or items (+ merge)   | barrier
 //   o = attn @ W_o                            split                               | barrier
 //   x = add_rms_norm(residual, o); gu = x @ W_gate_up                 split       | barrier
 //   h = silu_mul(gu); down = h @ W_down                               split       | barrier
@@ -219,7 +220,11 @@ at::Tensor forward_cache(const std::vector<Layer>& layers, const at::Tensor& fin
           H, Hkv, D, first.k_cache.size(1), first.k_cache.size(2), st.block_table.size(1),
           static_cast<float>(st.scale)};
       float* attn_out = attn.data_ptr<float>();
-      if (parts == 1) {
+      if (parts == 1 && paged_attend::heads_split_exactly(group)) {
+        paged_attend::attend_heads(pb, share_begin(items * group, tid, team),
+                                   share_begin(items * group, tid + 1, team), scratch,
+                                   max.data(), sum.data(), attn_out);
+      } else if (parts == 1) {
         paged_attend::attend_items(pb, share_begin(items, tid, team),
                                    share_begin(items, tid + 1, team), scratch, max.data(),
                                    sum.data(), attn_out);

@@ -7,6 +7,8 @@ decodes with chunked prefills."""
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -71,24 +73,54 @@ def test_enforce_eager_keeps_the_python_loop_with_the_same_outputs(tiny_model_di
     assert outputs[True] == outputs[False]
 
 
+@pytest.fixture(scope="module")
+def grouped_query_model_dir(tmp_path_factory: pytest.TempPathFactory,
+                            default_tokenizer: Any) -> Callable[[int], Path]:
+    """queries per KV head -> a tiny Llama with one KV head serving that many query heads. The
+    default model's three KV heads each serve three: at one token a step, two threads then
+    divide a group's heads between them (three: exactly; four: not, so by whole groups)."""
+    import transformers
+
+    made: dict[int, Path] = {}
+
+    def make(group: int) -> Path:
+        if group not in made:
+            config = transformers.LlamaConfig(
+                vocab_size=49152, hidden_size=32 * group, intermediate_size=160,
+                num_hidden_layers=2, num_attention_heads=group, num_key_value_heads=1,
+                max_position_embeddings=1024, rms_norm_eps=1e-6, bos_token_id=1,
+                eos_token_id=2, initializer_range=0.05, tie_word_embeddings=True)
+            torch.manual_seed(1234)
+            made[group] = path = tmp_path_factory.mktemp(f"tiny-gqa{group}")
+            transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+            default_tokenizer.save_pretrained(path)
+        return made[group]
+
+    return make
+
+
 @needs_native
+@pytest.mark.parametrize("group", [3, 4])
 @pytest.mark.parametrize("kv_cache_dtype", ["float32", "float16", "int8"])
-def test_decodes_past_a_split_context_equal_the_python_loop(kv_cache_dtype: str,
-                                                             tiny_model_dir: Any) -> None:
-    """A few tokens a step run the stack as one parallel region (csrc/team_forward.h), and a
-    context past 512 tokens splits attention into partitions merged by log-sum-exp: those
-    decodes, on each cache type, equal the Python loop's bit for bit."""
+@pytest.mark.parametrize("prompt_lengths", [(40, 90, 3), (530, 700)], ids=["whole", "split"])
+def test_few_token_steps_equal_the_python_loop_on_every_cache(
+        group: int, kv_cache_dtype: str, prompt_lengths: tuple[int, ...],
+        grouped_query_model_dir: Callable[[int], Path]) -> None:
+    """A few tokens a step run the stack as one parallel region (csrc/team_forward.h), where
+    each thread attends some query heads of a KV head's group, or whole groups, or, past 512
+    tokens of context, some partitions merged by log-sum-exp: those decodes, on each cache
+    type, equal the Python loop's bit for bit."""
     from nanoserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
     from nanoserve.engine.core import EngineCore
 
     engine = EngineCore(EngineConfig(
-        model=ModelConfig(model=str(tiny_model_dir("llama")), device="cpu", dtype="float32",
-                          quantization="int8"),
+        model=ModelConfig(model=str(grouped_query_model_dir(group)), device="cpu",
+                          dtype="float32", quantization="int8"),
         cache=CacheConfig(num_blocks=96, kv_cache_dtype=kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_batched_tokens=256)))
     rng = random.Random(1)
-    long_prompts = {f"long{n}": [rng.randrange(3, 49152) for _ in range(n)] for n in (530, 700)}
+    step_prompts = {f"p{n}": [rng.randrange(3, 49152) for _ in range(n)] for n in prompt_lengths}
     both = NativeAndPython(engine.loaded.model)
-    outputs = run_to_completion(engine, long_prompts, GREEDY)
+    outputs = run_to_completion(engine, step_prompts, GREEDY)
     assert all(len(ids) == GREEDY.max_tokens for ids in outputs.values())
     assert both.identical and all(both.identical)
