@@ -6,6 +6,9 @@ steps run under `torch.profiler` and every operator's own (self) CPU time is put
   matmuls      the projections and the LM head (oneDNN, MKL, the quantized kernels)
   attention    writing K/V into the cache, gathering it, and attending (SDPA or our kernel)
   element-wise every other operator inside the model's forward (norms, RoPE, SiLU, adds, copies)
+  one region   the decoder layers where a few tokens run them as one native parallel region
+               (csrc/team_forward.h): matmuls, attention and the rest, which the profiler
+               cannot split
   model Python the forward's wall time not spent inside any operator: Python and dispatch
   sampler      the whole sampling call (its own operators and Python)
   engine       scheduling, input preparation and request updates: the rest of the step
@@ -45,7 +48,8 @@ from nanoserve.engine.core import EngineCore
 
 MATMUL_OPS = re.compile(r"mm$|addmm|linear|quant_matmul|linear_dynamic|_weight_int|matmul")
 ATTENTION_OPS = re.compile(r"attention|index_select|index_copy|_softmax")
-BUCKETS = ("matmuls", "attention", "element-wise", "model Python", "sampler", "engine")
+BUCKETS = ("matmuls", "attention", "element-wise", "one region", "model Python", "sampler",
+           "engine")
 
 
 @dataclass
@@ -87,13 +91,13 @@ def _bucket_events(events: list) -> dict[str, float]:
             node = node.cpu_parent
         return None
 
-    model_ops = 0.0
+    model_ops = layer_ops = 0.0  # operators' own time in the forward, and in its layers
     for event in events:
         if event.name == "nanoserve.step":
             totals["step"] += event.cpu_time_total
         elif event.name.startswith("nanoserve."):
             totals[event.name] += event.cpu_time_total
-        elif scope(event) == "nanoserve.model":
+        elif (where := scope(event)) in ("nanoserve.model", "nanoserve.layers"):
             if MATMUL_OPS.search(event.name):
                 totals["matmuls"] += event.self_cpu_time_total
             elif ATTENTION_OPS.search(event.name):
@@ -101,10 +105,14 @@ def _bucket_events(events: list) -> dict[str, float]:
             else:
                 totals["element-wise"] += event.self_cpu_time_total
             model_ops += event.self_cpu_time_total
+            layer_ops += event.self_cpu_time_total if where == "nanoserve.layers" else 0.0
+    # the layer stack's time outside any operator: its one-region path (the dispatcher path's
+    # kernels are operators, bucketed above)
+    one_region = max(0.0, totals["nanoserve.layers"] - layer_ops)
     seconds = {
         "matmuls": totals["matmuls"], "attention": totals["attention"],
-        "element-wise": totals["element-wise"],
-        "model Python": max(0.0, totals["nanoserve.model"] - model_ops),
+        "element-wise": totals["element-wise"], "one region": one_region,
+        "model Python": max(0.0, totals["nanoserve.model"] - model_ops - one_region),
         "sampler": totals["nanoserve.sample"],
     }
     seconds["engine"] = max(0.0, totals["step"] - sum(seconds.values()))
