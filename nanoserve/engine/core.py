@@ -20,7 +20,6 @@ import random
 import time
 
 import numpy as np
-from torch.profiler import record_function
 
 from nanoserve.config import EngineConfig
 from nanoserve.engine.block_table import BlockTable
@@ -48,6 +47,7 @@ from nanoserve.engine.worker import Worker
 from nanoserve.engine.zero_cost_runner import ZeroCostRunner
 from nanoserve.model.loader import LoadedModel, load_model
 from nanoserve.pooling_params import PoolingParams
+from nanoserve.profiling import scope
 from nanoserve.protocol import (
     EngineCoreOutput,
     NewSequence,
@@ -229,7 +229,7 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         """Advance every running request by one forward pass; outputs for those that sampled."""
         # The nanoserve.* scopes let `nanoserve bench step` split the step's time (a few µs).
-        with record_function("nanoserve.step"):
+        with scope("nanoserve.step"):
             return self._step()
 
     def _step(self) -> list[EngineCoreOutput]:
@@ -344,7 +344,7 @@ class EngineCore:
         position, a window's row j after its matcher took the j drafts before it."""
         if all(s.request.grammar is None for s in sampling):
             return NO_GRAMMAR_ROWS, NO_GRAMMAR_BITMASK
-        with record_function("nanoserve.grammar"):
+        with scope("nanoserve.grammar"):
             return self.structured.fill_bitmask(
                 [(s.request.grammar, s.draft_token_ids) for s in sampling])
 

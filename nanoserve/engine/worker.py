@@ -13,11 +13,11 @@ from __future__ import annotations
 import time
 
 import torch
-from torch.profiler import record_function
 
 from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.engine.pooler import Pooler
 from nanoserve.engine.zero_cost_runner import ZeroCostRunner
+from nanoserve.profiling import scope
 from nanoserve.protocol import StepInput, StepOutput, TokenLogprobs
 from nanoserve.sample.logprobs import prompt_logprobs
 from nanoserve.sample.sampler import Sampler
@@ -47,7 +47,7 @@ class Worker:
             self.sampler.add_request(SequenceData(new.slot, new.params, new.prompt_token_ids,
                                                   output_ids, new.seed))
         # 2) the forward, and the logits of the rows that sample
-        with record_function("nanoserve.model"):
+        with scope("nanoserve.model"):
             logits, prompt_logits, hidden = self.runner.execute_step(step)  # [S, vocab]
             pooled = self.pooler.pool(hidden, step.pooling, self.runner.compute_logits)
         prompts: list[list[TokenLogprobs]] = [
@@ -56,10 +56,10 @@ class Worker:
         # 3) the grammar mask (filled by the core), then the sampler
         start = time.perf_counter()
         if len(step.grammar_rows):
-            with record_function("nanoserve.grammar"):
+            with scope("nanoserve.grammar"):
                 apply_bitmask(logits, torch.from_numpy(step.grammar_bitmask),
                               torch.from_numpy(step.grammar_rows), packed=True)
-        with record_function("nanoserve.sample"):
+        with scope("nanoserve.sample"):
             batch = self.sampler.make_batch(step.sample_slots, step.sample_positions,
                                             step.draft_token_ids, step.num_sample_rows)
             sampled = self.sampler.sample(logits, batch)

@@ -51,13 +51,11 @@ of 0.6-1.9 s); there the element-wise and Python buckets still fell 2-3x (batch 
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.profiler import record_function
 
 from nanoserve.model.arch import ArchConfig
 from nanoserve.model.attention import AttentionBackend, AttentionMetadata
@@ -69,6 +67,7 @@ from nanoserve.model.native_layers import build_layer_stack
 from nanoserve.model.parallel import TensorParallelGroup
 from nanoserve.model.rope import RotaryEmbedding
 from nanoserve.model.shard import local_arch, vocab_range
+from nanoserve.profiling import scope
 
 
 class DecoderLayer(nn.Module):
@@ -175,10 +174,9 @@ class CausalLM(nn.Module):
         if stack is not None:  # only over CpuPagedBackend, whose metadata this is
             paged = cast(CpuPagedMetadata, meta)
             hidden = self._embed(input_ids)
-            # a scope for `bench step` (a few tokens run as one native region the profiler
-            # cannot see into, csrc/team_forward.h), entered only under the profiler
-            with (record_function("nanoserve.layers") if torch.autograd._profiler_enabled()
-                  else contextlib.nullcontext()):
+            # a scope for `bench step`: a few tokens run as one native region the profiler
+            # cannot see into (csrc/team_forward.h)
+            with scope("nanoserve.layers"):
                 return stack.forward(hidden, cos, sin, positions, paged.cache_index,
                                      paged.block_table, paged.context_lens)
         step = StepContext(positions, cos, sin, attention.forward, meta, meta.cache_index,
