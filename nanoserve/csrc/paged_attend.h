@@ -127,31 +127,15 @@ inline int64_t num_parts(const int32_t* context_lens, int64_t batch) {
   return std::max<int64_t>(1, (max_len + kPartitionTokens - 1) / kPartitionTokens);
 }
 
-// Items [first, last) of an unsplit batch (item = request * Hkv + KV head): each writes its G
-// output rows of out [B, H, D] directly. max and sum: G floats of the caller's.
-template <typename T>
-void attend_items(const Problem<T>& pb, int64_t first, int64_t last, Scratch<T>& sc, float* max,
-                  float* sum, float* out) {
-  const int64_t group = pb.num_heads / pb.num_kv_heads, dim = pb.dim;
-  for (int64_t item = first; item < last; ++item) {
-    const int64_t b = item / pb.num_kv_heads, kv_head = item % pb.num_kv_heads;
-    float* acc = out + (b * pb.num_heads + kv_head * group) * dim;
-    attend_range(pb, b, kv_head, 0, pb.context_lens[b], sc, acc, max, sum);
-    for (int64_t g = 0; g < group; ++g) {
-      const float inv = sum[g] > 0.0f ? 1.0f / sum[g] : 0.0f;
-      for (int64_t d = 0; d < dim; ++d) acc[g * dim + d] *= inv;
-    }
-  }
-}
-
 // Whether splitting a group's query heads keeps every head's bits: each subset must run the
 // tile variants the whole group runs, and the group runs one variant for all its heads only
 // when it has fewer than four (accumulate_tile's PH differs for four).
 inline bool heads_split_exactly(int64_t group) { return group < 4; }
 
 // Units [first, last) of an unsplit batch, a unit being one query head of one item (unit = item
-// * G + g): as attend_items, with an item's heads divided where the range cuts it. Balances
-// work where items are few (batch 1, 3 KV heads, 2 threads: 1.5 items each, not 1 and 2).
+// * G + g), each normalized into out [B, H, D]; an item's heads are divided where the range cuts
+// it. Balances work where items are few (batch 1, 3 KV heads, 2 threads: 1.5 items each, not 1
+// and 2).
 template <typename T>
 void attend_heads(const Problem<T>& pb, int64_t first, int64_t last, Scratch<T>& sc, float* max,
                   float* sum, float* out) {
@@ -168,6 +152,15 @@ void attend_heads(const Problem<T>& pb, int64_t first, int64_t last, Scratch<T>&
     }
     unit += h1 - h0;
   }
+}
+
+// Items [first, last) of an unsplit batch (item = request * Hkv + KV head): each writes its G
+// output rows of out [B, H, D] directly. max and sum: G floats of the caller's.
+template <typename T>
+void attend_items(const Problem<T>& pb, int64_t first, int64_t last, Scratch<T>& sc, float* max,
+                  float* sum, float* out) {
+  const int64_t group = pb.num_heads / pb.num_kv_heads;
+  attend_heads(pb, first * group, last * group, sc, max, sum, out);  // whole groups
 }
 
 // A split batch's partial results: work items [first, last) of items * parts, each (item,
