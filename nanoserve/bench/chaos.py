@@ -37,7 +37,7 @@ from typing import Any
 import httpx
 
 from nanoserve.bench.chaos_endpoints import path, read_answer, read_event, request_body
-from nanoserve.bench.load_client import make_client, make_prompts, served_model_name, sse_data
+from nanoserve.bench.load_client import make_prompts, make_session, served_model_name, sse_data
 from nanoserve.config import DEFAULT_MODEL_NAME
 
 BEHAVIOURS = ("disconnect", "timeout", "slow", "finish")
@@ -85,6 +85,14 @@ def plan(num_requests: int, args: argparse.Namespace) -> list[str]:
 
 
 # -- one client ---------------------------------------------------------------------------------
+def make_client(max_concurrency: int) -> httpx.AsyncClient:
+    """httpx, for its per-request timeouts (the timing benchmarks use aiohttp, which costs the
+    machine less CPU; here nothing is timed)."""
+    return httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=30.0),
+                             limits=httpx.Limits(max_connections=max_concurrency + 4,
+                                                 max_keepalive_connections=max_concurrency + 4))
+
+
 async def run_client(client: httpx.AsyncClient, url: str, endpoint: str, body: dict[str, Any],
                      behaviour: str, rng: random.Random, headers: dict[str, str]) -> Outcome:
     """One request with its behaviour; never raises (what went wrong is in the outcome)."""
@@ -270,8 +278,8 @@ def run_chaos(url: str, args: argparse.Namespace, pid: int | None = None) -> Cha
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
 
     async def model_name() -> str:
-        async with make_client(1) as client:
-            return (await served_model_name(client, url, headers) or args.model
+        async with make_session(1) as session:
+            return (await served_model_name(session, url, headers) or args.model
                     or DEFAULT_MODEL_NAME)
 
     model = asyncio.run(model_name())

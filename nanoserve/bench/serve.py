@@ -29,8 +29,8 @@ from nanoserve.bench.load_client import (
     completion_body,
     format_comparison,
     format_table,
-    make_client,
     make_prompts,
+    make_session,
     parse_levels,
     requests_per_level,
     run_level,
@@ -51,10 +51,10 @@ async def bench_server(name: str, url: str, model: str | None, args: argparse.Na
                        levels: Sequence[int]) -> ServerRun:
     """Warm the server up with one short request, then run every level."""
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    async with make_client(max(levels)) as client:
-        model = (model or await served_model_name(client, url, headers) or args.model
+    async with make_session(max(levels)) as session:
+        model = (model or await served_model_name(session, url, headers) or args.model
                  or DEFAULT_MODEL_NAME)
-        warm = await send_request(client, url, completion_body(model, "Hello", 4), headers)
+        warm = await send_request(session, url, completion_body(model, "Hello", 4), headers)
         if warm.error is not None:
             print(f"{name}: warm-up request failed: {warm.error}", file=sys.stderr)
         results = []
@@ -63,7 +63,7 @@ async def bench_server(name: str, url: str, model: str | None, args: argparse.Na
             # Each level has its own prompts so no server finds a previous level's in its cache.
             prompts = make_prompts(count, args.input_len, seed=args.seed * 1_000_003 + concurrency)
             bodies = [completion_body(model, p, args.output_len) for p in prompts]
-            stats = summarize(await run_level(client, url, bodies, concurrency, headers),
+            stats = summarize(await run_level(session, url, bodies, concurrency, headers),
                               concurrency)
             print(f"{name}: concurrency {concurrency}: {stats.requests} requests, "
                   f"{stats.failures} failed, {stats.tokens_per_s:.1f} tok/s", file=sys.stderr)

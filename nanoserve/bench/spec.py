@@ -31,7 +31,7 @@ from typing import Any
 
 import httpx
 
-from nanoserve.bench.load_client import ratio, run_level, summarize
+from nanoserve.bench.load_client import make_session, ratio, run_level, summarize
 from nanoserve.bench.spec_peer import (
     PEER_PREFIX,
     Drafts,
@@ -39,7 +39,6 @@ from nanoserve.bench.spec_peer import (
     peer_label,
     peer_server,
     peer_spec_types,
-    tee_client,
     timings_drafts,
 )
 from nanoserve.bench.spec_workloads import COPY_WORKLOADS, workload_prompts
@@ -120,18 +119,17 @@ def counter_drafts(before: dict[str, float], after: dict[str, float]) -> Drafts:
 async def run_workloads(url: str, plan: Plan, args: argparse.Namespace,
                         cells: dict[tuple[str, int], Cell], is_peer: bool = False) -> None:
     """Every (workload, level) of `plan` against one server, into `cells`."""
-    client, transport = tee_client(max(level for _, level in plan))
-    async with client:
+    async with make_session(max(level for _, level in plan)) as session:
         # one untimed request first: a fresh server's first one pays for loading and warming
         warm_up = request_bodies(args.model_name, "chat", 1, 16)
-        await run_level(client, url, warm_up, 1, {}, path=_CHAT)
+        await run_level(session, url, warm_up, 1, {}, path=_CHAT)
         for workload, level in plan:
             count = max(level, args.requests_per_level)
             bodies = request_bodies(args.model_name, workload, count, args.max_tokens)
             before = {} if is_peer else counters(url)
-            transport.responses.clear()
-            records = await run_level(client, url, bodies, level, {}, path=_CHAT)
-            drafts = timings_drafts(transport.responses) if is_peer \
+            records = await run_level(session, url, bodies, level, {}, path=_CHAT,
+                                      keep_bodies=is_peer)
+            drafts = timings_drafts([r.body or b"" for r in records]) if is_peer \
                 else counter_drafts(before, counters(url))
             stats = summarize(records, level)
             cell = cells.setdefault((workload, level), Cell())

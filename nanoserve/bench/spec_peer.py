@@ -9,8 +9,8 @@ its lookup is longer than its draft (common/ngram-map.cpp), so it looks up min(1
 length) tokens. `--peer-args` overrides any of them. A configuration runs one server per
 concurrency level of the plan, a slot per stream (`--parallel level`), as `bench serve` does.
 
-Both servers are timed by the same load client; the client's transport keeps each response's
-bytes, from which llama-server's acceptance is read afterwards: the `timings` object of its
+Both servers are timed by the same load client. It keeps the bytes of each of the peer's
+responses, from which llama-server's acceptance is read afterwards: the `timings` object of its
 last chunk carries `draft_n` (tokens drafted) and `draft_n_accepted`, when it drafted.
 """
 
@@ -20,11 +20,9 @@ import argparse
 import contextlib
 import json
 import os
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-
-import httpx
 
 from nanoserve.bench.load_client import sse_data
 
@@ -116,51 +114,6 @@ def _last_timings(body: str) -> dict[str, object]:
             if isinstance(chunk, dict) and isinstance(chunk.get("timings"), dict):
                 timings = chunk["timings"]
     return timings
-
-
-class _TeeStream(httpx.AsyncByteStream):
-    """A response body that passes its bytes on and keeps a copy."""
-
-    def __init__(self, stream: httpx.AsyncByteStream, copy: bytearray) -> None:
-        self.stream, self.copy = stream, copy
-
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        async for chunk in self.stream:
-            self.copy += chunk
-            yield chunk
-
-    async def aclose(self) -> None:
-        await self.stream.aclose()
-
-
-class TeeTransport(httpx.AsyncBaseTransport):
-    """Passes requests through and keeps every response's bytes in `responses` (read after a
-    level, outside the timed requests; the copy costs one append per chunk, on both servers)."""
-
-    def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
-        self.inner = inner
-        self.responses: list[bytearray] = []
-
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        response = await self.inner.handle_async_request(request)
-        copy = bytearray()
-        self.responses.append(copy)
-        assert isinstance(response.stream, httpx.AsyncByteStream)
-        return httpx.Response(response.status_code, headers=response.headers,
-                              stream=_TeeStream(response.stream, copy),
-                              extensions=response.extensions)
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
-
-
-def tee_client(max_concurrency: int) -> tuple[httpx.AsyncClient, TeeTransport]:
-    """`load_client.make_client`'s client (the same timeouts and connections), teed."""
-    limits = httpx.Limits(max_connections=max_concurrency + 4,
-                          max_keepalive_connections=max_concurrency + 4)
-    transport = TeeTransport(httpx.AsyncHTTPTransport(limits=limits))
-    return httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=30.0),
-                             transport=transport), transport
 
 
 @contextlib.contextmanager

@@ -1,7 +1,7 @@
 """`nanoserve bench serve`: the client's parsing, statistics and concurrency, on fake servers.
 
-No network and no model (the default model's tokenizer only): requests go to
-`httpx.MockTransport` handlers that replay recorded streams. Nothing here builds or starts
+No model (the default model's tokenizer only): requests go to a real HTTP server on loopback
+(tests/sse_server.py) that replays recorded streams. Nothing here builds or starts
 llama-server.
 """
 
@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import io
-import json
 import math
 import tarfile
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
+from aiohttp import web
+from sse_server import replay, replaying, serving
 
 from nanoserve.bench import llama_server
 from nanoserve.bench.load_client import (
@@ -29,6 +29,7 @@ from nanoserve.bench.load_client import (
     format_comparison,
     inter_token_latencies,
     make_prompts,
+    make_session,
     parse_event,
     parse_levels,
     percentile,
@@ -38,9 +39,7 @@ from nanoserve.bench.load_client import (
     send_request,
     summarize,
 )
-from nanoserve.bench.serve import llama_slot_tokens
-
-URL = "http://fake"
+from nanoserve.bench.serve import free_port, llama_slot_tokens
 
 # What a vLLM-style server sends for three tokens, then usage, then [DONE]: a first chunk
 # with no text (as servers send while holding back an incomplete character), a comment line.
@@ -62,29 +61,20 @@ def pieces(data: bytes, size: int) -> list[bytes]:
     return [data[i:i + size] for i in range(0, len(data), size)]
 
 
-def sse_response(chunks: Sequence[bytes], on_end: Callable[[], None] | None = None,
-                 status: int = 200) -> httpx.Response:
-    async def body() -> AsyncIterator[bytes]:
-        for i, chunk in enumerate(chunks):
-            await asyncio.sleep(0)  # let other requests run between chunks
-            if i == len(chunks) - 1 and on_end is not None:
-                on_end()
-            yield chunk
-
-    return httpx.Response(status, content=body(), headers={"content-type": "text/event-stream"})
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def send(handler: Callable[[httpx.Request], Any]) -> RequestRecord:
+def send(handler: Handler) -> RequestRecord:
     async def go() -> RequestRecord:
-        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
-            return await send_request(client, URL, completion_body("m", "hi", 3), {})
+        async with serving(handler) as url, make_session(1) as session:
+            return await send_request(session, url, completion_body("m", "hi", 3), {})
 
     return asyncio.run(go())
 
 
 @pytest.mark.parametrize("size", [1, 7, 64, len(RECORDED)])
 def test_recorded_stream_is_parsed_whatever_the_chunking(size: int) -> None:
-    record = send(lambda request: sse_response(pieces(RECORDED, size)))
+    record = send(replaying(pieces(RECORDED, size)))
     assert record.ok, record.error
     assert len(record.chunk_times) == 3  # the empty-text chunk is not a token
     assert record.usage_tokens == 3
@@ -95,10 +85,10 @@ def test_recorded_stream_is_parsed_whatever_the_chunking(size: int) -> None:
 def test_request_body_asks_for_a_streamed_greedy_fixed_length_completion() -> None:
     seen: list[dict[str, Any]] = []
 
-    def handler(request: httpx.Request) -> httpx.Response:
-        assert request.url.path == "/v1/completions"
-        seen.append(json.loads(request.content))
-        return sse_response([RECORDED])
+    async def handler(request: web.Request) -> web.StreamResponse:
+        assert request.path == "/v1/completions"
+        seen.append(await request.json())
+        return await replay(request, [RECORDED])
 
     send(handler)
     assert seen == [{"model": "m", "prompt": "hi", "max_tokens": 3, "temperature": 0,
@@ -109,29 +99,34 @@ def test_request_body_asks_for_a_streamed_greedy_fixed_length_completion() -> No
 def test_without_usage_tokens_are_counted_as_content_chunks() -> None:
     stream = b"".join(line for line in RECORDED.splitlines(keepends=True)
                       if b"completion_tokens" not in line)
-    record = send(lambda request: sse_response([stream]))
+    record = send(replaying([stream]))
     assert record.ok and record.usage_tokens is None
     assert record.completion_tokens == 3
 
 
-@pytest.mark.parametrize(("response", "message"), [
-    (httpx.Response(503, text="overloaded"), "HTTP 503: overloaded"),
-    (httpx.Response(200, content=b'data: {"choices":[{"text":"a"}]}\n\n'), "without data: [DONE]"),
-    (httpx.Response(200, content=b'data: {"error":{"message":"bad prompt"}}\n\n'), "bad prompt"),
-    (httpx.Response(200, content=b"data: {oops\n\n"), "not JSON"),
+@pytest.mark.parametrize(("status", "body", "message"), [
+    (503, b"overloaded", "HTTP 503: overloaded"),
+    (200, b'data: {"choices":[{"text":"a"}]}\n\n', "without data: [DONE]"),
+    (200, b'data: {"error":{"message":"bad prompt"}}\n\n', "bad prompt"),
+    (200, b"data: {oops\n\n", "not JSON"),
 ])
-def test_failures_are_recorded_not_raised(response: httpx.Response, message: str) -> None:
-    record = send(lambda request: response)
+def test_failures_are_recorded_not_raised(status: int, body: bytes, message: str) -> None:
+    async def handler(request: web.Request) -> web.StreamResponse:
+        return web.Response(status=status, body=body)
+
+    record = send(handler)
     assert not record.ok
     assert record.error is not None and message in record.error
 
 
 def test_connection_errors_are_recorded() -> None:
-    def handler(request: httpx.Request) -> httpx.Response:
-        raise httpx.ConnectError("refused")
+    async def go() -> RequestRecord:
+        async with make_session(1) as session:  # nothing listens on the port
+            return await send_request(session, f"http://127.0.0.1:{free_port()}",
+                                      completion_body("m", "hi", 3), {})
 
-    record = send(handler)
-    assert record.error == "ConnectError: refused"
+    record = asyncio.run(go())
+    assert record.error is not None and record.error.startswith("ClientConnectorError")
 
 
 def test_parse_event() -> None:
@@ -150,18 +145,18 @@ def test_runner_keeps_at_most_concurrency_requests_in_flight(concurrency: int) -
         nonlocal in_flight
         in_flight -= 1
 
-    def handler(request: httpx.Request) -> httpx.Response:
+    async def handler(request: web.Request) -> web.StreamResponse:
         nonlocal in_flight, peak
         in_flight += 1
         peak = max(peak, in_flight)
-        prompts.append(json.loads(request.content)["prompt"])
-        return sse_response(pieces(RECORDED, 16), on_end=finished)
+        prompts.append((await request.json())["prompt"])
+        return await replay(request, pieces(RECORDED, 16), on_end=finished)
 
     bodies = [completion_body("m", f"p{i}", 3) for i in range(20)]
 
     async def go() -> list[RequestRecord]:
-        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
-            return await run_level(client, URL, bodies, concurrency, {})
+        async with serving(handler) as url, make_session(concurrency) as session:
+            return await run_level(session, url, bodies, concurrency, {})
 
     records = asyncio.run(go())
     assert peak == concurrency

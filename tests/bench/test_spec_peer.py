@@ -1,6 +1,6 @@
 """`bench spec` beside llama-server: its flags, its `timings`, and the report's ratios.
 
-No server and no model: cells are filled by hand, streams replayed through `MockTransport`.
+No model: cells are filled by hand, streams replayed by a loopback server (tests/sse_server.py).
 """
 
 from __future__ import annotations
@@ -8,14 +8,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-import httpx
 import pytest
+from aiohttp import web
+from sse_server import replay, serving
 
-from nanoserve.bench.load_client import RequestRecord, send_request
+from nanoserve.bench.load_client import RequestRecord, make_session, send_request
 from nanoserve.bench.spec import Cell, best_peer, format_report, target_lines
 from nanoserve.bench.spec_peer import (
     Drafts,
-    TeeTransport,
     peer_server_args,
     peer_spec_types,
     timings_drafts,
@@ -68,17 +68,19 @@ def test_drafts_add_up_and_give_the_mean_accepted_length() -> None:
     assert (total + Drafts(None, 1.0, 1.0)).num_drafts is None
 
 
-def test_the_tee_passes_the_stream_on_and_keeps_its_bytes() -> None:
-    tee = TeeTransport(httpx.MockTransport(lambda request: httpx.Response(
-        200, content=LLAMA_STREAM, headers={"content-type": "text/event-stream"})))
+@pytest.mark.parametrize("keep_body", [True, False])
+def test_the_client_keeps_a_streams_bytes_when_asked(keep_body: bool) -> None:
+    async def handler(request: web.Request) -> web.StreamResponse:
+        return await replay(request, [LLAMA_STREAM[:50], LLAMA_STREAM[50:]])
 
     async def go() -> RequestRecord:
-        async with httpx.AsyncClient(transport=tee) as client:
-            return await send_request(client, "http://fake", {}, {}, "/v1/chat/completions")
+        async with serving(handler) as url, make_session(1) as session:
+            return await send_request(session, url, {}, {}, "/v1/chat/completions",
+                                      keep_body=keep_body)
 
     record = asyncio.run(go())
     assert record.ok and record.text == "Hi there" and record.usage_tokens == 2
-    assert [bytes(body) for body in tee.responses] == [LLAMA_STREAM]
+    assert record.body == (LLAMA_STREAM if keep_body else None)
 
 
 def cell(speed: float, drafts: Drafts | None = None, text: str = "a",
