@@ -60,6 +60,8 @@ class SamplingState:
         self.repetition = torch.ones(num_slots, dtype=torch.float32, device=device)
         self.seed = torch.zeros(num_slots, dtype=torch.int64, device=device)
         self.uses = {stage: np.zeros(num_slots, dtype=bool) for stage in STAGES}
+        # slots that use none of the stages: greedy, no logprobs (the sampler's plain path)
+        self.plain = np.ones(num_slots, dtype=bool)
         self.seqs: list[SequenceData | None] = [None] * num_slots
         self.bias_ids = torch.zeros(num_slots, 1, dtype=torch.int64, device=device)
         self.bias_values = torch.zeros(num_slots, 1, dtype=torch.float32, device=device)
@@ -114,6 +116,7 @@ class SamplingState:
         self._write_bias(slot, p)
         self._write_penalties(seq)
         self._write_thinking(seq)
+        self.plain[slot] = not any(flags[slot] for flags in uses.values())
 
     def seq(self, slot: int) -> SequenceData:
         """The sequence that occupies `slot`."""
@@ -125,6 +128,7 @@ class SamplingState:
         self.seqs[slot] = None
         for flags in self.uses.values():
             flags[slot] = False
+        self.plain[slot] = True
 
     def _write_allowed(self, slot: int, p: SamplingParams) -> None:
         self.uses["allowed"][slot] = p.allowed_token_ids is not None
