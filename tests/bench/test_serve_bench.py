@@ -129,6 +129,24 @@ def test_connection_errors_are_recorded() -> None:
     assert record.error is not None and record.error.startswith("ClientConnectorError")
 
 
+def test_each_request_has_a_connection_of_its_own() -> None:
+    """No connection is reused: a server that closes kept-alive connections (llama-server
+    does, after a few requests) never sees a request on one it is closing."""
+    peers: list[tuple[str, int]] = []
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        assert request.transport is not None
+        peers.append(request.transport.get_extra_info("peername"))
+        return await replay(request, [RECORDED])
+
+    async def go() -> list[RequestRecord]:
+        async with serving(handler) as url, make_session(2) as session:
+            return await run_level(session, url, [completion_body("m", "hi", 3)] * 6, 2, {})
+
+    assert all(record.ok for record in asyncio.run(go()))
+    assert len(peers) == len(set(peers)) == 6
+
+
 def test_parse_event() -> None:
     assert parse_event("[DONE]").done
     assert parse_event('{"choices":[{"text":"x"}],"usage":null}').text == "x"
