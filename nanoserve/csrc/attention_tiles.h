@@ -204,22 +204,7 @@ void accumulate_columns(const float* p, const T* const* values, int64_t n, int64
       for (int ph = 1; ph < PH; ++ph) a[ph][g][v] = _mm256_setzero_ps();
     }
   }
-  int64_t j = 0;
-  for (; j + PH <= n; j += PH) {
-    NANOSERVE_UNROLL
-    for (int ph = 0; ph < PH; ++ph) {
-      __m256 x[NV];
-      NANOSERVE_UNROLL
-      for (int v = 0; v < NV; ++v) x[v] = load8(values[j + ph] + d0 + 8 * v);
-      NANOSERVE_UNROLL
-      for (int g = 0; g < GB; ++g) {
-        const __m256 w = _mm256_broadcast_ss(p + g * kTileTokens + j + ph);
-        NANOSERVE_UNROLL
-        for (int v = 0; v < NV; ++v) a[ph][g][v] = _mm256_fmadd_ps(w, x[v], a[ph][g][v]);
-      }
-    }
-  }
-  for (; j < n; ++j) {
+  auto add_key = [&](int64_t j, __m256 (&into)[GB][NV]) {
     __m256 x[NV];
     NANOSERVE_UNROLL
     for (int v = 0; v < NV; ++v) x[v] = load8(values[j] + d0 + 8 * v);
@@ -227,9 +212,15 @@ void accumulate_columns(const float* p, const T* const* values, int64_t n, int64
     for (int g = 0; g < GB; ++g) {
       const __m256 w = _mm256_broadcast_ss(p + g * kTileTokens + j);
       NANOSERVE_UNROLL
-      for (int v = 0; v < NV; ++v) a[0][g][v] = _mm256_fmadd_ps(w, x[v], a[0][g][v]);
+      for (int v = 0; v < NV; ++v) into[g][v] = _mm256_fmadd_ps(w, x[v], into[g][v]);
     }
+  };
+  int64_t j = 0;
+  for (; j + PH <= n; j += PH) {
+    NANOSERVE_UNROLL
+    for (int ph = 0; ph < PH; ++ph) add_key(j + ph, a[ph]);
   }
+  for (; j < n; ++j) add_key(j, a[0]);
   NANOSERVE_UNROLL
   for (int g = 0; g < GB; ++g)
     NANOSERVE_UNROLL
