@@ -51,6 +51,10 @@ def add_bench_commands(bench: argparse.ArgumentParser, build_llm: LLMFactory) ->
     step.add_argument("--compare-eager", action="store_true",
                       help="also time each batch with the decoder layers as one native call "
                            "and as the Python loop (--enforce-eager), interleaved")
+    step.add_argument("--compare-compiled", action="store_true",
+                      help="also time each batch with the decoder layers as one native call "
+                           "and as the kernels' layer loop under torch.compile (Inductor, C++ "
+                           "wrapper; compiling takes minutes), interleaved")
     step.add_argument("--rows-curve", type=int, default=0, metavar="K",
                       help="also time one request's step as it scores 1 + k rows, k = 0..K "
                            "(what a speculative verify costs; default: off)")

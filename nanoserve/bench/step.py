@@ -21,7 +21,8 @@ After the buckets, each measured step beside its floor (floor.py): the bytes it 
 the read bandwidth, its multiply-adds over the matmul kernel's rate, both measured in the run.
 
 `--compare-eager` times each batch size with the layers as one native call and as the Python
-loop, interleaved (eager.py).
+loop, interleaved (eager.py); `--compare-compiled` the same with the kernels' layer loop
+under torch.compile in place of the Python loop (compiled.py).
 
 `--rows-curve K` adds what speculative decoding needs to know: one request's step as it scores
 1 + k rows (k draft tokens, k = 0..K), against the one-row step. The drafts are set on the
@@ -40,6 +41,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from nanoserve.bench.compiled import compare_compiled, format_compiled
 from nanoserve.bench.eager import compare_eager, format_eager
 from nanoserve.bench.floor import format_floors, measure_rates, step_floor
 from nanoserve.bench.roofline import start_decoding
@@ -147,6 +149,9 @@ def run_step_profile(engine: EngineCore, args: argparse.Namespace) -> list[StepP
     if args.compare_eager:
         print()
         print(format_eager(compare_eager(engine, sizes, args.context_len, args.repeats)))
+    if args.compare_compiled:
+        print()
+        print(format_compiled(compare_compiled(engine, sizes, args.context_len, args.repeats)))
     if args.rows_curve:
         curve = rows_curve(engine, args.context_len, args.rows_curve, args.repeats)
         print()

@@ -44,7 +44,7 @@ using RmsNormFn = T(T, T, double);
 using AddRmsNormFn = T(T, T, T, double);
 using SiluMulFn = T(T);
 using RopeStoreFn = T(T, OptT, OptT, OptT, double, T, T, T, T, T, T);
-using AttentionFn = T(T, T, T, T, T, double, T);
+using AttentionFn = void(T, T, T, T, T, double, T);
 
 struct Ops {
   c10::TypedOperatorHandle<MatmulFn> matmul;

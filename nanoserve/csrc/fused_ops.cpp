@@ -184,14 +184,19 @@ torch::Tensor rope_store(torch::Tensor qkv, std::optional<torch::Tensor> bias,
 
 // The same calls as dispatcher ops, for native code that chains the kernels (decode_layers.cpp).
 TORCH_LIBRARY_FRAGMENT(nanoserve, m) {
-  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
-  m.def("add_rms_norm(Tensor(a!) hidden, Tensor delta, Tensor weight, float eps) -> Tensor",
-        &add_rms_norm);
-  m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul);
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor(a!) hidden, Tensor delta, Tensor weight, float eps) -> Tensor");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("rope_store(Tensor(a!) qkv, Tensor? bias, Tensor? q_norm, Tensor? k_norm, float eps, "
         "Tensor cos_table, Tensor sin_table, Tensor positions, Tensor(b!) k_cache, "
-        "Tensor(c!) v_cache, Tensor cache_index) -> Tensor",
-        &rope_store);
+        "Tensor(c!) v_cache, Tensor cache_index) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(nanoserve, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("silu_mul", &silu_mul);
+  m.impl("rope_store", &rope_store);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -89,11 +89,20 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
   return out;
 }
 
-// The same call as a dispatcher op, for native code that chains the kernels (decode_layers.cpp).
+// The same call as a dispatcher op, for native code that chains the kernels (decode_layers.cpp)
+// and for torch.compile (bench/compiled.py). It returns nothing: functionalization, which
+// torch.compile runs, rejects a custom op whose output aliases an input (`out`).
 TORCH_LIBRARY_FRAGMENT(nanoserve, m) {
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
-        "Tensor context_lens, float scale, Tensor(a!) out) -> Tensor(a!)",
-        &decode_attention);
+        "Tensor context_lens, float scale, Tensor(a!) out) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(nanoserve, CPU, m) {
+  m.impl("decode_attention", [](torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                torch::Tensor block_table, torch::Tensor context_lens,
+                                double scale, torch::Tensor out) {
+    decode_attention(q, k_cache, v_cache, block_table, context_lens, scale, out);
+  });
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -209,8 +209,11 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& raw, int64_t ggml
 
 // The matmul as a dispatcher op too, for native code that chains the kernels (decode_layers.cpp).
 TORCH_LIBRARY_FRAGMENT(nanoserve, m) {
-  m.def("packed_matmul(Tensor x, Tensor packed, int ggml_type, int N, int K, Tensor? wide) -> Tensor",
-        &packed_matmul);
+  m.def("packed_matmul(Tensor x, Tensor packed, int ggml_type, int N, int K, Tensor? wide) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(nanoserve, CPU, m) {
+  m.impl("packed_matmul", &packed_matmul);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

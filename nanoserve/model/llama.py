@@ -213,6 +213,20 @@ class CausalLM(nn.Module):
             self._layer_stack = (kv_caches, build_layer_stack(self, kv_caches, attention))
         return self._layer_stack[1]
 
+    @property
+    def layer_stack(self) -> Any | None:
+        """The native layer stack the last fused forward ran, or None."""
+        return None if self._layer_stack is None else self._layer_stack[1]
+
+    def swap_layer_stack(self, stack: Any) -> Any:
+        """Puts `stack` (anything with the native stack's `forward`) where the built one runs,
+        over the same caches; returns the one it replaces. For `bench step
+        --compare-compiled`, which times a compiled layer loop in its place."""
+        assert self._layer_stack is not None, "a fused forward has built the native stack"
+        kv_caches, previous = self._layer_stack
+        self._layer_stack = (kv_caches, stack)
+        return previous
+
     def _can_fuse(self) -> bool:
         """Quantized matmul weights (any mode but "none") on the CPU in float32, and the kernel
         built: "none" stays the exact plain-PyTorch path."""

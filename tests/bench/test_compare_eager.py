@@ -27,7 +27,7 @@ def test_bench_step_prints_buckets_floors_and_both_layer_paths(tiny_model_dir: A
 
     model.forward = recording
     args = argparse.Namespace(batch_sizes="1,2", context_len=16, repeats=1, compare_eager=True,
-                              rows_curve=0)
+                              compare_compiled=False, rows_curve=0)
     profiles = run_step_profile(engine, args)
     printed = capsys.readouterr().out
     assert [p.batch for p in profiles] == [1, 2]
