@@ -10,6 +10,9 @@ Up to 15 tokens (a decode of a few requests) the call runs as one OpenMP region 
 (`csrc/team_forward.h`): the kernels' inner loops called directly, each thread taking its share
 of every matmul and of attention, barriers in place of ~5 fork/joins a layer; a batch-1 step
 went from 9.0-9.3 to 6.8-7.8 ms on 2 Zen 1 cores, the same bits again.
+The same kernels' layer loop under `torch.compile` (Inductor, C++ wrapper) gives the same bits
+but runs as the dispatcher path does, each kernel its own parallel region: 1.44x this call's
+step at batch 1 (`bench step --compare-compiled`, bench/compiled.py).
 
 It runs where the fused path would, with paged attention over the cache (`CpuPagedBackend`),
 one rank, and every projection a packed quantized weight; elsewhere, and under
