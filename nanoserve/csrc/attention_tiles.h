@@ -296,8 +296,11 @@ inline void softmax_tile(float* scores, int64_t n, int64_t group, float* max, fl
       _mm256_storeu_ps(s + j, p);
     }
     // Padding adds exp(ln(FLT_MIN)) ~ 1e-38 per entry to a sum of at least 1 (the max's own
-    // term): nothing, in float32. P·V reads only the n real entries.
-    sum[g] = sum[g] * corr[g] + hsum(vsum);
+    // term): nothing, in float32. P·V reads only the n real entries. One rounding, written
+    // out: GCC contracts `sum * corr + x` into an FMA in some inlined copies and not in others
+    // (measured: a copy inlined into run_attend.h's walk kept the two roundings), and every
+    // copy must give the same bits.
+    sum[g] = std::fma(sum[g], corr[g], hsum(vsum));
   }
 }
 

@@ -196,9 +196,9 @@ inline void merge_parts(int64_t parts, int64_t group, int64_t dim, const float* 
       const int64_t at = (item * parts + p) * group + g;
       if (part_sum[at] == 0.0f) continue;  // an empty partition (context ended before it)
       const float w = std::exp(part_max[at] - global_max);
-      total += part_sum[at] * w;
+      total = std::fma(part_sum[at], w, total);  // one rounding in every inlined copy
       const float* a = part_acc + at * dim;
-      for (int64_t d = 0; d < dim; ++d) o[d] += w * a[d];
+      for (int64_t d = 0; d < dim; ++d) o[d] = std::fma(w, a[d], o[d]);
     }
     const float inv = total > 0.0f ? 1.0f / total : 0.0f;
     for (int64_t d = 0; d < dim; ++d) o[d] *= inv;

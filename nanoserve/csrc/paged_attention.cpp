@@ -15,7 +15,9 @@
 // Contexts longer than kPartitionTokens are split into partitions of that many tokens, attended
 // in parallel and merged by log-sum-exp. The split depends only on a context's own length, never
 // on the batch or the thread count, so a request's result is the same alone or batched (and a
-// prompt token's, whatever chunk it was prefilled in: prefill queries come here too).
+// prompt token's, whatever chunk it was prefilled in: prefill queries come here too). A prefill
+// chunk's rows, which share their keys, are attended in blocks of rows (run_attend.h), each row
+// to the same bits.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/extension.h>
@@ -29,6 +31,7 @@
 
 #include "kv_int8.h"
 #include "paged_attend.h"
+#include "run_attend.h"
 
 namespace {
 
@@ -48,6 +51,11 @@ void attend_batch(const torch::Tensor& q, const torch::Tensor& k_cache,
   const int64_t batch = q.size(0), group = pb.num_heads / pb.num_kv_heads, dim = pb.dim;
   const int64_t items = batch * pb.num_kv_heads;
   if (items == 0) return;
+  if constexpr (!std::is_same_v<T, int8_t>) {  // a prefill chunk's rows share their keys
+    const auto blocks = run_attend::row_blocks(pb.block_table, pb.context_lens, batch,
+                                               pb.max_blocks, pb.block_size);
+    if (run_attend::has_runs(blocks)) return run_attend::attend_blocks(pb, blocks, out_ptr);
+  }
   // Fixed-length partitions (an item's empty ones, past its context, are skipped in the merge;
   // one non-empty partition merges to exactly the unsplit result).
   const int64_t parts = num_parts(pb.context_lens, batch);

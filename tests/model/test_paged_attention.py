@@ -241,6 +241,43 @@ def test_decodes_in_a_mixed_batch_take_the_kernel_path(cache_dtype: torch.dtype)
     assert relative_error(outs[1], outs[0]) < 1e-5
 
 
+def chunk_case(prompt_len: int, chunk: range, decodes: tuple[int, ...], seed: int = 0
+               ) -> tuple[torch.Tensor, ...]:
+    """A prefill chunk's rows (positions `chunk` of a `prompt_len`-token request, each row a
+    copy of the request's table, as the backend builds them) followed by `decodes` requests of
+    their own, with fresh queries."""
+    _, k_cache, v_cache, table, _ = random_case([prompt_len, *decodes], num_kv_heads=3, group=3,
+                                                head_dim=64, seed=seed)
+    tables = torch.cat([table[:1].repeat(len(chunk), 1), table[1:]]).contiguous()
+    lens = torch.tensor([t + 1 for t in chunk] + list(decodes), dtype=torch.int32)
+    q = 2 * torch.randn(len(lens), 9, 64, generator=torch.Generator().manual_seed(seed + 1))
+    return q, k_cache, v_cache, tables, lens
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("num_threads", [1, 2])
+@pytest.mark.parametrize(("prompt_len", "chunk", "decodes"),
+                         [(40, range(40), ()), (700, range(700), (5, 600)),
+                          (1500, range(1000, 1300), (3,)), (1100, range(1023, 1100), ())])
+def test_a_chunks_rows_attended_together_equal_each_row_alone(
+        prompt_len: int, chunk: range, decodes: tuple[int, ...], num_threads: int,
+        cache_dtype: torch.dtype) -> None:
+    """A prefill chunk's rows share their keys and are attended in blocks (run_attend.h); each
+    row's bits are still those it gets alone, across tiles, partitions and blocks of rows, with
+    decodes in the batch: a token's result does not depend on the chunk it came in."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        q, k_cache, v_cache, tables, lens = with_cache_dtype(
+            chunk_case(prompt_len, chunk, decodes), cache_dtype)
+        together = decode_attention(q, k_cache, v_cache, tables, lens)
+        alone = torch.cat([decode_attention(q[i : i + 1], k_cache, v_cache, tables[i : i + 1],
+                                            lens[i : i + 1]) for i in range(len(lens))])
+        assert torch.equal(together, alone)
+    finally:
+        torch.set_num_threads(previous)
+
+
 @pytest.mark.parametrize("is_in_place", [False, True])
 def test_float16_cache_write_and_prefix_read(is_in_place: bool) -> None:
     """Each backend writes new keys and values rounded to a float16 cache, and a prefill

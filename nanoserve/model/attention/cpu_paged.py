@@ -57,7 +57,10 @@ the cache up to its own position (`context_lens` = position + 1), after the whol
 and values are written. A token's result is then the same whatever chunk it came in and
 whatever the prefix cache held, bit for bit (as a decode's is, alone or batched), which SDPA
 over a chunk cannot give. At prompts of 32-512 tokens it is as fast as SDPA or faster
-(0.5-1.05x its time, one and two threads, measured).
+(0.5-1.05x its time, one and two threads, measured). A chunk's rows share their keys, so the
+kernel walks them in blocks of 16 rows (`csrc/run_attend.h`): each tile's rows are widened once
+for the block, and each row gets the bits it gets alone. The last 512-token chunk of a
+6,656-token prompt (one layer, float16 cache, 2 threads): 486-540 -> 305-342 ms, interleaved.
 """
 
 from __future__ import annotations

@@ -1,0 +1,205 @@
+// A prefill chunk's rows attended together (paged_attention.cpp takes this path when a batch
+// holds them): the rows of one request's run share their keys, so a block of up to kBlockRows
+// consecutive rows walks the context once, tile by tile in lockstep, each tile's key and value
+// rows widened to float32 once for the block instead of once per row, and its rows' addresses
+// found once. Each row then runs paged_attend.h's own tile functions on the widened rows, on
+// the same tiles and partitions, with the same merge: every row's bits are those it gets attended
+// alone (the widening is exact), so a token's result still does not depend on the chunk it came
+// in. An int8 cache keeps the per-row path (its scores are integer dot products on the rows).
+//
+// Work items are (block, KV head), handed out largest first from a shared counter: a chunk's
+// later rows see more keys, and even halves of the rows in order left one thread idle for a
+// third of a first chunk. A block's partitions are merged where it ends, from its own partials,
+// where the per-row path sets aside partials for the whole batch (at 512 rows of a 6,000-token
+// prompt, 46 MB a layer, zeroed and paged in each call).
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <numeric>
+#include <type_traits>
+#include <vector>
+
+#include "paged_attend.h"
+
+namespace run_attend {
+
+using namespace paged_attend;
+
+constexpr int64_t kBlockRows = 16;  // rows attended together (a block's queries stay in L1)
+
+// Rows [first, last) of the batch: one request's consecutive tokens, the last row's table
+// covering every row's keys.
+struct Block {
+  int64_t first, last;
+};
+
+// The batch's rows cut into blocks: row b + 1 continues row b's run when its context is one
+// longer and its table agrees on every block row b reads (a prefill chunk's rows carry copies
+// of their request's table); runs are cut every kBlockRows rows.
+inline std::vector<Block> row_blocks(const int32_t* table, const int32_t* lens, int64_t batch,
+                                     int64_t max_blocks, int64_t block_size) {
+  std::vector<Block> blocks;
+  for (int64_t b = 0; b < batch; ++b) {
+    const bool continues =
+        !blocks.empty() && blocks.back().last == b && b - blocks.back().first < kBlockRows &&
+        lens[b] == lens[b - 1] + 1 &&
+        std::memcmp(table + (b - 1) * max_blocks, table + b * max_blocks,
+                    sizeof(int32_t) * ((lens[b - 1] + block_size - 1) / block_size)) == 0;
+    if (continues) ++blocks.back().last;
+    else blocks.push_back({b, b + 1});
+  }
+  return blocks;
+}
+
+// Whether any block holds more than one row (else the per-row path is all there is to do).
+inline bool has_runs(const std::vector<Block>& blocks) {
+  return std::any_of(blocks.begin(), blocks.end(),
+                     [](const Block& blk) { return blk.last - blk.first > 1; });
+}
+
+// One thread's working memory for a block: its rows' scaled queries, one tile's rows widened,
+// and every row's partials [rows, parts, G, D] until the merge.
+template <typename T>
+struct BlockScratch {
+  Scratch<T> row;  // a single row's, for blocks of one (the per-row path itself)
+  std::vector<float> q, keys, values, scores, corr, part_acc, part_max, part_sum, merged;
+  std::vector<const float*> key_rows, value_rows;
+  std::vector<const T*> cache_keys, cache_values;  // a tile's rows in the cache
+  BlockScratch(int64_t group, int64_t dim)
+      : row(group, dim), q(kBlockRows * group * dim), keys(kTileTokens * dim),
+        values(kTileTokens * dim), scores(group * kTileTokens), corr(group),
+        key_rows(kTileTokens), value_rows(kTileTokens), cache_keys(kTileTokens),
+        cache_values(kTileTokens) {}
+};
+
+// Rows of a tile as float32 rows: float rows are used where they lie, half rows widened.
+template <typename T>
+void widen_tile(const T* const* cache_rows, int64_t n, int64_t dim, float* into,
+                const float** rows) {
+  for (int64_t j = 0; j < n; ++j) {
+    if constexpr (std::is_same_v<T, float>) {
+      rows[j] = cache_rows[j];
+    } else {
+      for (int64_t d = 0; d < dim; d += 8) _mm256_storeu_ps(into + j * dim + d,
+                                                            load8(cache_rows[j] + d));
+      rows[j] = into + j * dim;
+    }
+  }
+}
+
+// Partition `part` of every row of `blk` for one KV head, in lockstep: row r's partial goes to
+// the scratch's [r, part] slot (an empty one where its context ends before the partition).
+template <typename T>
+void attend_partition(const Problem<T>& pb, const Block& blk, int64_t kv_head, int64_t part,
+                      int64_t parts, BlockScratch<T>& sc) {
+  const int64_t group = pb.num_heads / pb.num_kv_heads, dim = pb.dim;
+  const int64_t rows = blk.last - blk.first, begin = part * kPartitionTokens;
+  int64_t ends[kBlockRows];
+  int64_t max_end = begin;
+  for (int64_t r = 0; r < rows; ++r) {
+    ends[r] = std::clamp<int64_t>(pb.context_lens[blk.first + r], begin,
+                                  begin + kPartitionTokens);
+    max_end = std::max(max_end, ends[r]);
+    const int64_t slot = r * parts + part;
+    std::fill_n(sc.part_acc.data() + slot * group * dim, group * dim, 0.0f);
+    std::fill_n(sc.part_max.data() + slot * group, group, kNegInf);
+    std::fill_n(sc.part_sum.data() + slot * group, group, 0.0f);
+  }
+  const int32_t* table = pb.block_table + (blk.last - 1) * pb.max_blocks;  // covers every row
+  const int64_t plane = kv_head * pb.num_blocks * pb.block_size;
+  const T** keys = sc.cache_keys.data();
+  const T** values = sc.cache_values.data();
+  locate_rows(pb, table, plane, begin, std::min(kTileTokens, max_end - begin), keys, values);
+  for (int64_t t0 = begin; t0 < max_end; t0 += kTileTokens) {
+    const int64_t n_max = std::min(kTileTokens, max_end - t0);
+    widen_tile(keys, n_max, dim, sc.keys.data(), sc.key_rows.data());
+    widen_tile(values, n_max, dim, sc.values.data(), sc.value_rows.data());
+    const int64_t num_next = std::clamp<int64_t>(max_end - t0 - n_max, 0, kTileTokens);
+    locate_rows(pb, table, plane, t0 + n_max, num_next, keys, values);  // read: done with these
+    for (int64_t j = 0; j < num_next; ++j) {  // the next tile loads while this one computes
+      prefetch_row(keys[j], dim);
+      prefetch_row(values[j], dim);
+    }
+    const NextRows<float> none{nullptr, nullptr, 0};
+    for (int64_t r = 0; r < rows; ++r) {
+      if (ends[r] <= t0) continue;
+      const int64_t n = std::min(kTileTokens, ends[r] - t0), slot = r * parts + part;
+      score_heads<float>(sc.q.data() + r * group * dim, sc.key_rows.data(), n, dim, group,
+                         none, sc.scores.data());
+      softmax_tile(sc.scores.data(), n, group, sc.part_max.data() + slot * group,
+                   sc.part_sum.data() + slot * group, sc.corr.data());
+      accumulate_heads<float>(sc.scores.data(), sc.value_rows.data(), n, dim, group,
+                              sc.corr.data(), sc.part_acc.data() + slot * group * dim);
+    }
+  }
+}
+
+// Every row of `blk` for one KV head, normalized into out [B, H, D].
+template <typename T>
+void attend_block(const Problem<T>& pb, const Block& blk, int64_t kv_head, BlockScratch<T>& sc,
+                  float* out) {
+  const int64_t group = pb.num_heads / pb.num_kv_heads, dim = pb.dim;
+  const int64_t rows = blk.last - blk.first;
+  int32_t longest = 0;
+  for (int64_t b = blk.first; b < blk.last; ++b) longest = std::max(longest, pb.context_lens[b]);
+  const int64_t parts = std::max<int64_t>(1, (longest + kPartitionTokens - 1) / kPartitionTokens);
+  sc.part_acc.resize(rows * parts * group * dim);
+  sc.part_max.resize(rows * parts * group);
+  sc.part_sum.resize(rows * parts * group);
+  sc.merged.resize(rows * group * dim);
+  if (rows == 1) {  // the per-row path's own walk, partition by partition
+    for (int64_t p = 0; p < parts; ++p) {
+      const int64_t begin = p * kPartitionTokens;
+      const int64_t end = std::min<int64_t>(begin + kPartitionTokens, pb.context_lens[blk.first]);
+      attend_range(pb, blk.first, kv_head, begin, std::max(begin, end), sc.row,
+                   sc.part_acc.data() + p * group * dim, sc.part_max.data() + p * group,
+                   sc.part_sum.data() + p * group);
+    }
+  } else {
+    const int64_t whole = pb.num_heads;
+    for (int64_t r = 0; r < rows; ++r) {  // the queries, scaled as attend_range scales them
+      const float* q = pb.q + ((blk.first + r) * whole + kv_head * group) * dim;
+      float* scaled = sc.q.data() + r * group * dim;
+      for (int64_t i = 0; i < group * dim; ++i) scaled[i] = q[i] * pb.scale;
+    }
+    for (int64_t p = 0; p < parts; ++p) attend_partition(pb, blk, kv_head, p, parts, sc);
+  }
+  // One non-empty partition merges to exactly what an unsplit walk normalizes (weight
+  // exp(0) = 1), so this is the per-row path's result whether or not it split the batch.
+  merge_parts(parts, group, dim, sc.part_acc.data(), sc.part_max.data(), sc.part_sum.data(), 0,
+              rows * group, sc.merged.data());
+  for (int64_t r = 0; r < rows; ++r)
+    std::copy_n(sc.merged.data() + r * group * dim, group * dim,
+                out + ((blk.first + r) * pb.num_heads + kv_head * group) * dim);
+}
+
+// The whole batch by blocks, (block, KV head) items handed out largest first.
+template <typename T>
+void attend_blocks(const Problem<T>& pb, const std::vector<Block>& blocks, float* out) {
+  const int64_t group = pb.num_heads / pb.num_kv_heads, dim = pb.dim;
+  const int64_t items = static_cast<int64_t>(blocks.size()) * pb.num_kv_heads;
+  std::vector<int64_t> work(blocks.size());  // keys a block's rows read in all
+  for (size_t i = 0; i < blocks.size(); ++i)
+    for (int64_t b = blocks[i].first; b < blocks[i].last; ++b) work[i] += pb.context_lens[b];
+  std::vector<int64_t> order(items);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    return work[a / pb.num_kv_heads] > work[b / pb.num_kv_heads];
+  });
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    BlockScratch<T> sc(group, dim);
+    for (int64_t i = next++; i < items; i = next++) {
+      const int64_t item = order[i];
+      attend_block(pb, blocks[item / pb.num_kv_heads], item % pb.num_kv_heads, sc, out);
+    }
+  });
+}
+
+}  // namespace run_attend
