@@ -33,7 +33,10 @@ namespace run_attend {
 
 using namespace paged_attend;
 
-constexpr int64_t kBlockRows = 16;  // rows attended together (a block's queries stay in L1)
+// Rows attended together. The last 512-row chunk of a 6,656-token prompt, one layer, float16
+// cache, two alternated rounds in a noisy hour, one thread / two: 8 rows 479-684 / 298-450 ms,
+// 16 rows 424-436 / 269-329 ms, 32 rows 420-619 / 329-405 ms.
+constexpr int64_t kBlockRows = 16;
 
 // Rows [first, last) of the batch: one request's consecutive tokens, the last row's table
 // covering every row's keys.
