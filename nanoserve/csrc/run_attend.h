@@ -72,12 +72,11 @@ inline bool has_runs(const std::vector<Block>& blocks) {
 // and every row's partials [rows, parts, G, D] until the merge.
 template <typename T>
 struct BlockScratch {
-  Scratch<T> row;  // a single row's, for blocks of one (the per-row path itself)
   std::vector<float> q, keys, values, scores, corr, part_acc, part_max, part_sum, merged;
   std::vector<const float*> key_rows, value_rows;
   std::vector<const T*> cache_keys, cache_values;  // a tile's rows in the cache
   BlockScratch(int64_t group, int64_t dim)
-      : row(group, dim), q(kBlockRows * group * dim), keys(kTileTokens * dim),
+      : q(kBlockRows * group * dim), keys(kTileTokens * dim),
         values(kTileTokens * dim), scores(group * kTileTokens), corr(group),
         key_rows(kTileTokens), value_rows(kTileTokens), cache_keys(kTileTokens),
         cache_values(kTileTokens) {}
@@ -158,23 +157,12 @@ void attend_block(const Problem<T>& pb, const Block& blk, int64_t kv_head, Block
   sc.part_max.resize(rows * parts * group);
   sc.part_sum.resize(rows * parts * group);
   sc.merged.resize(rows * group * dim);
-  if (rows == 1) {  // the per-row path's own walk, partition by partition
-    for (int64_t p = 0; p < parts; ++p) {
-      const int64_t begin = p * kPartitionTokens;
-      const int64_t end = std::min<int64_t>(begin + kPartitionTokens, pb.context_lens[blk.first]);
-      attend_range(pb, blk.first, kv_head, begin, std::max(begin, end), sc.row,
-                   sc.part_acc.data() + p * group * dim, sc.part_max.data() + p * group,
-                   sc.part_sum.data() + p * group);
-    }
-  } else {
-    const int64_t whole = pb.num_heads;
-    for (int64_t r = 0; r < rows; ++r) {  // the queries, scaled as attend_range scales them
-      const float* q = pb.q + ((blk.first + r) * whole + kv_head * group) * dim;
-      float* scaled = sc.q.data() + r * group * dim;
-      for (int64_t i = 0; i < group * dim; ++i) scaled[i] = q[i] * pb.scale;
-    }
-    for (int64_t p = 0; p < parts; ++p) attend_partition(pb, blk, kv_head, p, parts, sc);
+  for (int64_t r = 0; r < rows; ++r) {  // the queries, scaled as attend_range scales them
+    const float* q = pb.q + ((blk.first + r) * pb.num_heads + kv_head * group) * dim;
+    float* scaled = sc.q.data() + r * group * dim;
+    for (int64_t i = 0; i < group * dim; ++i) scaled[i] = q[i] * pb.scale;
   }
+  for (int64_t p = 0; p < parts; ++p) attend_partition(pb, blk, kv_head, p, parts, sc);
   // One non-empty partition merges to exactly what an unsplit walk normalizes (weight
   // exp(0) = 1), so this is the per-row path's result whether or not it split the batch.
   merge_parts(parts, group, dim, sc.part_acc.data(), sc.part_max.data(), sc.part_sum.data(), 0,
