@@ -118,6 +118,9 @@ class SamplingParams:
     extra_args: dict[str, Any] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None  # grammar the output must match
+    # the frontend's: the output is a forced JSON list of calls, ended at an exact repeat
+    # (output/repeats.py); the engine ignores it
+    is_call_list: bool = False
     # filled by update_from_tokenizer (the frontend), read by the sampler
     bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
 

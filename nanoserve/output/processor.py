@@ -5,8 +5,8 @@
 checks stop strings (holding back text that might begin one), formats logprobs, and updates the
 user-facing RequestOutput of the request it belongs to (a request with n > 1 is n engine
 requests, one per sample). It returns the updates to hand out, shaped by each request's
-output_kind, and the engine requests that a stop string finished, which the caller aborts in
-the engine at once so their blocks are freed.
+output_kind, and the engine requests that a stop string (or a forced call list's repeated call,
+`repeats.py`) finished, which the caller aborts in the engine at once so their blocks are freed.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 from nanoserve.output.detokenizer import IncrementalDetokenizer
 from nanoserve.output.logprobs import LogprobsFormatter
+from nanoserve.output.repeats import RepeatedItemChecker
 from nanoserve.output.stop import StopStringChecker
 from nanoserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from nanoserve.protocol import EngineCoreOutput
@@ -33,6 +34,7 @@ class SampleState:
     params: SamplingParams
     detokenizer: IncrementalDetokenizer
     stops: StopStringChecker
+    repeats: RepeatedItemChecker | None  # a forced call list's (params.is_call_list)
     completion: CompletionOutput  # the whole sample so far (text: all that may be sent)
     text: str = ""  # all detokenized text, held-back tail included
     num_sent_chars: int = 0
@@ -67,7 +69,7 @@ class RequestState:
 @dataclass
 class StepResult:
     outputs: list[RequestOutput]  # updates to hand out, one per user request that changed
-    to_abort: list[str]  # engine requests that a stop string finished
+    to_abort: list[str]  # engine requests that a stop string or a repeat finished
 
 
 class TimingObserver(Protocol):
@@ -116,6 +118,7 @@ class OutputProcessor:
                                        params.skip_special_tokens,
                                        params.spaces_between_special_tokens),
                 StopStringChecker(params.stop or [], params.include_stop_str_in_output),
+                RepeatedItemChecker() if params.is_call_list else None,
                 CompletionOutput(i, "", [], logprobs=[] if params.logprobs is not None
                                  else None,
                                  cumulative_logprob=0.0 if params.logprobs is not None
@@ -167,7 +170,7 @@ class OutputProcessor:
             if not sample.finished:
                 sample.completion.finish_reason = "abort"
                 sample.completion.text = sample.text[: len(sample.text)
-                                                     - sample.stops.held_back(sample.text)]
+                                                     - self._held_back(sample)]
         state.metrics.finished_time = time.monotonic()
         if self.observer is not None:
             self.observer.finished(state)
@@ -176,8 +179,8 @@ class OutputProcessor:
 
     # -- one sample ---------------------------------------------------------------------------
     def _update_sample(self, sample: SampleState, eo: EngineCoreOutput) -> tuple[bool, int]:
-        """Add the output's tokens and text: (True if a stop string finished the sample, the
-        number of the output's tokens kept). Several tokens (a step that accepted draft
+        """Add the output's tokens and text: (True if a stop string or a repeat finished the
+        sample, the number of the output's tokens kept). Several tokens (a step that accepted draft
         tokens) are taken one at a time, as steps of one token each would have brought them,
         so a stop string inside them ends the sample at the same token: the tokens after it
         are dropped (from the text, token ids, logprobs and counts alike)."""
@@ -195,7 +198,8 @@ class OutputProcessor:
         return False, num_tokens
 
     def _add_tokens(self, sample: SampleState, eo: EngineCoreOutput) -> bool:
-        """Add the output's tokens and text; True if a stop string finished the sample."""
+        """Add the output's tokens and text; True if a stop string or a repeated call finished
+        the sample."""
         params = sample.params
         completion = sample.completion
         completion.token_ids.extend(eo.new_token_ids)
@@ -215,14 +219,27 @@ class OutputProcessor:
         match = None
         if len(completion.token_ids) >= params.min_tokens:
             match = sample.stops.find(sample.text, len(delta))
+        repeat_at = None if sample.repeats is None else sample.repeats.scan(sample.text)
         if match is not None:  # (checked even when the engine finished it this step)
             sample.text = sample.text[: match.text_end]
             completion.finish_reason, completion.stop_reason = "stop", match.stop
+        elif repeat_at is not None:  # a call list's repeated call: the list ends before it
+            sample.text = sample.text[:repeat_at]
+            completion.finish_reason, completion.stop_reason = "stop", None
         elif eo.finish_reason is not None:
             completion.finish_reason, completion.stop_reason = eo.finish_reason, eo.stop_reason
-        held = 0 if completion.finish_reason is not None else sample.stops.held_back(sample.text)
+        held = 0 if completion.finish_reason is not None else self._held_back(sample)
         completion.text = sample.text[: len(sample.text) - held]
-        return match is not None and eo.finish_reason is None
+        return (match is not None or repeat_at is not None) and eo.finish_reason is None
+
+    @staticmethod
+    def _held_back(sample: SampleState) -> int:
+        """The trailing characters not to send yet: a stop string's possible beginning, or a
+        call that may yet repeat an earlier one."""
+        held = sample.stops.held_back(sample.text)
+        if sample.repeats is not None:
+            held = max(held, sample.repeats.held_back(sample.text))
+        return held
 
     def _record_timing(self, state: RequestState, eo: EngineCoreOutput, now: float,
                        num_tokens: int) -> None:

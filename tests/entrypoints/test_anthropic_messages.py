@@ -11,6 +11,7 @@ past it is cheap to show), one sequence in flight (so that a second is a 429), a
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -18,6 +19,7 @@ from typing import Any
 import anthropic
 import httpx
 import jsonschema
+import openai
 import pytest
 from server_harness import RunningServer, wait_until
 
@@ -197,6 +199,50 @@ def test_billing_header_does_not_defeat_the_prefix_cache(client: anthropic.Anthr
 
 GOOD: dict[str, Any] = {"model": MODEL, "max_tokens": 8, "messages": ASK}
 IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA"}}
+SEARCH = {"name": "search", "description": "Search the web", "input_schema": {
+    "type": "object", "properties": {"query": {"type": "string", "maxLength": 40}},
+    "required": ["query"], "additionalProperties": False}}
+TOOL_SETS = [TOOLS[1:], TOOLS, [*TOOLS, SEARCH]]
+RUNS = [(0.0, 0), (0.8, 0), (0.8, 1), (0.8, 2)]  # (temperature, seed)
+
+
+@pytest.mark.parametrize("tools", TOOL_SETS, ids=["1-tool", "2-tools", "3-tools"])
+def test_forced_tool_lists_end_with_tool_use_and_no_repeats(server: RunningServer,
+                                                            client: anthropic.Anthropic,
+                                                            tools: list[dict[str, Any]]) -> None:
+    """The default model, forced to call (Anthropic's `any` and a named tool, chat
+    completions' `required`): every answer ends with its calls (`tool_use`, `tool_calls`), each
+    within its tool's schema, none an exact repeat of another. Unchecked, this model at
+    temperature 0 wrote one `search` call three times."""
+    ask = [{"role": "user", "content": "What time is it in Tokyo?"}]
+    schemas = {tool["name"]: tool["input_schema"] for tool in tools}
+    openai_client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+    openai_tools = [{"type": "function", "function": {
+        "name": t["name"], "description": t["description"], "parameters": t["input_schema"]}}
+        for t in tools]
+    for temperature, seed in RUNS:
+        sampling = {"temperature": temperature, "seed": seed}
+        runs: list[tuple[str, list[tuple[str, Any]]]] = []
+        for choice in ({"type": "any"}, {"type": "tool", "name": "get_time"}):
+            message = client.messages.create(model=MODEL, max_tokens=200, messages=ask,
+                                             tools=tools, tool_choice=choice,
+                                             extra_body=sampling)
+            runs.append((message.stop_reason or "", [(b.name, b.input) for b in message.content
+                                                     if b.type == "tool_use"]))
+        chat = openai_client.chat.completions.create(
+            model=MODEL, max_tokens=200, messages=ask, tools=openai_tools,
+            tool_choice="required", temperature=temperature, seed=seed)
+        runs.append((chat.choices[0].finish_reason.replace("tool_calls", "tool_use"),
+                     [(c.function.name, json.loads(c.function.arguments))
+                      for c in chat.choices[0].message.tool_calls or []]))
+        for reason, calls in runs:
+            assert reason == "tool_use" and calls, (sampling, runs)
+            for name, arguments in calls:
+                jsonschema.validate(arguments, schemas[name])
+            as_json = [json.dumps(call) for call in calls]
+            assert len(set(as_json)) == len(as_json), (sampling, calls)
+
+
 CALL = {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}
 
 

@@ -371,6 +371,23 @@ def test_required_and_named_parse_the_forced_forms(plain_server: RunningServer,
                           tool_choice=named_choice) == (None, EXPECTED_CALLS[:1], "stop")
 
 
+def test_a_required_list_that_repeats_a_call_ends_before_the_repeat(
+        plain_server: RunningServer, tokenizer: Any) -> None:
+    """The model writes one call, the same call again, then another: the answer is the first
+    call alone, finished "tool_calls", and the engine stops at the repeat (the tokens after it
+    are never made), streamed or not."""
+    first = f'{{"name": "get_weather", "parameters": {PARIS}}}'
+    array = f'[{first},\n{first}, {{"name": "get_time", "parameters": {{"zone": "CET"}}}}]'
+    script = len(scripted(tokenizer, array)["extra_args"]["scripted_token_ids"])
+    whole = create(plain_server, array, tokenizer, tools=TOOLS, tool_choice="required")
+    assert whole.choices[0].finish_reason == "tool_calls"
+    assert as_calls(whole.choices[0].message) == EXPECTED_CALLS[:1]
+    upto_repeat = len(tokenizer.encode(f"[{first},\n{first}", add_special_tokens=False))
+    assert whole.usage.completion_tokens <= upto_repeat + 1 < script
+    assert collect_stream(plain_server, array, tokenizer, tools=TOOLS,
+                          tool_choice="required") == (None, EXPECTED_CALLS[:1], "tool_calls")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("body", "param"), [
     ({"tools": [{"type": "function", "function": {"description": "no name"}}]},

@@ -392,3 +392,28 @@ def test_json_spec_equals_llguidances_own(params: Params) -> None:
     theirs = json.loads(llguidance.LLMatcher.grammar_from_json_schema(
         schema or {"type": "object"}, defaults=options))
     assert ours["grammars"][0]["json_schema"] == theirs["grammars"][0]["json_schema"]
+
+
+def test_a_required_call_list_may_end_after_each_complete_call(compiler: GrammarCompiler,
+                                                               default_tokenizer: Any) -> None:
+    """The grammar `tool_choice="required"` sends: after every complete call, `]` (and then
+    EOS) is allowed, so the model can always end the list; a call cut short cannot end it."""
+    from nanoserve.entrypoints.chat_input import ToolFunction, ToolInput
+    from nanoserve.entrypoints.openai.tool_plan import TOOL_JSON_WHITESPACE, required_schema
+
+    tools = [ToolInput(ToolFunction(name, None, {"type": "object", "properties": {
+        "x": {"type": "string"}}}), {}) for name in ("a", "b", "c")]
+    compiled = compiler.compile(Params(json=required_schema(tools),
+                                       whitespace_pattern=TOOL_JSON_WHITESPACE))
+    calls = ['{"name": "a", "parameters": {"x": "1"}}', '{"name": "c", "parameters": {}}',
+             '{"name": "a", "parameters": {"x": "2"}}']
+    def accepted(text: str) -> bool:
+        matcher = compiled.new_matcher()
+        ids = default_tokenizer.encode(text, add_special_tokens=False)
+        assert all(matcher.accept(t) for t in ids), text
+        return matcher.is_accepting()
+
+    for count in range(1, len(calls) + 1):
+        listed = "[" + ", ".join(calls[:count])
+        assert accepted(listed + "]") and not accepted(listed)
+        assert not accepted(listed[:-1])  # the call's object is not closed yet

@@ -100,6 +100,7 @@ async def prepare_chat(ctx: ServerContext, chat: ChatInput, admit: bool = True
     params.structured_outputs = structured
     if plan.structured is not None:
         params.structured_outputs = plan.structured
+        params.is_call_list = plan.mode == "required"  # ended at an exact repeat
     return prompt, ids, params, plan
 
 

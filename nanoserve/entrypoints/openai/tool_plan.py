@@ -31,7 +31,11 @@ stand-in for a weak model that the grammar must still bring to an end (prompt "h
 - A `required` list holds at most as many calls as there are tools, and never more than
   `MAX_REQUIRED_CALLS` (vLLM's list is unbounded): the default model at temperature 0.8
   repeated one call eight times until max_tokens, finishing "length" with no usable answer.
-  So one tool gets one call a turn; more calls of it take more turns.
+- A `required` list ends at the first call that exactly repeats an earlier one: the output
+  processor cuts the text after the last new call and stops the engine request there
+  (`output/repeats.py`, on `SamplingParams.is_call_list`), and the answer finishes
+  "tool_calls". The grammar lets the list end after every complete call; it cannot forbid the
+  repeat, which is context a JSON schema does not carry.
 """
 
 from __future__ import annotations
