@@ -99,6 +99,8 @@ class SamplingInput:
     n: int = 1
     max_tokens: int | None = None  # None: up to the context length
     temperature: float | None = None
+    # the wire format's own documented cap (Responses: 2, Messages: 1); None: vLLM's, none
+    max_temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None

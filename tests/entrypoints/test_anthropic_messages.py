@@ -104,6 +104,21 @@ def test_count_tokens_is_the_prompt_usage_counts(client: anthropic.Anthropic) ->
                                         messages=ASK).input_tokens < counted  # tools count
 
 
+def test_system_blocks_reach_the_prompt_as_the_string_does(client: anthropic.Anthropic) -> None:
+    """The same system text as a string and as text blocks: the same prompt, counted and
+    served. The second request's `input_tokens` is smaller only because the prefix cache read
+    the part the first one wrote (`cache_read_input_tokens`, Anthropic's split)."""
+    text = fresh("You answer in one short sentence.")
+    hi = [{"role": "user", "content": "Hi"}]
+    forms: list[Any] = [text, [{"type": "text", "text": text}]]
+    counts = [client.messages.count_tokens(model=MODEL, system=form, messages=hi).input_tokens
+              for form in forms]
+    usages = [create(client, hi, max_tokens=2, system=form).usage for form in forms]
+    assert counts[0] == counts[1] == prompt_size(usages[0]) == prompt_size(usages[1])
+    assert usages[0].cache_read_input_tokens == 0 < usages[1].cache_read_input_tokens
+    assert usages[1].input_tokens < usages[0].input_tokens
+
+
 @pytest.mark.parametrize("choice", [{"type": "tool", "name": "get_time"}, {"type": "any"},
                                     {"type": "any", "disable_parallel_tool_use": True}])
 def test_forced_tool_use_follows_the_schemas(client: anthropic.Anthropic,
@@ -284,6 +299,8 @@ def body(**changes: Any) -> dict[str, Any]:
     (body(tools=[{"name": "f", "input_schema": {"type": "nonsense"}}],
           tool_choice={"type": "any"}), 400, "invalid_request_error", "tools.0.input_schema"),
     (body(temperature=-1), 400, "invalid_request_error", "temperature"),
+    (body(temperature=1.5), 400, "invalid_request_error", "temperature must be in [0, 1]"),
+    (body(seed=2**64), 400, "invalid_request_error", "seed"),
     (body(top_p=2), 400, "invalid_request_error", "top_p"),
     (body(top_k="many"), 400, "invalid_request_error", "top_k"),
     (body(stop_sequences="END"), 400, "invalid_request_error", "stop_sequences"),
@@ -335,6 +352,10 @@ def test_the_sdk_raises_the_matching_errors(server: RunningServer,
     with pytest.raises(anthropic.AuthenticationError):
         anthropic.Anthropic(base_url=server.url, api_key="wrong", max_retries=0).messages.create(
             model=MODEL, max_tokens=4, messages=ASK)
+    for field, value in (("temperature", 1.5), ("top_p", 0), ("top_k", -2)):
+        with pytest.raises(anthropic.BadRequestError, match=field):
+            client.messages.create(model=MODEL, max_tokens=4, messages=ASK,
+                                   extra_body={field: value})
 
 
 def test_either_kind_of_key_is_accepted(server: RunningServer) -> None:

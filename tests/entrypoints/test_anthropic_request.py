@@ -42,6 +42,31 @@ def test_the_billing_line_goes_only_from_the_start(texts: list[str], kept: list[
     assert strip_billing_header(texts) == kept
 
 
+@pytest.mark.parametrize(("as_string", "as_blocks"), [
+    ("You answer in one short sentence.", ["You answer in one short sentence."]),
+    ("Be brief.\nUse French.", ["Be brief.", "Use French."]),  # blocks join with a newline
+    (f"{HEADER}\nYou are Claude Code.", [HEADER, "You are Claude Code."]),  # billing line off
+    (HEADER, [HEADER]),  # nothing but the billing line: no system turn either way
+])
+def test_system_as_a_string_or_as_blocks_gives_the_same_prompt_ids(
+        default_tokenizer: Any, as_string: str, as_blocks: list[str]) -> None:
+    """Anthropic documents the two forms as one; Claude Code sends blocks. Both go through one
+    renderer: the same chat-template messages, the same ids."""
+    def ids(system: Any) -> list[int]:
+        chat = messages_input(request(system=system, messages=[{"role": "user",
+                                                                 "content": "Hi"}]))
+        text = default_tokenizer.apply_chat_template(message_dicts(chat.messages),
+                                                     tokenize=False, add_generation_prompt=True)
+        return list(default_tokenizer.encode(text, add_special_tokens=False))
+
+    blocks = [{"type": "text", "text": text, "cache_control": {"type": "ephemeral"}}
+              for text in as_blocks]
+    assert ids(as_string) == ids(blocks)
+    prompt = default_tokenizer.decode(ids(blocks))
+    assert all(text in prompt for text in as_blocks if text != HEADER)  # the blocks' text is in
+    assert "x-anthropic-billing-header" not in prompt
+
+
 def test_a_conversation_translates_turn_by_turn() -> None:
     chat = messages_input(request(
         system=[{"type": "text", "text": HEADER}, {"type": "text", "text": "Be brief."}],

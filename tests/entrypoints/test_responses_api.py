@@ -222,6 +222,7 @@ BAD: list[tuple[dict[str, Any], int, str]] = [
     ({"max_output_tokens": 0}, 400, "max_output_tokens"),
     ({"max_output_tokens": 10**6}, 400, "max_output_tokens"),
     ({"temperature": -1}, 400, "temperature"),
+    ({"temperature": 2.5}, 400, "temperature"),  # OpenAI's cap here is 2
     ({"top_p": 2}, 400, "top_p"),
     ({"model": "gpt-5"}, 404, "model"),
 ]
@@ -240,6 +241,19 @@ def test_bad_fields_are_named(server: RunningServer, fields: dict[str, Any], sta
         assert set(error) == {"message", "type", "param", "code"} and error["code"] == status
         assert error["param"] == param, error
         assert error["message"]
+
+
+def test_the_sdk_gets_each_sampling_range_named(client: openai.OpenAI) -> None:
+    """The same checks as chat completions (SamplingParams'), plus OpenAI's cap of 2 on
+    `temperature`, which chat completions leaves open as vLLM does."""
+    for fields in ({"temperature": 9}, {"temperature": -0.5}, {"top_p": 1.5}, {"top_p": 0},
+                   {"max_output_tokens": 0}):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.responses.create(model=MODEL, input="hi", **fields)  # type: ignore[call-overload]
+        assert refused.value.param == next(iter(fields)), refused.value
+    chat = client.chat.completions.create(model=MODEL, max_tokens=2, temperature=9,
+                                          messages=[{"role": "user", "content": "hi"}])
+    assert chat.choices[0].message.content is not None
 
 
 def test_stateless_refusal_says_what_to_do(client: openai.OpenAI) -> None:

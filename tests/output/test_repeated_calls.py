@@ -28,7 +28,8 @@ def call_list_params(kind: RequestOutputKind) -> SamplingParams:
 
 @pytest.mark.parametrize(("text", "kept"), [
     (f"[{TIME}, {TIME}, {WEATHER}]", f"[{TIME}"),
-    (f"[{TIME},\n\n{TIME_SPACED}, {WEATHER}]", f"[{TIME}"),  # whitespace between tokens is no difference
+    # whitespace between tokens makes no difference
+    (f"[{TIME},\n\n{TIME_SPACED}, {WEATHER}]", f"[{TIME}"),
     (f"[{WEATHER}, {TIME}, {WEATHER}, {TOKYO}]", f"[{WEATHER}, {TIME}"),
 ])
 def test_a_repeat_ends_the_list_after_the_last_new_call(default_tokenizer: Any, text: str,
@@ -66,8 +67,8 @@ def test_a_stream_holds_back_a_call_that_may_be_a_repeat(default_tokenizer: Any)
     once it differs, it all goes."""
     text = f"[{TIME}, {TOKYO}]"
     ids = default_tokenizer.encode(text, add_special_tokens=False)
-    deltas, final, _ = stream(default_tokenizer, [1], ids,
-                              call_list_params(RequestOutputKind.DELTA))
+    deltas, _, _ = stream(default_tokenizer, [1], ids,
+                          call_list_params(RequestOutputKind.DELTA))
     sent = ""
     for delta in deltas:
         sent += delta

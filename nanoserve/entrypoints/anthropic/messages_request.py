@@ -14,6 +14,8 @@ this, nothing of the endpoint reads the pydantic request.
   budget; absent, the template's default holds.
 - `output_config.format` (or the beta's `output_format`) → a JSON-schema response format.
 - `max_tokens` is left to the serving side, which caps it to the context (see there).
+- The sampling fields are checked by chat completions' code, with Anthropic's own cap on
+  `temperature` (1); `seed` and `ignore_eos` are vLLM's extras, as on chat completions.
 
 Unlike chat completions' translation, this one refuses what only this wire format can name:
 image and document blocks (the models here read text) and a `tool_result` that answers no
@@ -51,6 +53,8 @@ from nanoserve.entrypoints.chat_input import (
 )
 from nanoserve.entrypoints.openai.errors import bad_request
 
+MAX_TEMPERATURE = 1.0  # Anthropic's documented range for `temperature` is [0, 1]
+
 
 def messages_input(req: CountTokensRequest, *, strip_billing: bool = True,
                    has_reasoning_tokens: bool = False) -> ChatInput:
@@ -60,8 +64,8 @@ def messages_input(req: CountTokensRequest, *, strip_billing: bool = True,
     if isinstance(req, MessagesRequest):
         budget = req.thinking.budget_tokens if req.thinking is not None else None
         sampling = SamplingInput(
-            max_tokens=None, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-            stop=req.stop_sequences,
+            max_tokens=None, temperature=req.temperature, max_temperature=MAX_TEMPERATURE,
+            top_p=req.top_p, top_k=req.top_k, seed=req.seed, stop=req.stop_sequences,
             thinking_token_budget=budget if has_reasoning_tokens else None,
             ignore_eos=req.ignore_eos, extra_args=req.extra_args, stream=req.stream)
         response_format = _response_format(req)

@@ -153,3 +153,4 @@ class MessagesRequest(CountTokensRequest):
     output_format: AnthropicOutputFormat | None = None  # the structured-outputs beta's name
     extra_args: dict[str, Any] | None = None  # for custom logits processors, as on chat
     ignore_eos: bool = False  # vLLM's extra sampling field (benchmarks: fixed-length output)
+    seed: int | None = None  # vLLM's extra sampling field, as on chat completions

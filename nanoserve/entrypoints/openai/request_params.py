@@ -18,6 +18,7 @@ def sampling_params(ctx: ServerContext, fields: SamplingInput, *, max_tokens: in
                           "stream_options")
     if fields.stream and fields.prompt_logprobs is not None:
         raise bad_request("prompt_logprobs is not available when streaming", "prompt_logprobs")
+    _check_temperature(fields)
     check_stops(ctx.limits, fields.stop)
     check_bad_words(ctx.limits, fields.bad_words)
     try:
@@ -67,3 +68,13 @@ def _check_logprob_counts(ctx: ServerContext, params: SamplingParams,
         if asked is not None and asked > ctx.max_logprobs:
             raise bad_request(f"{field_name} must be <= {ctx.max_logprobs} (--max-logprobs), "
                               f"got {asked}", field_name)
+
+
+def _check_temperature(fields: SamplingInput) -> None:
+    """A wire format that documents a cap on `temperature` gets it (OpenAI's Responses 2,
+    Anthropic's Messages 1, as their own APIs answer 400 above it); chat completions and
+    completions keep vLLM's range, which has none. The lower bound is SamplingParams'."""
+    cap, value = fields.max_temperature, fields.temperature
+    if cap is not None and value is not None and value > cap:
+        raise bad_request(f"temperature must be in [0, {cap:g}] on this API, got {value:g}",
+                          "temperature")

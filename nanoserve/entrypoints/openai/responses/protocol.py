@@ -15,7 +15,6 @@ from pydantic import Field
 
 from nanoserve.entrypoints.openai.protocol import OpenAIModel, documented
 from nanoserve.entrypoints.openai.response_models import ResponseModel
-from nanoserve.sampling_params import MAX_FLOAT32
 
 _TEXT_PART = {"type": "object", "required": ["type"],
               "properties": {"type": {"type": "string"}, "text": {"type": "string"}}}
@@ -90,7 +89,7 @@ class ResponsesRequest(OpenAIModel):
     parallel_tool_calls: bool = True
     text: TextOptions | None = None
     max_output_tokens: int | None = documented(None, minimum=1)
-    temperature: float | None = documented(None, minimum=0, maximum=MAX_FLOAT32)
+    temperature: float | None = documented(None, minimum=0, maximum=2)  # OpenAI's range
     top_p: float | None = documented(None, exclusiveMinimum=0, maximum=1)
     stream: bool = False
     ignore_eos: bool = False  # vLLM's extra sampling field (benchmarks: fixed-length output)

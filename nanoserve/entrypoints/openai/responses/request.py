@@ -56,6 +56,7 @@ _ITEMS: dict[str, type[BaseModel]] = {
 _TEXT_PARTS = ("input_text", "output_text", "text", "refusal", "summary_text", "reasoning_text")
 _FUNCTION_FIELDS = ("name", "description", "parameters", "strict")
 _CHOICE_FORM = '"auto", "none", "required" or {"type": "function", "name": "..."}'
+MAX_TEMPERATURE = 2.0  # OpenAI's documented range for `temperature` here is [0, 2]
 _STATELESS = ("this server is stateless and keeps no responses; send the whole conversation as "
               "input (Codex does)")
 
@@ -84,6 +85,7 @@ def responses_input(req: ResponsesRequest) -> ResponsesInput:
         response_format=ResponseFormatInput(
             response_format=_response_format(req.text.format if req.text else None)),
         sampling=SamplingInput(max_tokens=req.max_output_tokens, temperature=req.temperature,
+                               max_temperature=MAX_TEMPERATURE,
                                top_p=req.top_p, ignore_eos=req.ignore_eos, stream=req.stream))
     return ResponsesInput(chat, indices)
 
