@@ -243,6 +243,24 @@ class KVEventsConfig:
         return dataclasses.replace(self, endpoint=plus(self.endpoint) or self.endpoint,
                                    replay_endpoint=plus(self.replay_endpoint))
 
+    def check_data_parallel(self, size: int) -> None:
+        """Refuse endpoints whose per-engine ports (each port plus 0..size-1) would collide:
+        engine k's PUB socket on the replay port of engine j, say, fails to bind at start."""
+        taken: dict[str, int] = {}  # port -> the engine core that binds it
+        for k in range(size):
+            engine = self.for_engine(k)
+            for endpoint in (engine.endpoint, engine.replay_endpoint):
+                if endpoint is None:
+                    continue
+                port = endpoint.rpartition(":")[2]  # any host: the port is what collides
+                if port in taken:
+                    raise ValueError(
+                        f"kv_events_config: with --data-parallel-size {size} engine core k "
+                        f"binds each endpoint's port plus k, so {self.endpoint} and "
+                        f"{self.replay_endpoint} collide at port {port}; set their ports at "
+                        f"least {size} apart")
+                taken[port] = k
+
     @classmethod
     def from_json(cls, text: str) -> KVEventsConfig:
         """`--kv-events-config`'s JSON object; an unknown key is an error that names it."""

@@ -206,8 +206,10 @@ class EngineArgs:
             raise ValueError(f"--nnodes {self.nnodes} needs --master-addr (node 0's address, "
                              "which every node can reach)")
         if self.data_parallel_size > 1 and self.kv_events_config is not None:
-            # engine core k publishes on the ports plus k: a port that cannot move fails here
-            KVEventsConfig.from_json(self.kv_events_config).for_engine(1)
+            # engine core k publishes on the ports plus k: a port that cannot move, or ports
+            # that would collide, fail here rather than in an engine core at start
+            KVEventsConfig.from_json(self.kv_events_config).check_data_parallel(
+                self.data_parallel_size)
         return parallel
 
     def _scheduler_config(self) -> SchedulerConfig:

@@ -123,3 +123,12 @@ def test_batches_go_out_numbered_and_replay_from_any_seq(publisher: KVEventPubli
 def test_the_config_names_an_unknown_key() -> None:
     with pytest.raises(ValueError, match=r"unknown key\(s\) \['endpiont'\]"):
         KVEventsConfig.from_json('{"enable_kv_cache_events": true, "endpiont": "tcp://*:1"}')
+
+
+def test_data_parallel_ports_that_would_collide_are_refused() -> None:
+    config = KVEventsConfig(enable_kv_cache_events=True, endpoint="tcp://*:6000",
+                            replay_endpoint="tcp://127.0.0.1:6002")
+    config.check_data_parallel(2)  # 6000, 6001 and 6002, 6003
+    with pytest.raises(ValueError, match="collide at port 6002; set their ports at least 3"):
+        config.check_data_parallel(3)
+    assert config.for_engine(2).endpoint == "tcp://*:6002"

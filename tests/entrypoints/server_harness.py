@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,6 +24,26 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def free_port_run(count: int) -> int:
+    """The first of `count` consecutive ports that are all free now (a server that binds a
+    port plus an offset, such as data-parallel engines' KV-event sockets, needs the run)."""
+    for _ in range(100):
+        base = free_port()
+        socks = []
+        try:
+            for port in range(base, base + count):
+                sock = socket.socket()
+                socks.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise RuntimeError(f"found no run of {count} free ports")
+
+
 class RunningServer:
     """`nanoserve serve ...` on a free port; `stop()` sends SIGTERM and waits.
 
@@ -39,8 +59,10 @@ class RunningServer:
                str(self.port), "--log-level", "warning", *args]
         if api_key:
             cmd += ["--api-key", api_key]
-        self.log_path = log  # the server's output, when asked for
-        self.log = open(log or os.devnull, "w")  # noqa: SIM115 - closed in stop()
+        # the server's output: to `log` when asked for, else to a temporary file that shows
+        # its last lines if it exits while starting
+        self.log_path = log
+        self.log = open(log, "w") if log else tempfile.TemporaryFile("w+")  # noqa: SIM115
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
         self.url = f"http://127.0.0.1:{self.port}"
         if wait:
@@ -52,7 +74,8 @@ class RunningServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode} while starting")
+                raise RuntimeError(f"server exited with {self.proc.returncode} while starting; "
+                                   f"its last lines:\n{self.output_tail()}")
             try:
                 if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
                     return
@@ -61,6 +84,17 @@ class RunningServer:
             time.sleep(0.3)
         self.stop()
         raise RuntimeError("server did not become healthy")
+
+    def output_tail(self, num_lines: int = 20) -> str:
+        """The last lines the server wrote (stdout and stderr together)."""
+        self.log.flush()
+        path = self.log_path
+        if path is not None:
+            text = path.read_text(errors="replace")
+        else:
+            self.log.seek(0)
+            text = self.log.read()
+        return "\n".join(text.splitlines()[-num_lines:])
 
     @property
     def headers(self) -> dict[str, str]:

@@ -29,7 +29,13 @@ import msgspec
 import openai
 import pytest
 import zmq
-from server_harness import RunningServer, free_port, process_gone, stream_chat, wait_until
+from server_harness import (
+    RunningServer,
+    free_port_run,
+    process_gone,
+    stream_chat,
+    wait_until,
+)
 from test_server_lifecycle import Starter, Streams, child_pids, start_server
 
 pytestmark = [pytest.mark.server, pytest.mark.distributed]
@@ -93,8 +99,10 @@ def servers(tiny_model_dir: Any) -> Iterator[dict[str, RunningServer]]:
     """Two engines under each policy, started side by side."""
     model = [str(tiny_model_dir("llama")), "--served-model-name", "tiny", "--zero-cost-engine",
              "--data-parallel-size", "2"]
-    events = {"enable_kv_cache_events": True, "endpoint": f"tcp://127.0.0.1:{free_port()}",
-              "replay_endpoint": f"tcp://127.0.0.1:{free_port()}"}
+    # engine core k binds each port plus k: one run of four free ports holds both pairs
+    base = free_port_run(4)
+    events = {"enable_kv_cache_events": True, "endpoint": f"tcp://127.0.0.1:{base}",
+              "replay_endpoint": f"tcp://127.0.0.1:{base + 2}"}
     extra = {"cache_aware": ["--kv-events-config", json.dumps(events)], "round_robin": []}
     started = {policy: RunningServer(*model, "--load-balance-method", policy, *flags,
                                      wait=False)
@@ -185,3 +193,15 @@ def test_one_engine_killed_under_8_streams_stops_the_server(
     os.kill(engines[1], signal.SIGKILL)
     streams.assert_all_told(server, killed_at, within=5.0)
     wait_until(lambda: process_gone(engines[0]), "the other engine core to exit", timeout=10)
+
+
+def test_colliding_event_ports_are_refused_at_start_with_the_reason(tiny_model_dir: Any) -> None:
+    """Ports one apart collide under the offset rule: the server refuses them before any
+    engine starts, and the harness shows why it exited."""
+    base = free_port_run(3)
+    events = {"enable_kv_cache_events": True, "endpoint": f"tcp://127.0.0.1:{base}",
+              "replay_endpoint": f"tcp://127.0.0.1:{base + 1}"}
+    with pytest.raises(RuntimeError, match="exited with 2 while starting") as refused:
+        RunningServer(str(tiny_model_dir("llama")), "--zero-cost-engine",
+                      "--data-parallel-size", "2", "--kv-events-config", json.dumps(events))
+    assert f"collide at port {base + 1}" in str(refused.value)
