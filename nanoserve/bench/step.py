@@ -32,10 +32,15 @@ request before each step (a token that is always rejected), so every step scores
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import re
 import statistics
+import sys
+import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -68,17 +73,41 @@ def profile_decode_step(engine: EngineCore, batch: int, context_len: int,
                         repeats: int = 10) -> StepProfile:
     ids = start_decoding(engine, batch, context_len, 2 * repeats + 3, "profile")
     step_seconds = median_seconds(engine.step, repeats)
-    with profile(activities=[ProfilerActivity.CPU]):  # the profiler's own first-use costs
-        engine.step()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(repeats):
+    with without_usdt_lines():
+        with profile(activities=[ProfilerActivity.CPU]):  # the profiler's own first-use costs
             engine.step()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(repeats):
+                engine.step()
     for request_id in ids:
         engine.abort(request_id)
     raw = _bucket_events(prof.events())
     total = sum(raw.values())
     buckets = {name: raw[name] / total * step_seconds for name in BUCKETS}
     return StepProfile(batch, step_seconds, buckets)
+
+
+@contextlib.contextmanager
+def without_usdt_lines() -> Iterator[None]:
+    """Standard error without the `USDT:... profiler_start` / `profiler_stop` line that torch's
+    CPU build writes from C++ each time a profiler starts or stops (a dozen over the tables of
+    one run). The lines go to file descriptor 2 directly, so it is caught in a file meanwhile
+    and everything else on it is passed on when the block ends."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            for line in caught.read().decode(errors="replace").splitlines(keepends=True):
+                if not line.startswith("USDT:"):
+                    sys.stderr.write(line)
+            sys.stderr.flush()
 
 
 def _bucket_events(events: list) -> dict[str, float]:

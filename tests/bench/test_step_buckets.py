@@ -3,6 +3,7 @@ layers as one native region (csrc/team_forward.h), and when more run the dispatc
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from helpers import make_engine
 
 from nanoserve.bench.roofline import start_decoding
-from nanoserve.bench.step import BUCKETS, profile_decode_step
+from nanoserve.bench.step import BUCKETS, profile_decode_step, without_usdt_lines
 from nanoserve.model.native_layers import native_module
 
 
@@ -43,3 +44,19 @@ def test_one_region_steps_go_to_their_own_bucket_and_the_dispatcher_path_to_its_
 
     assert "nanoserve::decode_attention" not in kernels_seen(1)
     assert {"nanoserve::decode_attention", "nanoserve::packed_matmul"} <= kernels_seen(20)
+
+
+def test_the_profilers_usdt_lines_stay_off_stderr(tiny_model_dir: Any,
+                                                  capfd: pytest.CaptureFixture[str]) -> None:
+    """torch's CPU build writes `USDT:... profiler_start` and `profiler_stop` from C++ each
+    time a profiler runs; `bench step` keeps them off its output and passes the rest on."""
+    engine = make_engine(tiny_model_dir("qwen2"), quantization="int8", max_num_seqs=4)
+    with without_usdt_lines():
+        with profile(activities=[ProfilerActivity.CPU]):
+            engine.step()
+        os.write(2, b"a line of our own\n")
+    err = capfd.readouterr().err
+    assert "a line of our own" in err and "USDT" not in err
+    with profile(activities=[ProfilerActivity.CPU]):  # the pinned torch does write them
+        engine.step()
+    assert "USDT" in capfd.readouterr().err
