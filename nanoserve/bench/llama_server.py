@@ -24,6 +24,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 _VENDOR_PREFIX = "vendor/llama.cpp/"
@@ -180,6 +181,38 @@ def start_llama_server(binary: Path, gguf_path: Path, port: int, parallel: int =
     with log_path.open("wb") as log:
         return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL)
+
+
+# llama.cpp's AMX kernels (ggml_backend_amx_mul_mat) crash a GGML_NATIVE build on an AMX Xeon
+# while it loads the default model (its warm-up decode); without repacking the weights into
+# them it runs, on its AVX-512 VNNI kernels: its best working setting there.
+NO_REPACK = "--no-repack"
+
+
+def start_healthy_llama_server(binary: Path, gguf_path: Path, port: int, health_timeout_s: float,
+                               extra_args: Sequence[str] = (), **start_args: Any
+                               ) -> tuple[subprocess.Popen[bytes], str]:
+    """`start_llama_server` until `/health` answers: the process and the setting it runs in
+    ("default", or NO_REPACK when the default setting exited while starting and that one
+    did not). A server that exits in both settings, or never answers, raises."""
+    url = f"http://127.0.0.1:{port}"
+    for setting in ("default", NO_REPACK):
+        args = [*extra_args] if setting == "default" else [*extra_args, NO_REPACK]
+        process = start_llama_server(binary, gguf_path, port, extra_args=args, **start_args)
+        try:
+            wait_for_health(url, health_timeout_s, process)
+            return process, setting
+        except RuntimeError as e:  # it exited while starting
+            stop_process(process)
+            if setting != "default":
+                raise RuntimeError(f"llama-server exited while starting, in its default "
+                                   f"setting and with {NO_REPACK}: {e}") from None
+            _log(f"it exited while starting ({e}); starting it again with {NO_REPACK} "
+                 "(llama.cpp's AMX kernels crash on some CPUs)")
+        except TimeoutError:
+            stop_process(process)
+            raise
+    raise AssertionError("unreachable")
 
 
 def wait_for_health(base_url: str, timeout_s: float = 120.0,

@@ -110,18 +110,27 @@ def llama_slot_tokens(input_len: int, output_len: int) -> int:
 
 
 @contextlib.contextmanager
-def llama_server(gguf: Path, parallel: int, threads: int, slot_tokens: int = 512
-                 ) -> Iterator[str]:
+def llama_server(gguf: Path, parallel: int, threads: int, slot_tokens: int = 512,
+                 binary: Path | None = None) -> Iterator[tuple[str, str]]:
     """llama-server (built if missing) on a free port until the block ends, `slot_tokens` of
-    context for each of its `parallel` slots; yields its URL."""
-    from nanoserve.bench.llama_server import ensure_llama_server, start_llama_server
+    context for each of its `parallel` slots; yields its URL and its setting ("default", or
+    `--no-repack` where the default one dies at start: `start_healthy_llama_server`)."""
+    from nanoserve.bench.llama_server import (
+        ensure_llama_server,
+        start_healthy_llama_server,
+        stop_process,
+    )
 
-    binary = ensure_llama_server()
+    binary = binary or ensure_llama_server()
     port = free_port()
-    process = start_llama_server(binary, gguf, port, parallel=parallel,
-                                 ctx_size=parallel * slot_tokens, threads=threads)
-    with _ready(process, port, "llama-server") as url:
-        yield url
+    process, setting = start_healthy_llama_server(
+        binary, gguf, port, HEALTH_TIMEOUT_S, parallel=parallel,
+        ctx_size=parallel * slot_tokens, threads=threads)
+    try:
+        print(f"llama-server is ready ({setting} setting)", file=sys.stderr)
+        yield f"http://127.0.0.1:{port}", setting
+    finally:
+        stop_process(process)
 
 
 @contextlib.contextmanager
@@ -185,13 +194,21 @@ def _bench_llama_server(args: argparse.Namespace, levels: Sequence[int]) -> Serv
     gguf = gguf_for_llama_server(args.model)
     threads = args.llama_server_threads or os.cpu_count() or 1
     runs = []
+    settings: list[str] = []
     # started after the server under test has been stopped (when it was ours), so neither
     # takes CPU from the other's measurement
     for level in levels:
         with llama_server(gguf, parallel=level, threads=threads,
-                          slot_tokens=llama_slot_tokens(args.input_len, args.output_len)) as url:
+                          slot_tokens=llama_slot_tokens(args.input_len, args.output_len)
+                          ) as (url, setting):
             runs.append(asyncio.run(bench_server("llama-server", url, None, args, [level])))
-    return ServerRun(runs[0].name, runs[0].model, [run.levels[0] for run in runs])
+            settings.append(setting)
+    return ServerRun(peer_name(settings), runs[0].model, [run.levels[0] for run in runs])
+
+
+def peer_name(settings: Sequence[str]) -> str:
+    """llama-server's name in the tables, with the setting it ran in (beside its figures)."""
+    return f"llama-server ({', '.join(dict.fromkeys(settings))} setting)"
 
 
 def _bench_target(args: argparse.Namespace, levels: Sequence[int]) -> ServerRun:

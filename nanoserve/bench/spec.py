@@ -156,6 +156,7 @@ def run_spec_bench(args: argparse.Namespace) -> int:
     args.model_name = args.model or DEFAULT_MODEL_NAME
     servers = methods + [peer_label(t) for t in peers]
     results: dict[str, dict[tuple[str, int], Cell]] = {s: {} for s in servers}
+    peer_settings: set[str] = set()
     try:
         peer_files = _peer_files(args.model) if peers else None
         for round_index in range(args.rounds):
@@ -165,12 +166,16 @@ def run_spec_bench(args: argparse.Namespace) -> int:
             for spec_type in peers:
                 assert peer_files is not None
                 print(f"round {round_index + 1}: {peer_label(spec_type)}", file=sys.stderr)
-                _run_peer(peer_files, spec_type, plan, args, results[peer_label(spec_type)])
+                _run_peer(peer_files, spec_type, plan, args, results[peer_label(spec_type)],
+                          peer_settings)
     except (RuntimeError, TimeoutError, ValueError) as e:
         print(f"nanoserve bench spec: error: {e}", file=sys.stderr)
         return 2
     for line in format_report(results, servers, plan, args):
         print(line)
+    if peer_settings:
+        print(f"llama-server ran in its {', '.join(sorted(peer_settings))} setting "
+              f"(--no-repack where its default one exited at start)")
     return 1 if any(c.failures for cells in results.values() for c in cells.values()) else 0
 
 
@@ -188,13 +193,15 @@ def _run_nanoserve(method: str, plan: Plan, args: argparse.Namespace,
 
 
 def _run_peer(files: tuple[Path, Path], spec_type: str, plan: Plan, args: argparse.Namespace,
-              cells: dict[tuple[str, int], Cell]) -> None:
-    """One llama-server configuration: a server per level, with a slot per stream."""
+              cells: dict[tuple[str, int], Cell], settings: set[str]) -> None:
+    """One llama-server configuration: a server per level, with a slot per stream; the
+    settings it ran in go into `settings`."""
     binary, gguf = files
     for level in dict.fromkeys(level for _, level in plan):
-        with peer_server(binary, gguf, spec_type, level, args) as url:
+        with peer_server(binary, gguf, spec_type, level, args) as (url, setting):
             part = [(w, lv) for w, lv in plan if lv == level]
             asyncio.run(run_workloads(url, part, args, cells, is_peer=True))
+            settings.add(setting)
 
 
 def _peer_files(model: str | None) -> tuple[Path, Path]:

@@ -118,21 +118,20 @@ def _last_timings(body: str) -> dict[str, object]:
 
 @contextlib.contextmanager
 def peer_server(binary: Path, gguf: Path, spec_type: str, parallel: int,
-                args: argparse.Namespace) -> Iterator[str]:
-    """One llama-server configuration on a free port until the block ends; yields its URL."""
-    from nanoserve.bench.llama_server import start_llama_server, stop_process, wait_for_health
+                args: argparse.Namespace) -> Iterator[tuple[str, str]]:
+    """One llama-server configuration on a free port until the block ends; yields its URL and
+    the setting it runs in ("default", or `--no-repack` where the default one dies at start)."""
+    from nanoserve.bench.llama_server import start_healthy_llama_server, stop_process
     from nanoserve.bench.serve import HEALTH_TIMEOUT_S, free_port
 
     port = free_port()
     extra = peer_server_args(spec_type, args.num_speculative_tokens) + args.peer_args.split()
-    process = start_llama_server(binary, gguf, port, parallel=parallel,
-                                 ctx_size=parallel * (args.max_tokens + _PROMPT_ROOM),
-                                 threads=args.llama_server_threads or os.cpu_count() or 1,
-                                 extra_args=extra)
+    process, setting = start_healthy_llama_server(
+        binary, gguf, port, HEALTH_TIMEOUT_S, extra_args=extra, parallel=parallel,
+        ctx_size=parallel * (args.max_tokens + _PROMPT_ROOM),
+        threads=args.llama_server_threads or os.cpu_count() or 1)
     try:
-        url = f"http://127.0.0.1:{port}"
-        wait_for_health(url, HEALTH_TIMEOUT_S, process)
-        yield url
+        yield f"http://127.0.0.1:{port}", setting
     finally:
         stop_process(process)
 
