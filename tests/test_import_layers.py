@@ -1,4 +1,5 @@
-"""The package's imports run one way, with the data (../shared/DESIGN.md, STYLE.md rule 14).
+"""The package's imports run one way, with the data (docs/design.md's rules of the imports):
+no subpackage imports against the flow, and no cycle, between subpackages or between modules.
 
 Every `import` and `from … import` in nanoserve/ is read with `ast`, function-local ones too (a
 cycle hidden inside a function is still a cycle), and mapped to the subpackage it comes from and
@@ -43,8 +44,8 @@ def _part(module: str) -> str | None:
     return names[1]
 
 
-def _module_name(path: Path) -> str:
-    relative = path.relative_to(PACKAGE_DIR.parent).with_suffix("")
+def _module_name(path: Path, package_dir: Path = PACKAGE_DIR) -> str:
+    relative = path.relative_to(package_dir.parent).with_suffix("")
     names = list(relative.parts)
     if names[-1] == "__init__":
         names.pop()
@@ -119,6 +120,54 @@ def test_no_import_cycle_between_subpackages() -> None:
     edges = {pair for pair in part_edges() if "__init__" not in pair}
     cycle = find_cycle(edges)
     assert cycle is None, "import cycle between parts: " + " -> ".join(cycle or [])
+
+
+def module_edges(package_dir: Path = PACKAGE_DIR) -> set[tuple[str, str]]:
+    """(importer, imported) between the package's own modules: every import at any depth
+    (inside a function or under TYPE_CHECKING too); `from package import name` reaches the
+    submodule `package.name` where there is one."""
+    modules = {_module_name(path, package_dir): path
+               for path in sorted(package_dir.rglob("*.py"))}
+    edges: set[tuple[str, str]] = set()
+    for module, path in modules.items():
+        source = path.read_text()
+        is_package = path.name == "__init__.py"
+        found = imported_modules(source, module, is_package)
+        package = module if is_package else module.rpartition(".")[0]
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")
+                    base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base
+                                                                              else []))
+                found.update(f"{base}.{alias.name}" for alias in node.names)
+        edges.update((module, target) for target in found
+                     if target in modules and target != module)
+    return edges
+
+
+def test_no_import_cycle_between_modules() -> None:
+    """A cycle inside a subpackage is still a cycle: its modules cannot be read, tested or
+    replaced one at a time."""
+    cycle = find_cycle(module_edges())
+    assert cycle is None, "import cycle between modules: " + " -> ".join(cycle or [])
+
+
+def test_a_module_cycle_made_on_purpose_is_found(tmp_path: Path) -> None:
+    """Two modules of a package that import each other, one only for types."""
+    package = tmp_path / "nanoserve" / "part"
+    package.mkdir(parents=True)
+    (tmp_path / "nanoserve" / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from nanoserve.part.b import B\n")
+    (package / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                  "    from . import a\nclass B: ...\n")
+    (package / "c.py").write_text("from nanoserve.part import b\n")
+    edges = module_edges(tmp_path / "nanoserve")
+    assert ("nanoserve.part.c", "nanoserve.part.b") in edges
+    assert find_cycle(edges) in (["nanoserve.part.a", "nanoserve.part.b", "nanoserve.part.a"],
+                                 ["nanoserve.part.b", "nanoserve.part.a", "nanoserve.part.b"])
 
 
 @pytest.mark.parametrize(("edges", "has_cycle"), [

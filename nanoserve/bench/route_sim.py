@@ -7,7 +7,7 @@ import heapq
 import statistics
 from collections import deque
 
-from nanoserve.bench.route import RouteResult, TraceEntry, Workload
+from nanoserve.bench.route_data import RouteResult, TraceEntry, Workload
 from nanoserve.engine.dp_router import DPRouter, RoutingConfig, prompt_block_hashes
 from nanoserve.engine.kv_cache import KVCacheManager
 from nanoserve.engine.request import Request

@@ -45,16 +45,6 @@ def make_addresses(num_clients: int, num_engines: int = 1) -> EngineAddresses:
                            directory)
 
 
-def split_cores(cores: list[int], world_size: int) -> list[list[int]] | None:
-    """Each rank's cores: the usable ones split evenly (one left for the API server when
-    there are more than 2, as vLLM reserves one); None when there are fewer than ranks."""
-    usable = sorted(cores)[:-1] if len(cores) > 2 else sorted(cores)
-    if len(usable) < world_size:
-        return None
-    share = len(usable) // world_size
-    return [usable[r * share : (r + 1) * share] for r in range(world_size)]
-
-
 def _engine_core_main(config_bytes: bytes, input_address: str, output_addresses: list[str],
                       engine_index: int, cores: list[int] | None) -> None:
     """The spawned process's entry: the engine (and torch) are imported here, in the child."""

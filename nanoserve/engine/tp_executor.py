@@ -32,13 +32,8 @@ from typing import Any
 import zmq
 
 from nanoserve.config import EngineConfig
-from nanoserve.engine.launch import split_cores
-from nanoserve.engine.tp_worker import (
-    STEP_ADDRESS_KEY,
-    pin_to_cores,
-    start_worker,
-    worker_config_bytes,
-)
+from nanoserve.engine.cores import pin_to_cores, split_cores
+from nanoserve.engine.tp_worker import STEP_ADDRESS_KEY, start_worker, worker_config_bytes
 from nanoserve.engine.worker import Worker
 from nanoserve.model.loader import load_arch
 from nanoserve.model.parallel import (

@@ -19,7 +19,7 @@ import sys
 import time
 
 from nanoserve.config import EngineConfig
-from nanoserve.engine.launch import split_cores
+from nanoserve.engine.cores import split_cores
 from nanoserve.engine.tp_worker import start_worker, worker_config_bytes
 
 _STOP_WAIT_S = 5.0  # how long a rank gets to leave after SIGTERM before it is killed

@@ -35,6 +35,7 @@ import torch.distributed as dist
 import zmq
 
 from nanoserve.config import EngineConfig, SamplerConfig, SchedulerConfig
+from nanoserve.engine.cores import pin_to_cores
 from nanoserve.engine.memory import keep_freed_memory_in_heap
 from nanoserve.engine.model_runner import ModelRunner, resolve_kv_cache_dtype
 from nanoserve.model.loader import load_model
@@ -62,13 +63,6 @@ def start_worker(config_bytes: bytes, rank: int, world_size: int, port: int,
     proc.stdin.write(config_bytes)
     proc.stdin.close()
     return proc
-
-
-def pin_to_cores(cores: list[int] | None) -> None:
-    """Run on `cores` with one torch thread each; without cores of its own, one thread."""
-    if cores:
-        os.sched_setaffinity(0, cores)
-    torch.set_num_threads(len(cores) if cores else 1)
 
 
 class TPWorker:

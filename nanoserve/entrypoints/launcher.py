@@ -34,10 +34,10 @@ from multiprocessing.process import BaseProcess
 import msgspec
 
 from nanoserve.config import EngineConfig, ServerConfig
+from nanoserve.engine.cores import split_cores
 from nanoserve.engine.launch import (
     EngineAddresses,
     make_addresses,
-    split_cores,
     start_engine_process,
     stop_engine_processes,
 )

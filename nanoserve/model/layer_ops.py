@@ -19,18 +19,16 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from nanoserve.model.attention import write_kv_cache
 from nanoserve.model.fused_ops import FusedOps, Matmul, bind_matmul, fused_ops
+from nanoserve.model.layer_weights import LayerWeights
 from nanoserve.model.linear import linear
 from nanoserve.model.rope import RotaryEmbedding, apply_rope
-
-if TYPE_CHECKING:
-    from nanoserve.model.llama import DecoderLayer
 
 # (q, k, v, k_cache, v_cache, meta, stored) -> [T, H * D]: an attention backend's forward
 Attend = Callable[..., torch.Tensor]
@@ -78,7 +76,7 @@ class OpTable:
     add_rms_norm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
     silu_mul: Callable[[torch.Tensor], torch.Tensor]  # gate_up [T, 2 * I] -> [T, I]
     rope_tables: Callable[[RotaryEmbedding, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-    bind: Callable[[DecoderLayer], LayerCalls]
+    bind: Callable[[LayerWeights], LayerCalls]
     is_fused: bool
 
 
@@ -122,7 +120,7 @@ def _exact_rope_store(qkv: torch.Tensor, step: StepContext, k_cache: torch.Tenso
     return q, k, v
 
 
-def _bind_exact(layer: DecoderLayer) -> LayerCalls:
+def _bind_exact(layer: LayerWeights) -> LayerCalls:
     arch = layer.arch
     rope_store = functools.partial(
         _exact_rope_store, num_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads,
@@ -144,7 +142,7 @@ EXACT_OPS = OpTable(rms_norm=_rms_norm, add_rms_norm=_add_rms_norm, silu_mul=_si
 
 
 # -- fused: the C++ kernels -------------------------------------------------------------------
-def _bind_fused_rope_store(kernel: Callable[..., torch.Tensor], layer: DecoderLayer
+def _bind_fused_rope_store(kernel: Callable[..., torch.Tensor], layer: LayerWeights
                            ) -> RopeStore:
     """The kernel's rope_store for this layer: bias (Qwen2), q/k norm (Qwen3), RoPE by
     position from the tables, the cache write; k and v stay in qkv's columns."""
@@ -166,7 +164,7 @@ def _bind_fused_rope_store(kernel: Callable[..., torch.Tensor], layer: DecoderLa
     return rope_store
 
 
-def _bind_fused(layer: DecoderLayer, kernels: FusedOps) -> LayerCalls:
+def _bind_fused(layer: LayerWeights, kernels: FusedOps) -> LayerCalls:
     profiled = kernels.is_profiled
     return LayerCalls(qkv=bind_matmul(layer.qkv_proj, profiled),  # its bias goes to rope_store
                       rope_store=_bind_fused_rope_store(kernels.rope_store, layer),

@@ -23,18 +23,16 @@ runs. Figures: docs/benchmarks.md (issue 22).
 from __future__ import annotations
 
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from nanoserve.model.attention import AttentionBackend
 from nanoserve.model.attention.cpu_paged import CpuPagedBackend
+from nanoserve.model.layer_weights import StackedModel
 from nanoserve.model.parallel import TensorParallelGroup
 from nanoserve.model.quant_linear import QuantizedWeight
 from nanoserve.native import load_kernels
-
-if TYPE_CHECKING:
-    from nanoserve.model.llama import CausalLM
 
 # the kernels whose dispatcher ops the stack calls: loaded (registered) before it is built
 _KERNELS = ("quant_matmul", "fused_ops", "paged_attention")
@@ -54,7 +52,7 @@ def _packed(weight: Any) -> tuple[torch.Tensor, int, int, int, torch.Tensor | No
     return weight.packed_args()
 
 
-def build_layer_stack(model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+def build_layer_stack(model: StackedModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                       attention: AttentionBackend[Any]) -> Any | None:
     """The model's layers bound to their caches as one native call, or None where the Python
     layer loop must run (see the top)."""

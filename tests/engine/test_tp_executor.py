@@ -28,7 +28,7 @@ from nanoserve.config import (
     SchedulerConfig,
 )
 from nanoserve.engine.core import EngineCore
-from nanoserve.engine.launch import split_cores
+from nanoserve.engine.cores import split_cores
 from nanoserve.engine.tp_executor import TPExecutor, WorkerDiedError
 from nanoserve.entrypoints.llm import LLM
 from nanoserve.pooling_params import PoolingParams
