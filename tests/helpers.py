@@ -9,6 +9,7 @@ import torch
 
 from nanoserve.bench.throughput import load_transformers
 from nanoserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from nanoserve.engine.build import build_engine_core
 from nanoserve.engine.core import EngineCore
 from nanoserve.sampling_params import SamplingParams
 
@@ -37,7 +38,7 @@ def make_engine(model: str | Path | None, *, num_blocks: int | None = None,
                 quantization: str = "none") -> EngineCore:
     """An engine on the CPU in float32; exact weights ("none") unless asked otherwise, since
     most tests compare it with transformers."""
-    return EngineCore(EngineConfig(
+    return build_engine_core(EngineConfig(
         model=ModelConfig(model=None if model is None else str(model), device="cpu",
                           dtype="float32", max_model_len=max_model_len,
                           quantization=quantization),

@@ -191,7 +191,8 @@ def test_walker_sees_function_local_and_relative_imports() -> None:
 # The worker's side of the executor seam: what one rank runs never reaches the scheduler or a
 # live `Request`, at any depth, so a step can be sent to another process as data.
 WORKER_SIDE = ("nanoserve.engine.worker", "nanoserve.engine.executor",
-               "nanoserve.engine.model_runner", "nanoserve.engine.zero_cost_runner")
+               "nanoserve.engine.model_runner", "nanoserve.engine.zero_cost_runner",
+               "nanoserve.engine.rank_build", "nanoserve.engine.tp_worker")
 SCHEDULER_SIDE = {"nanoserve.engine.scheduler", "nanoserve.engine.request",
                   "nanoserve.engine.core", "nanoserve.engine.kv_cache"}
 

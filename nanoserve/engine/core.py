@@ -14,7 +14,6 @@ one's prompt finishes it and hands out its vector (`_finish_pooling`).
 
 from __future__ import annotations
 
-import gc
 import logging
 import random
 import time
@@ -31,21 +30,14 @@ from nanoserve.engine.drafts import (
     sequence_of,
     worth_drafting,
 )
-from nanoserve.engine.executor import Executor, InProcessExecutor
+from nanoserve.engine.executor import Executor
 from nanoserve.engine.kv_cache import KVCacheManager
-from nanoserve.engine.memory import keep_freed_memory_in_heap
-from nanoserve.engine.model_runner import (
-    ModelRunner,
-    kv_cache_num_blocks,
-    resolve_kv_cache_dtype,
-)
+from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.engine.request import Request, RequestStatus
 from nanoserve.engine.scheduler import ScheduledRequest, Scheduler
 from nanoserve.engine.step_input import build_step_input
-from nanoserve.engine.tp_executor import TensorParallelRanks, TPExecutor
-from nanoserve.engine.worker import Worker
 from nanoserve.engine.zero_cost_runner import ZeroCostRunner
-from nanoserve.model.loader import LoadedModel, load_model
+from nanoserve.model.loader import LoadedModel
 from nanoserve.pooling_params import PoolingParams
 from nanoserve.profiling import scope
 from nanoserve.protocol import (
@@ -56,9 +48,6 @@ from nanoserve.protocol import (
     StepOutput,
     TokenLogprobs,
 )
-from nanoserve.sample.logits_processor import load_processor_classes
-from nanoserve.sample.sampler import Sampler
-from nanoserve.sample.state import ReasoningTokens
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.structured.manager import StructuredOutputManager
 
@@ -71,41 +60,18 @@ NO_GRAMMAR_BITMASK = np.zeros((0, 0), dtype=np.int32)
 
 
 class EngineCore:
-    """The continuous-batching engine: `add_request`, `step`, `abort`, `has_unfinished`."""
+    """The continuous-batching engine: `add_request`, `step`, `abort`, `has_unfinished`.
+    Built by `engine/build.py`'s `build_engine_core`, which starts its executor's workers."""
 
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
-                 engine_tokenizer: bool = False) -> None:
-        """`engine_tokenizer`: load only what the engine reads of the tokenizer (an engine
-        process, whose text is made by the API process; `LLM` keeps the whole one)."""
+    def __init__(self, config: EngineConfig, executor: Executor, loaded: LoadedModel,
+                 num_blocks: int) -> None:
+        """`executor` runs each step on the workers (their KV caches hold `num_blocks`
+        blocks); `loaded` is rank 0's model and tokenizer, which the core reads for the
+        vocabulary, the EOS ids and the grammars."""
         self.config = config
-        keep_freed_memory_in_heap()
-        # under tensor parallelism: ranks 1..N-1 started and joined (tp_executor.py)
-        ranks = TensorParallelRanks(config) if config.parallel.tensor_parallel_size > 1 else None
-        try:
-            self._start(config, loaded, ranks, engine_tokenizer)
-        except BaseException:
-            if ranks is not None:
-                ranks.shutdown()
-            raise
-
-    def _start(self, config: EngineConfig, loaded: LoadedModel | None,
-               ranks: TensorParallelRanks | None, engine_tokenizer: bool) -> None:
-        device, dtype = config.model.torch_device, config.model.torch_dtype
-        if loaded is None:
-            loaded = load_model(config.model.model, device, dtype, config.model.max_model_len,
-                                config.model.quantization, ranks.group if ranks else None,
-                                engine_tokenizer=engine_tokenizer)
-        assert ranks is None or loaded.model.group is ranks.group, "a model of this group"
+        self.executor = executor
         self.loaded = loaded
         block_size = config.cache.block_size
-        kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, loaded.quantization,
-                                          device, dtype)
-        num_blocks = config.cache.num_blocks or kv_cache_num_blocks(
-            config.cache.kv_cache_memory_bytes, loaded.arch, block_size, kv_dtype, device,
-            max_num_seqs=config.scheduler.max_num_seqs,
-            context_len=config.model.max_model_len or loaded.arch.max_position_embeddings)
-        if ranks is not None:  # every rank's cache holds the blocks rank 0 sized
-            num_blocks = ranks.group.broadcast_int(num_blocks)
         self.max_model_len = self._max_model_len(num_blocks * block_size)
         self.kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching,
                                        record_events=config.kv_events.enable_kv_cache_events)
@@ -113,33 +79,23 @@ class EngineCore:
         # every running request's blocks by slot; a step's block table is read from it
         num_slots = config.scheduler.max_num_seqs
         self.block_table = BlockTable(num_slots, -(-self.max_model_len // block_size))
-        loaded.model.use_native_layers = not config.model.enforce_eager
-        model_runner = ModelRunner(loaded.model, num_blocks, block_size, device, kv_dtype)
-        runner: ModelRunner | ZeroCostRunner = model_runner
         self.proposer = load_draft_proposer(config.scheduler.draft_proposer)
-        max_rows = num_slots * (1 + (config.scheduler.num_speculative_tokens
-                                     if self.proposer is not None else 0))  # sampled a step
-        if config.model.zero_cost_runner:
-            runner = ZeroCostRunner(model_runner, max_rows)
         # the sampler lives in the worker; the core reads it only to validate requests
-        self.sampler = Sampler(
-            num_slots, loaded.arch.vocab_size, device, loaded.eos_token_ids,
-            ReasoningTokens.of(loaded.tokenizer),
-            load_processor_classes(config.sampler.logits_processors))
-        worker = Worker(runner, self.sampler)
-        self.executor: Executor = (InProcessExecutor(worker) if ranks is None
-                                   else TPExecutor(worker, ranks))
+        self.sampler = executor.local_worker.sampler
         self.seed_rng = random.Random(config.model.seed)
         self.structured = StructuredOutputManager(
-            loaded.tokenizer, loaded.arch.vocab_size, loaded.eos_token_ids, max_rows, device)
+            loaded.tokenizer, loaded.arch.vocab_size, loaded.eos_token_ids,
+            self.max_sampled_rows(config), config.model.torch_device)
         self.compiling: dict[str, Request] = {}  # requests whose grammar is compiling
         self.stats = SchedulerStats()  # brought up to date by every step and abort
-        # Everything loaded so far (the model, the tokenizer, the imported libraries: millions
-        # of objects) lives as long as the engine: moved out of the collector's sight, the
-        # oldest-generation collections that steps trigger no longer walk it (vLLM does the
-        # same). Measured: the collector took ~2% of the engine thread in `bench throughput`.
-        gc.collect()
-        gc.freeze()
+
+    @staticmethod
+    def max_sampled_rows(config: EngineConfig) -> int:
+        """The rows a step can sample: a row per slot, and each slot's drafts when a proposer
+        drafts."""
+        drafts = (config.scheduler.num_speculative_tokens
+                  if config.scheduler.draft_proposer is not None else 0)
+        return config.scheduler.max_num_seqs * (1 + drafts)
 
     def _max_model_len(self, cache_tokens: int) -> int:
         arch = self.loaded.arch
@@ -160,9 +116,7 @@ class EngineCore:
     @property
     def runner(self) -> ModelRunner | ZeroCostRunner:
         """The in-process worker's model runner (tests and benches read its model and cache)."""
-        executor = self.executor
-        assert isinstance(executor, InProcessExecutor | TPExecutor), "another process's runner"
-        return executor.worker.runner
+        return self.executor.local_worker.runner
 
     def shutdown(self) -> None:
         """Stop the workers of other processes (tensor parallelism); nothing at one rank."""

@@ -31,9 +31,8 @@ import torch
 import zmq
 
 from nanoserve.config import EngineConfig
-from nanoserve.engine.core import EngineCore
+from nanoserve.engine.build import build_engine_core
 from nanoserve.engine.kv_events import KVEventPublisher
-from nanoserve.engine.tp_executor import TPExecutor
 from nanoserve.protocol import (
     AbortRequests,
     EngineCoreOutput,
@@ -59,7 +58,7 @@ class EngineCoreProc:
 
     def __init__(self, config: EngineConfig, input_address: str,
                  output_addresses: list[str], engine_index: int = 0) -> None:
-        self.core = EngineCore(config, engine_tokenizer=True)  # the API process makes text
+        self.core = build_engine_core(config, engine_tokenizer=True)  # the API makes text
         self.engine_index = engine_index  # among --data-parallel-size engine cores
         self.inputs: queue.Queue[EngineInput] = queue.Queue()
         self.output_socks: list[zmq.Socket[bytes]] = []  # one per API server; the loop's own
@@ -235,9 +234,7 @@ def run_engine_core(config_bytes: bytes, input_address: str, output_addresses: l
         os.sched_setaffinity(0, cores)
     use_all_cores()
     proc = EngineCoreProc(config, input_address, output_addresses, engine_index)
-    executor = proc.core.executor
-    if isinstance(executor, TPExecutor):
-        executor.ranks.pin_rank0()  # the cores were split before the workers started
+    proc.core.executor.pin_cores()
     status = 0
     try:
         proc.run()

@@ -24,7 +24,18 @@ from nanoserve.protocol import (
 class Executor(Protocol):
     """Runs a step on every worker; rank 0's output is the step's."""
 
-    def execute_step(self, step: StepInput) -> StepOutput: ...
+    @property
+    def local_worker(self) -> Worker:
+        """The worker in this process (rank 0's): its sampler validates requests, and tests
+        and benches read its runner's model and cache."""
+
+    def execute_step(self, step: StepInput) -> StepOutput:
+        """Run `step` on every worker; rank 0's sampled tokens, logprobs and pooled vectors."""
+
+    def pin_cores(self) -> None:
+        """Put this process on its share of the cores where the executor split them among
+        ranks (an engine-core process only: in-process, as under `LLM`, the caller's process
+        keeps its affinity)."""
 
     def check_health(self) -> None:
         """Raise if a worker is gone (the engine loop asks between steps, too)."""
@@ -38,6 +49,13 @@ class InProcessExecutor:
     def __init__(self, worker: Worker, serialize: bool = False) -> None:
         self.worker = worker
         self.serialize = serialize
+
+    @property
+    def local_worker(self) -> Worker:
+        return self.worker
+
+    def pin_cores(self) -> None:
+        pass  # one worker: the process keeps the cores it was given
 
     def execute_step(self, step: StepInput) -> StepOutput:
         if not self.serialize:

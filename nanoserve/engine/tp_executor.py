@@ -172,6 +172,13 @@ class TPExecutor:
         self.ranks = ranks
         ranks.wait_ready()
 
+    @property
+    def local_worker(self) -> Worker:
+        return self.worker
+
+    def pin_cores(self) -> None:
+        self.ranks.pin_rank0()  # the cores were split before the workers started
+
     def execute_step(self, step: StepInput) -> StepOutput:
         self.ranks.check_alive()
         self.ranks.publish(step)

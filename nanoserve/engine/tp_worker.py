@@ -37,8 +37,8 @@ import zmq
 from nanoserve.config import EngineConfig, SamplerConfig, SchedulerConfig
 from nanoserve.engine.cores import pin_to_cores
 from nanoserve.engine.memory import keep_freed_memory_in_heap
-from nanoserve.engine.model_runner import ModelRunner, resolve_kv_cache_dtype
-from nanoserve.model.loader import load_model
+from nanoserve.engine.model_runner import ModelRunner
+from nanoserve.engine.rank_build import build_rank
 from nanoserve.model.parallel import connect_rendezvous, destroy_group, init_group
 from nanoserve.protocol import StepInput, WorkerShutdown, decode_worker_message
 
@@ -88,21 +88,14 @@ def run_tp_worker(config: EngineConfig, rank: int, world_size: int, port: int,
     # 1) cores, the group, the shard and the KV cache rank 0 sized
     pin_to_cores(cores)
     keep_freed_memory_in_heap()  # as the engine core does: no page faults on each temporary
-    parallel, model = config.parallel, config.model
+    parallel = config.parallel
     store = connect_rendezvous(parallel.master_addr, port, parallel.distributed_timeout_s)
     group = init_group(rank, world_size, parallel.master_addr, port, store=store,
                        timeout_s=parallel.distributed_timeout_s)
     is_remote = not step_address  # on another node than rank 0
     if is_remote:  # rank 0 set it before it joined the group
         step_address = store.get(STEP_ADDRESS_KEY).decode()
-    device, dtype = model.torch_device, model.torch_dtype
-    loaded = load_model(model.model, device, dtype, model.max_model_len, model.quantization,
-                        group, engine_tokenizer=True)
-    num_blocks = group.broadcast_int(0)
-    kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, loaded.quantization,
-                                      device, dtype)
-    worker = TPWorker(ModelRunner(loaded.model, num_blocks, config.cache.block_size, device,
-                                  kv_dtype))
+    worker = TPWorker(build_rank(config, group, engine_tokenizer=True).runner)  # as rank 0's
     gc.collect()
     gc.freeze()  # the loaded model out of the collector's sight, as in the engine core
     # 2) subscribe to the steps: rank 0 waits for every subscription before its first step

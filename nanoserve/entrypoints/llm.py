@@ -20,7 +20,7 @@ from dataclasses import replace
 from typing import Any
 
 from nanoserve.config import EngineConfig
-from nanoserve.engine.core import EngineCore
+from nanoserve.engine.build import build_engine_core
 from nanoserve.engine_args import EngineArgs
 from nanoserve.output.processor import OutputProcessor
 from nanoserve.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
@@ -54,7 +54,7 @@ class LLM:
             raise ValueError(f"data_parallel_size={config.parallel.data_parallel_size}: LLM "
                              "runs one engine core; several run behind `nanoserve serve "
                              "--data-parallel-size N`")
-        self.engine = EngineCore(config)
+        self.engine = build_engine_core(config)
         self.tokenizer = self.engine.loaded.tokenizer
         self._request_ids = itertools.count()
 

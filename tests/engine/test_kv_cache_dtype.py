@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from nanoserve.config import CacheConfig, GiB
+from nanoserve.engine.build import build_engine_core
 from nanoserve.engine.core import EngineCore
 from nanoserve.engine.model_runner import (
     kv_bytes_per_block,
@@ -34,7 +35,7 @@ def make_engine(path: Path, kv_cache_dtype: str, quantization: str = "none",
                 max_num_batched_tokens: int = 64) -> EngineCore:
     """A CPU float32 engine with a 64 MiB cache; chunks of 64 tokens, so longer prompts read
     their earlier chunks back from the cache."""
-    return EngineCore(EngineArgs(
+    return build_engine_core(EngineArgs(
         model=str(path), device="cpu", dtype="float32", quantization=quantization,
         kv_cache_dtype=kv_cache_dtype, kv_cache_memory_gb=1 / 16,
         max_num_batched_tokens=max_num_batched_tokens).to_config())
@@ -102,7 +103,7 @@ def test_cpu_default_cache_stops_at_what_the_running_sequences_can_fill(
     path = tiny_model_dir("llama")
 
     def default_engine(**kwargs: int) -> EngineCore:
-        return EngineCore(EngineArgs(model=str(path), device="cpu", dtype="float32",
+        return build_engine_core(EngineArgs(model=str(path), device="cpu", dtype="float32",
                                      quantization="none", **kwargs).to_config())
 
     full = default_engine(max_num_seqs=4)

@@ -11,6 +11,7 @@ import torch
 from helpers import hf_model, run_to_completion
 
 from nanoserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from nanoserve.engine.build import build_engine_core
 from nanoserve.engine.core import EngineCore
 from nanoserve.entrypoints.llm import LLM
 from nanoserve.pooling_params import PoolingParams
@@ -42,7 +43,7 @@ def reference(llama_dir: str) -> Any:
 def make_engine(model: str, pooling: str = "last", *, max_num_batched_tokens: int = 48,
                 enable_prefix_caching: bool = True, num_blocks: int | None = None,
                 max_model_len: int | None = None) -> EngineCore:
-    return EngineCore(EngineConfig(
+    return build_engine_core(EngineConfig(
         model=ModelConfig(model=model, device="cpu", dtype="float32", quantization="none",
                           pooling=pooling, max_model_len=max_model_len),
         cache=CacheConfig(num_blocks=num_blocks, kv_cache_memory_bytes=16 << 20,

@@ -27,6 +27,7 @@ from nanoserve.config import (
     ParallelConfig,
     SchedulerConfig,
 )
+from nanoserve.engine.build import build_engine_core
 from nanoserve.engine.core import EngineCore
 from nanoserve.engine.cores import split_cores
 from nanoserve.engine.tp_executor import TPExecutor, WorkerDiedError
@@ -50,7 +51,7 @@ def tp_engine(path: Any, tp: int, num_blocks: int = 16, quantization: str = "non
               max_model_len: int = 128, speculative: str | None = None) -> EngineCore:
     """Float32 on the CPU, a cache small enough that four requests preempt each other."""
     drafts = SpeculativeConfig.parse(speculative)
-    return EngineCore(EngineConfig(
+    return build_engine_core(EngineConfig(
         model=ModelConfig(model=None if path is None else str(path), device="cpu", dtype="float32",
                           max_model_len=max_model_len, quantization=quantization),
         cache=CacheConfig(num_blocks=num_blocks),
@@ -209,7 +210,7 @@ def test_a_shape_that_does_not_split_is_a_start_up_error(tiny_model_dir: Any) ->
         tp_engine(tiny_model_dir("llama"), 3)
     assert set(_worker_pids()) <= before
     with pytest.raises(ValueError, match="zero-cost engine skips the model"):
-        EngineCore(EngineConfig(model=ModelConfig(zero_cost_runner=True, device="cpu"),
+        build_engine_core(EngineConfig(model=ModelConfig(zero_cost_runner=True, device="cpu"),
                                 parallel=ParallelConfig(tensor_parallel_size=2)))
 
 

@@ -59,14 +59,14 @@ def test_the_native_stack_equals_the_python_loop_bit_for_bit(family: str,
 @needs_native
 def test_enforce_eager_keeps_the_python_loop_with_the_same_outputs(tiny_model_dir: Any) -> None:
     """`--enforce-eager` (EngineArgs) runs the Python layer loop; the tokens are the same."""
-    from nanoserve.engine.core import EngineCore
+    from nanoserve.engine.build import build_engine_core
     from nanoserve.engine_args import EngineArgs
 
     outputs, stacks = {}, {}
     for eager in (False, True):
         args = EngineArgs(model=str(tiny_model_dir("qwen3")), device="cpu",
                           quantization="int8", kv_cache_memory_gb=0.0625, enforce_eager=eager)
-        engine = EngineCore(args.to_config())
+        engine = build_engine_core(args.to_config())
         outputs[eager] = run_to_completion(engine, prompts(3), GREEDY)
         stacks[eager] = engine.loaded.model._layer_stack
     assert stacks[True] is None and stacks[False] is not None and stacks[False][1] is not None
@@ -111,9 +111,9 @@ def test_few_token_steps_equal_the_python_loop_on_every_cache(
     tokens of context, some partitions merged by log-sum-exp: those decodes, on each cache
     type, equal the Python loop's bit for bit."""
     from nanoserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-    from nanoserve.engine.core import EngineCore
+    from nanoserve.engine.build import build_engine_core
 
-    engine = EngineCore(EngineConfig(
+    engine = build_engine_core(EngineConfig(
         model=ModelConfig(model=str(grouped_query_model_dir(group)), device="cpu",
                           dtype="float32", quantization="int8"),
         cache=CacheConfig(num_blocks=96, kv_cache_dtype=kv_cache_dtype),

@@ -79,9 +79,9 @@ def run_engine(speculative_config: str | None, prompt: list[int],
                params: list[SamplingParams]) -> tuple[list[list[int]], int, Any]:
     """Each request's output ids, the number of steps and the engine's stats, on the default
     model's gguf path."""
-    from nanoserve.engine.core import EngineCore
+    from nanoserve.engine.build import build_engine_core
 
-    engine = EngineCore(EngineArgs(device="cpu", dtype="float32", quantization="gguf",
+    engine = build_engine_core(EngineArgs(device="cpu", dtype="float32", quantization="gguf",
                                    kv_cache_memory_gb=0.0625,
                                    speculative_config=speculative_config).to_config())
     for i, p in enumerate(params):

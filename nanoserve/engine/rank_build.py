@@ -1,0 +1,54 @@
+"""What every tensor-parallel rank builds for itself, rank 0 and the others alike: its shard of
+the model, its KV cache and the model runner over them (`build_rank`).
+
+Rank 0 sizes the cache (its memory budget, the model's context) and every other rank takes that
+count from it over the group, so all ranks' caches hold the same blocks and the step's block
+table means the same on each. One function for every rank, so a rank never differs from rank 0
+in how it loads, which cache type it picks or whether the native layer stack may run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nanoserve.config import EngineConfig
+from nanoserve.engine.model_runner import (
+    ModelRunner,
+    kv_cache_num_blocks,
+    resolve_kv_cache_dtype,
+)
+from nanoserve.model.loader import LoadedModel, load_model
+from nanoserve.model.parallel import TensorParallelGroup
+
+
+@dataclass
+class RankBuild:
+    """One rank's model and runner, and the cache's block count (the same on every rank)."""
+
+    loaded: LoadedModel
+    runner: ModelRunner
+    num_blocks: int
+
+
+def build_rank(config: EngineConfig, group: TensorParallelGroup | None, *,
+               engine_tokenizer: bool) -> RankBuild:
+    """Load this rank's shard (the whole model without a group), size or receive the cache's
+    block count, and build the runner. `engine_tokenizer`: load only what the engine reads of
+    the tokenizer (an engine process, whose text is made by the API process)."""
+    model, cache = config.model, config.cache
+    device, dtype = model.torch_device, model.torch_dtype
+    loaded = load_model(model.model, device, dtype, model.max_model_len, model.quantization,
+                        group, engine_tokenizer=engine_tokenizer)
+    kv_dtype = resolve_kv_cache_dtype(cache.kv_cache_dtype, loaded.quantization, device, dtype)
+    is_rank0 = group is None or group.rank == 0
+    num_blocks = 0
+    if is_rank0:
+        num_blocks = cache.num_blocks or kv_cache_num_blocks(
+            cache.kv_cache_memory_bytes, loaded.arch, cache.block_size, kv_dtype, device,
+            max_num_seqs=config.scheduler.max_num_seqs,
+            context_len=model.max_model_len or loaded.arch.max_position_embeddings)
+    if group is not None and group.world_size > 1:  # every rank's cache: rank 0's blocks
+        num_blocks = group.broadcast_int(num_blocks)
+    loaded.model.use_native_layers = not model.enforce_eager
+    runner = ModelRunner(loaded.model, num_blocks, cache.block_size, device, kv_dtype)
+    return RankBuild(loaded, runner, num_blocks)
