@@ -1,4 +1,4 @@
-"""Which data-parallel engine core a request goes to (../shared/reference/scale-out.md §6).
+"""Which data-parallel engine core a request goes to: the cache-aware policy, or round-robin.
 
 Each engine core has its own prefix cache, so a request whose prompt starts like one sent
 before should go where that prompt went: its leading blocks are likely still cached there.
@@ -21,7 +21,7 @@ The hashes are the engine's own (`kv_cache.hash_block`, chained over full blocks
 engines' block size), so a hash here names the same prefix as a cached block there. Each
 API server runs one router over its engine cores (entrypoints/dp_client.py), so the API
 process imports `hash_block` from the engine's KV cache; a lower, neutral module that both
-import would be its better home (scale-out.md §2).
+import would be its better home.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 `--kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint":
 "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}'` makes the engine core tell subscribers
 which full blocks its prefix cache holds: `BlockStored` when blocks become findable by hash,
-`BlockRemoved` when they are evicted. `vllm-router --policy kv_aware` reads them
-(../shared/reference/scale-out.md, section 8, read against the router's 0.1.17 source):
+`BlockRemoved` when they are evicted. `vllm-router --policy kv_aware` reads them; its wire
+format, read against the router's 0.1.17 source:
 
 - the PUB socket sends 3 frames per batch, `[topic, seq as 8-byte big-endian, payload]`;
   `seq` counts 0, 1, 2, ... with no gaps (a gap makes the router ask the replay socket);

@@ -1,25 +1,20 @@
 """Decides, each step, which tokens of which requests the next forward pass computes.
 
 Each step has a token budget (`max_num_batched_tokens`) and a cap on running requests
-(`max_num_seqs`). Running requests go first (a decode costs one token; a prompt still being
-prefilled takes the next chunk), then waiting requests are admitted in arrival order, their
-prompts chunked to fit what is left of the budget. When the KV cache runs out of blocks the
-newest running request is preempted: its blocks are freed and it waits to be recomputed from
-the start (its full blocks usually survive in the prefix cache, so the recompute is cheap).
+(`max_num_seqs`). Running requests go first (a decode takes one token and the draft tokens it
+holds; a prompt still being prefilled takes the next chunk), then waiting requests are admitted
+in arrival order, their prompts chunked to fit what is left of the budget. A request whose
+grammar is still compiling waits while the others are scheduled past it. When the KV cache runs
+out of blocks the newest running request is preempted: its blocks are freed and it is
+recomputed from the start, not swapped out, since its full blocks usually survive in the
+prefix cache. Pooling requests (embeddings, scores) are prompts that never sample: they finish
+once their prompt is computed (`finishes_pooling`; the engine core then frees them and hands
+out their vectors).
 
-Structured outputs: a request waits while its grammar compiles (the others are scheduled past
-it); after each step its matcher accepts the drawn token (`_advance_grammar`).
-
-Pooling requests (embeddings, scores) are prompts that never sample: scheduled, chunked and
-preempted as any prompt is, they finish once their prompt is computed (`finishes_pooling`; the
-engine core then frees them and hands out their vectors).
-
-Several tokens per step: a decoding request that holds draft tokens (`Request.draft_token_ids`,
-set by the engine's proposer) computes its last token and the drafts in one step and samples
-1 + k rows. `update_after_step` then commits a variable number of tokens per request (1 + the
-accepted drafts, cut at the first stop) and rolls the rest back: `num_computed_tokens` counts
-only the committed tokens' keys and values, the blocks stay allocated, and only full blocks of
-committed tokens are offered to the prefix cache.
+`update_after_step` commits a variable number of tokens per sampling request (1 + its accepted
+drafts, cut at the first stop, each fed to its grammar's matcher) and rolls the rest back:
+`num_computed_tokens` counts only the committed tokens' keys and values, the blocks stay
+allocated, and only full blocks of committed tokens are offered to the prefix cache.
 """
 
 from __future__ import annotations
@@ -111,6 +106,25 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
+        """The next forward's work: which requests, and which of their tokens.
+
+        Takes nothing: it reads the queues, the KV cache and the config. Returns the step's
+        `ScheduledRequest`s (the running requests first, oldest admitted first, then those
+        admitted now, in queue order), the requests given a slot and those preempted in this
+        step. Promises: the scheduled tokens, drafts included, fit `max_num_batched_tokens`,
+        the running requests `max_num_seqs`, and every scheduled token has its KV slot
+        allocated. Only an admitted request's prefix-cache hits count as computed here;
+        `update_after_step` advances the rest after the forward.
+
+        1) Running requests: each takes its remaining known tokens up to what is left of the
+           budget (a prompt's next chunk, or a decode's token plus as many drafts as fit).
+           When blocks run out the newest running request is preempted (blocks freed, slot
+           released, back to the front of the waiting queue); if that is the request itself,
+           the pass ends.
+        2) Waiting requests, in queue order, not in a step that preempted: one waiting for
+           its n > 1 leader's prompt blocks or for its grammar is passed over and keeps its
+           place; the first that cannot get its blocks ends the pass.
+        """
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         # 1) running requests, oldest first; preempt the newest when blocks run out

@@ -4,8 +4,8 @@ Rank 0 is the engine core as at one rank (scheduler, prefix cache, sampler, gram
 own shard of the weights and of the KV cache. It starts its node's other ranks (tp_worker.py;
 across nodes the others' launchers start theirs, tp_node.py), joins their gloo group, and
 each step publishes the `StepInput` before running its own worker on it, so every rank runs
-the same forward and meets the others in its collectives; only rank 0 samples
-(reference/scale-out.md §1).
+the same forward and meets the others in its collectives; only rank 0 samples (as vLLM's
+driver worker does).
 
 The step channel is a ZMQ PUB socket over ipc in a private directory (across nodes over tcp
 on `--master-addr` too, at a port the OS picks, announced in the rendezvous store), not the

@@ -3,7 +3,7 @@
 Each new request goes to one engine core, picked by DPRouter (engine/dp_router.py) from its
 prompt's block hashes (the engines' own hash and block size) and each engine's load: the
 larger of what this API server has in flight there and the engine's latest `num_waiting +
-num_running` (reference/scale-out.md §6). All samples of an `n > 1` request go to that one
+num_running` (vLLM's DP load balancing signal). All samples of an `n > 1` request go to that one
 engine together: they share its prefill there (`prefill_leader`). The client remembers which
 engine holds each engine request until it finishes, so an abort goes where the request runs
 (vLLM's `reqs_in_flight`), and keeps every engine's latest SchedulerStats (the `engine`

@@ -10,11 +10,8 @@
 The port is bound first, before the engine starts: a busy port is a one-line error and exit
 status 1 within a second, never a second server silently sharing the address. The engine cores
 are spawned before the launcher imports the HTTP stack (this module imports nothing heavy), so
-the engine's start and the API server's overlap. Measured on 2 cores, from the command to
-`/health` answering 200: the default model 12.5 and 11.6 s when the launcher imported torch,
-transformers and FastAPI first, 7.6-8.4 s with the engine spawned first (5.6-6.9 s once the
-engine also stopped importing transformers: model/tokenizer.py's EngineTokenizer); a tiny
-test checkpoint 14.0 and 14.2 s before, 7.0-8.5 s after both.
+the engine's start and the API server's overlap: the default model answers `/health` in
+7.6-8.4 s on 2 cores instead of ~12 s (docs/benchmarks.md, "A server's start and stop").
 
 Lifetimes are tied both ways: the engine core exits when its launcher is gone; an API server
 whose engine core dies fails its in-flight requests and exits non-zero (serve.py). SIGTERM (or

@@ -16,27 +16,15 @@ What each computes, against the plain PyTorch ops it replaces (layer_ops.py's EX
       attend to themselves read them there).
 
 tests/model/test_fused_ops.py holds each to the plain ops: norms and SiLU within 1e-5 relative
-(another summation order, another exp polynomial: measured ~4e-7), RoPE within 1e-6, v exactly
-and k in a float16 cache within one float16 step (a k that differs in its last float32 bit may
-round the other way). All four take float32 activations and run on one thread below ~32K
-elements (a decode of a few dozen rows), on both above.
+(another summation order, another exp polynomial), RoPE within 1e-6, v exactly and k in a
+float16 cache within one float16 step (a k that differs in its last float32 bit may round the
+other way). All four take float32 activations and run on one thread below ~32K elements (a
+decode of a few dozen rows), on both above.
 
-Why: the plain layer runs ~25 PyTorch ops between its four matmuls (llama.py lists them), each
-a few microseconds of dispatch, allocation and Python for a few hundred floats of work at
-batch 1; at batch 64 each op also makes its own pass over memory. The layer's element-wise
-work, default model shapes (hidden 576, 9 heads, 3 KV heads, D = 64, intermediate 1,536),
-float16 cache, min of 15 x 200 calls on the shared 2-core AVX2 machine:
-
-    rows  threads | plain ops   fused | per step (30 layers)
-       1     1    |   127 us   4.8 us |  3.8 ms -> 0.14 ms
-       1     2    |   123 us   4.8 us |  3.7 ms -> 0.15 ms
-      64     1    |   267 us    75 us |  8.0 ms -> 2.3 ms
-      64     2    |   380 us    56 us | 11.4 ms -> 1.7 ms
-
-(The calmest of three runs; under more load the 64-row figures rose to 400-440 us plain and
-75-119 us fused on one thread, and the plain ops' to 2.2-2.8 ms on two.) Per call at 1 / 64 /
-512 rows, 2 threads: add_rms_norm 1.1 / 5.7 / 41 us, rope_store 1.4 / 7.4 / 81 us, silu_mul
-1.4 / 29 / 229 us (SiLU's exp and division are most of it).
+Why: the plain layer runs ~25 PyTorch ops between its four matmuls, each a few microseconds of
+dispatch, allocation and Python for a few hundred floats at batch 1, and at batch 64 its own
+pass over memory; fused, a layer's element-wise work at batch 1 takes 4.8 us instead of 127 us
+(docs/benchmarks.md, "The layer's element-wise work in C++").
 """
 
 from __future__ import annotations

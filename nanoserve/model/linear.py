@@ -4,7 +4,8 @@ MKL's sgemm (what F.linear uses on the CPU) is slow for the small row counts of 
 2-core AVX2 machine the default model's layers take ~45 ms per token at 1 row and ~90 ms at 4
 rows. oneDNN with weights reordered once, at load, into its blocked layout takes ~25-30 ms at
 both, and ~30% less at 64 rows (inductor's CPU "freezing" path uses the same two ops). Results
-differ from F.linear only in summation order (~1e-6 relative).
+differ from F.linear only in summation order (~1e-6 relative). Figures: docs/benchmarks.md,
+"Before: float32 weights".
 """
 
 from __future__ import annotations
@@ -22,10 +23,8 @@ PACKING_BATCH_HINT = 64
 
 # oneDNN keeps a compiled primitive per (rows, in, out) it has run, and PyTorch's ideep layer a
 # computation per shape, up to 1,024 each by default. A server's row counts are every batch and
-# chunk size, so the two caches grew the engine's resident memory by ~0.5 MB a new row count
-# for hours: `bench chaos` rounds on the tiny float32 model, +74 MB the first and still +13 MB
-# the tenth. At 64 each: +31 MB the first, 3-5 MB the next; the default model's float32 path
-# serves 48 mixed prompts (130 tok/s) and one stream (20.6 tok/s) as fast as with 1,024.
+# chunk size, so at 1,024 the two caches grew the engine's resident memory for hours; at 64
+# they stop growing at no loss of speed (docs/benchmarks.md, "oneDNN's primitive caches").
 ONEDNN_CACHE_CAPACITY = 64
 
 

@@ -3,50 +3,25 @@
 The model runs on a flat batch: every scheduled token of every request in one [num_tokens] row
 vector, with attention routed through the paged KV cache by a backend (the attention/ package).
 Projections that read the same input are fused at load time (q/k/v into one matmul, gate/up
-into one).
+into one). `CausalLM.forward` returns the final hidden states; `compute_logits` turns the rows
+that sample into float32 logits.
 
-One layer forward (`BoundDecoderLayer.forward`) runs over one of two op tables (layer_ops.py).
-With exact weights (`--quantization none`) the table is plain PyTorch, the path held equal to
-transformers token for token. With quantized weights on the CPU it is nine calls a layer, the
-element-wise work in C++ (fused_ops.py): norm, qkv matmul, rope_store, attention, o matmul,
-add_rms_norm, gate_up matmul, silu_mul, down matmul. Both fold each residual add into the next
-norm, so a layer returns its output unadded and the next layer (or the final norm) adds it. The
-plain layer's profile at batch 1 (torch.profiler, per layer) was those four matmuls and
-attention plus ~25 dispatched ops: 2 rms_norm (pow, mean, add, rsqrt, 2 mul, type_as inside
-each), the slices and views of qkv, RoPE's 2 slices, neg, cat, 2 mul, add and split, the cache
-write's 2 transposes, 2 float16 casts and 2 index_copy_, 2 residual adds, chunk, silu and mul,
-with ~17 allocations. The fused table also skips per-step and per-layer Python: the cos/sin
-lookup (rope_store reads the table by position), nn.Module calls and parameter lookups, and
-linear()'s dispatch (each matmul is a bound kernel call).
-Its hidden states differ from the plain path's by ~2e-7 relative (tests/model/
-test_fused_model.py), a last-bit difference that int8 activation rounding can amplify as much
-as any other (see there). Where the fused table runs over the CPU paged attention at one rank,
-`CausalLM.forward` hands every layer and the final norm to one native call instead
-(native_layers.py: the same kernels in the same order, bit for bit; `--enforce-eager` keeps
-this Python loop).
+One layer forward (`BoundDecoderLayer.forward`) runs over one of two op tables (layer_ops.py),
+each folding a residual add into the next norm. With exact weights (`--quantization none`) the
+table is plain PyTorch, held equal to transformers token for token. With quantized weights on
+the CPU it is nine calls a layer, the element-wise work in C++ (fused_ops.py), whose hidden
+states differ from the plain path's by ~2e-7 relative (tests/model/test_fused_model.py). Why:
+the plain layer dispatches ~25 small ops between its four matmuls, and the fused table takes a
+batch-1 step from 23.6 to 15.5 ms on one thread (docs/benchmarks.md, "The fused op table
+against the plain layer"). Where the fused table runs over the CPU paged attention at one rank,
+every layer and the final norm are one native call instead (native_layers.py, bit for bit;
+`--enforce-eager` keeps this Python loop).
 
-Under tensor parallelism (issue 23) each rank holds its heads, MLP rows and vocabulary rows
-(shard.py) and each layer all-reduces two partial sums over its group (parallel.py): the
-attention output projection's and the down projection's, each before it is added to the
-residual stream (here: before the norm that folds the add in); the embedding is a masked
-lookup plus an all-reduce, the logits are gathered to rank 0. At one rank the group is the
-identity.
-
-`bench step` on the default model (Q4_1, float16 cache, context 256), plain vs fused toggled on
-one engine in interleaved rounds (medians of 8 rounds of 10 steps at batch 1, 4 of 5 at 64)
-on the 2-core machine while other engineers' jobs ran (load average 5-10):
-
-                        batch 1, 1 thread   batch 64, 1 thread
-    element-wise         5.6 -> 1.8 ms       41.6 -> 15.2 ms
-    model Python         5.7 -> 2.7 ms       25.2 -> 12.4 ms
-    attention            3.1 -> 1.5 ms       98.5 -> 88.0 ms   (the cache write moved out)
-    step                23.6 -> 15.5 ms     391 -> 351 ms      (a second campaign: 25.1 ->
-                                                                16.4 and 316 -> 253 ms)
-
-With 2 threads every step was dominated by OpenMP waiting for the loaded cores (batch-1 steps
-of 0.6-1.9 s); there the element-wise and Python buckets still fell 2-3x (batch 1: 22.8 ->
-8.9 ms and 26.4 -> 10.2 ms). The layer's element-wise work alone, min of many calls: 127 us
--> 4.8 us per layer at batch 1, 267-440 -> 75-119 us at 64 (fused_ops.py).
+Under tensor parallelism each rank holds its heads, MLP rows and vocabulary rows (shard.py);
+each layer all-reduces the attention output projection's and the down projection's partial
+sums over its group (parallel.py) before they reach the residual stream; the embedding is a
+masked lookup plus an all-reduce, the logits are gathered to rank 0. At one rank the group is
+the identity.
 """
 
 from __future__ import annotations

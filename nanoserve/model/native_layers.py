@@ -1,23 +1,18 @@
 """Every decoder layer of a forward in one native call (`csrc/decode_layers.cpp`).
 
-The fused CPU path (layer_ops.py's fused table) is nine kernel calls a layer. Made from Python,
-each costs a bound-method call, argument parsing and, for attention, the backend's frame: about
-10 us a call, ~3 ms of a ~9 ms batch-1 step over 30 layers (`bench step`'s "model Python"). The
-layer stack binds a model's weights and caches once and chains the same kernels in C++ through
-the dispatcher (the `nanoserve::*` ops the kernels' extensions register), so the hidden states
-are the Python path's bit for bit: the same compiled kernels, the same inputs, the same order.
-Up to 15 tokens (a decode of a few requests) the call runs as one OpenMP region instead
-(`csrc/team_forward.h`): the kernels' inner loops called directly, each thread taking its share
-of every matmul and of attention, barriers in place of ~5 fork/joins a layer; a batch-1 step
-went from 9.0-9.3 to 6.8-7.8 ms on 2 Zen 1 cores, the same bits again.
-The same kernels' layer loop under `torch.compile` (Inductor, C++ wrapper) gives the same bits
-but runs as the dispatcher path does, each kernel its own parallel region: 1.44x this call's
-step at batch 1 (`bench step --compare-compiled`, bench/compiled.py).
+The stack binds a model's weights and caches once and chains the fused path's kernels
+(layer_ops.py's fused table) in C++ through the dispatcher (`nanoserve::*` ops), so the hidden
+states and caches are the Python loop's bit for bit. Up to 15 tokens a step it runs as one
+OpenMP region instead (`csrc/team_forward.h`): each thread takes its share of every matmul and
+of attention, and barriers replace ~5 fork/joins a layer, with the same bits again. It runs
+where the fused path would, with paged attention over the cache (`CpuPagedBackend`), one rank
+and packed quantized projections; elsewhere, and under `--enforce-eager`, the Python loop runs.
 
-It runs where the fused path would, with paged attention over the cache (`CpuPagedBackend`),
-one rank, and every projection a packed quantized weight; elsewhere, and under
-`--enforce-eager` (vLLM's flag for "no graphs, no compiled forward"), the Python layer loop
-runs. Figures: docs/benchmarks.md (issue 22).
+Why: nine kernel calls a layer from Python cost ~3 ms of a ~9 ms batch-1 step; as one region
+that step went from 9.0-9.3 to 6.8-7.8 ms on 2 Zen 1 cores. The same loop under `torch.compile`
+(Inductor) gives the same bits but a fork and join per kernel: 1.44x this call's step. Figures:
+docs/benchmarks.md, issue 22's sections ("One user's step: the decoder layers as one native
+call", "A few tokens' forward as one parallel region", "The alternatives measured").
 """
 
 from __future__ import annotations

@@ -4,9 +4,8 @@ Under tensor parallelism (issue 23) each rank holds a slice of every projection:
 output projection and the MLP down projection then each give a partial sum that every rank
 must add up (one all-reduce after each, Megatron's layout), and the LM head gives each rank
 a slice of the vocabulary's logits, gathered to rank 0 only (the only rank that samples,
-as nano-vllm's `ParallelLMHead`; reference/scale-out.md §1). At one rank, the only case
-without workers, the group is the identity and returns its argument (a Python call, ~50 ns:
-no copy, no op).
+as nano-vllm's `ParallelLMHead`). At one rank, the only case without workers, the group is
+the identity and returns its argument (a Python call, ~50 ns: no copy, no op).
 
 Several ranks talk over torch.distributed's gloo backend on the CPU. On one node rank 0 opens
 the rendezvous store on a port the OS picks (port 0), so no fixed port can collide (nano-vllm's

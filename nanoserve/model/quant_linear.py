@@ -10,30 +10,14 @@ block: it differs from dequantize-then-matmul by ~5e-3 of the output's norm. `ro
 dequantizes single rows exactly (the token embedding, tied with lm_head). Without a C++
 compiler the weight is dequantized once, at first use, and runs through the float32 path.
 
-Measured on the 2-core AVX2 machine, the matmuls of one step of the default model (30 layers
-of Q4_1 qkv/o/gate_up/down, distinct copies so weights stream from memory, plus the Q8_0
-lm_head), 2 threads, against oneDNN with pre-packed float32 weights (`linear.py`, the exact
-path) and plain F.linear:
-
-    rows       1        16       64      256
-    int8     3.3 ms   16 ms    56 ms   230 ms
-    oneDNN    25 ms   32 ms    90 ms   340 ms
-    F.linear  45 ms   66 ms   137 ms   426 ms
-
-At 1 row it reads 96 MB instead of 540 MB. At many rows the integer dot products (32
-multiply-adds per `maddubs`) still beat float FMAs: ~85 GMAC/s per thread for Q4_1, ~63 for
-Q8_0, against ~50 for oneDNN, so prefill needs no dequantized copy. Repacking 8 rows at load
-removes every horizontal sum and lets one unpacked block serve 4 activation rows (2, 3 and
-6 rows per tile measured 3-10% slower).
-
-The wide form of a 4-bit weight (`widened`) spreads its nibbles to a byte each, so the kernel
-loads a block's values instead of unpacking them (4 loads and 12 shifts and masks fewer per
-block). One thread on a block in L1: 93 -> 101 GMAC/s. The default model's four projections
-of all 30 layers, 2 threads, interleaved runs: 64 rows 138-141 -> 144 GMAC/s, 512 rows
-153-154 -> 163 GMAC/s, bit for bit the same products. It costs 0.5 byte per weight more
-memory, and at a few rows, where the kernel waits on memory, twice the bytes would cost more
-than the unpacking saves: the kernel uses it from 16 rows on, and the loader keeps it when
-all of a model's wide forms fit in 1 GiB (weights.py).
+Why not dequantize to float32 at load (`linear.py`'s oneDNN path): at one row the kernel reads
+96 MB a step instead of 540 MB (3.3 ms against 25 ms for the default model's matmuls), and at
+many rows its integer dot products still beat float FMAs (~85 GMAC/s a thread for Q4_1 against
+~50), so prefill needs no dequantized copy either. The wide form of a 4-bit weight (`widened`,
+a byte per value: no unpacking, the same products) is used from 16 rows on, where it is 3-6%
+faster; below that the kernel waits on memory, and twice the bytes would cost more. The loader
+keeps it when all of a model's wide forms fit in 1 GiB (weights.py). Figures:
+docs/benchmarks.md, "Quantized matmuls against float32" and "Latest: wide 4-bit weights".
 """
 
 from __future__ import annotations

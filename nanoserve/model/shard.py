@@ -1,7 +1,7 @@
 """Which slice of each weight a tensor-parallel rank holds (issue 23): pure functions, no processes.
 
-Megatron's layout, as nano-vllm and vLLM shard a Llama (reference/scale-out.md §3). With a
-weight W [N out, K in] (PyTorch's order):
+Megatron's layout, as nano-vllm and vLLM shard a Llama. With a weight W [N out, K in]
+(PyTorch's order):
 
   q, k, v       rows by head: rank r holds heads [r H/tp, (r+1) H/tp); KV heads fewer than the
                 ranks are replicated, rank r holding head r Hkv / tp (mini-sglang's rule)

@@ -11,13 +11,11 @@ only over the rows that use it. A draft row (a request's window of draft tokens,
 position) sees what a one-token decode after its pending drafts would see, in every stage.
 
 On the CPU, the penalties and everything from temperature to the draw run in C++ (fused.py,
-csrc/sampling.cpp), one row per task, reading each row in place once or twice; the PyTorch
-stages stay for GPUs, machines without a compiler, rows that ask for processed logprobs (they
-need the final logits) and rows the C++ path leaves undecided, and both draw the same tokens.
-Measured at batch 32 with `nanoserve bench sampler`'s mix on the default model's logits (one
-thread, shared 2-core machine, interleaved medians): 16-17 ms before, 2-4 ms after, of which the
-C++ draw is ~1.4 ms; the PyTorch path's ~20 passes over [rows, 49,152] and their page-faulting
-temporaries were most of the 16 ms (docs/benchmarks.md).
+csrc/sampling.cpp), one row per task, reading each row in place once or twice, where the
+PyTorch path makes ~20 passes over [rows, 49,152] temporaries: a batch of 32 took 16-17 ms to
+sample before, 2-4 ms after (docs/benchmarks.md, "Sampler"). The PyTorch stages stay for
+GPUs, machines without a compiler, rows that ask for processed logprobs (they need the final
+logits) and rows the C++ path leaves undecided, and both draw the same tokens.
 """
 
 from __future__ import annotations
@@ -194,10 +192,9 @@ class Sampler:
 
     def _sample_plain(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """The argmax of each row: what the pipeline gives such rows, as every stage leaves
-        them alone and no state follows their tokens. Right after a forward the pipeline's
-        Python runs out of cold caches, ~10-50 us a numpy or torch call; on the 2-core EPYC
-        (Zen 1), batch-1 greedy decode, two alternated processes each, the sampler took
-        0.33-0.35 ms a step through the pipeline and 0.21 ms here."""
+        them alone and no state follows their tokens. Why a path of its own: right after a
+        forward the pipeline's Python runs out of cold caches, ~10-50 us a numpy or torch call
+        (docs/benchmarks.md, "The Python after the forward, ...": 0.33 -> 0.21 ms a step)."""
         token_ids: list[int] | None = None
         if self.kernels is not None and logits.device.type == "cpu" and logits.stride(1) == 1:
             # the C++ argmax: 8 us a row warm, where torch.argmax takes ~90 (not vectorized)

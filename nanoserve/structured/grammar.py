@@ -5,33 +5,13 @@ object) becomes a llguidance grammar. `GrammarCompiler.submit` compiles it on a 
 cached by content, so a large schema never stalls the step loop; each sequence then gets its own
 `GrammarMatcher` (a copy of the compiled template) that fills its row of the token bitmask
 before a step and accepts the token drawn after it. Applying the bitmask to the logits is in
-`bitmask.py`.
+`bitmask.py`. llguidance's errors name the problem (`Unknown format: weird`, `unclosed group`);
+we pass them on.
 
-Why llguidance and not xgrammar (both are vLLM backends): measured with the default model's
-tokenizer (SmolLM2, 49,152 tokens), llguidance 1.9.1 against xgrammar 0.2.9, torch 2.13.0+cpu, on
-the 2-core dev machine while other engineers built and tested on it (load 4-7): five runs of
-each, interleaved A B A B, medians.
-
-| | llguidance | xgrammar |
-|---|---|---|
-| install, deps included | 7.7 MB, no deps | 1015 MB: triton 999 MB, tvm-ffi 13 MB |
-| import: fresh / with torch loaded | 40 ms / 10 ms | 2.0 s / 0.4 s (loads torch, transformers) |
-| tokenizer set-up, once | 0.42 s | 0.29 s |
-| compile: 5 JSON schemas, 2..40 props | 0.8-1.5 ms | 10-23 ms |
-| compile: regex / choice / EBNF | 0.7 / 0.8 / 1.5 ms | 140 / 0.4 / 0.3 ms |
-| mask fill per step, 1 sequence | 10 µs (regex 95) | 1.5-2.3 µs (regex 29) |
-| mask fill per step, 16 sequences | 153 µs (128 threaded) | 38-60 µs |
-| accept a token | 1 µs | 1 µs |
-| its CPU apply of a [16, 49152] mask | torch.compile: 0.4 ms, first call 7-48 s | C++: 1.8 ms |
-
-xgrammar fills masks 4-6x faster, but at 16 sequences that is 0.15 ms against 0.05 ms in a
-decode step of 50-90 ms here (docs/benchmarks.md); its install is 130x larger (triton does
-nothing on the CPU), its compiles 10-200x slower, and its import pulls in torch and transformers.
-Neither pulls a CUDA torch. llguidance builds lexer states lazily, so a grammar's first mask costs
-up to 1.3 ms more. Its errors name the problem (`Unknown format: weird`, `unclosed group`), which
-we pass on. Method: each library compiled the 8 grammars (cache off), then one matcher per
-grammar followed the BPE tokens of a valid document, each mask fill timed; 16 matchers over the
-5 schemas gave the batch figure. The one-off script needs xgrammar, so it is not in the repo.
+llguidance, not xgrammar (both are vLLM backends): a 130x smaller install (7.7 MB, no deps,
+against triton's 999 MB), 10-200x faster compiles and no torch import. xgrammar fills masks 4-6x
+faster, but that is 0.15 against 0.05 ms of a 50-90 ms decode step at 16 sequences. Figures in
+docs/benchmarks.md, "Structured outputs: llguidance against xgrammar".
 """
 
 from __future__ import annotations
@@ -58,12 +38,8 @@ from nanoserve.sampling_params import StructuredOutputsParams
 WORKER_THREAD_PREFIX = "nanoserve-grammar"
 # The grammar worker's nice value (the step loop's is 0): where the cores are all busy, the
 # kernel gives a compile what the step loop leaves, so a large schema compiling does not slow
-# the other requests' steps; the request waiting for it waits longer instead. Measured with
-# `OMP_NUM_THREADS=1 nanoserve bench structured --parts itl` (8 free requests decoding while a
-# new 1,200-property schema compiles all along), 2-core dev machine: with a core to spare the
-# nice value changes nothing (p99 1.09x the free-only steps' either way); with one other busy
-# process (or another engineer's load), nice 10 kept ITL p50 at 1.09x and p99 at 1.15-1.81x,
-# nice 0 let them go to 1.41x and 2.0-2.1x, while its compiles ran 17-80x as often.
+# the other requests' steps; the request waiting for it waits longer instead. Figures:
+# docs/benchmarks.md, "Structured outputs: llguidance against xgrammar" (the nice value).
 WORKER_NICE = 10
 # Shown in llguidance's errors but ours, not the user's: source echoes and caret lines.
 _ERROR_NOISE = re.compile(r"^\s*(\d+ \||\^+\s*$)")

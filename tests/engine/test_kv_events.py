@@ -2,7 +2,7 @@
 
 The router's own decoder is the reference for the wire: each event a map with exactly the
 keys it allows, batches `[ts, events, rank]`, frames `[topic, seq, payload]`, and the replay
-socket's frames (../shared/reference/scale-out.md, section 8). The real router reads them in
+socket's frames, as read in vllm-router 0.1.17's source. The real router reads them in
 tests/entrypoints/test_vllm_router.py.
 """
 

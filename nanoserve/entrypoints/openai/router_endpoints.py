@@ -1,8 +1,8 @@
-"""What a router in front of replicas asks a replica (../shared/reference/scale-out.md §8):
-the token ids a request would prefill, to hash against the blocks each replica holds, and who
-the replica is, and where it publishes its KV-cache events (`/kv_event_sources`): with these
-two, `vllm-router --policy kv_aware --worker-urls ...` finds each replica's publisher itself,
-without `--kv-event-source` flags.
+"""What a router in front of replicas (`vllm-router`, read against its 0.1.17 source) asks a
+replica: the token ids a request would prefill, to hash against the blocks each replica holds,
+and who the replica is, and where it publishes its KV-cache events (`/kv_event_sources`): with
+these two, `vllm-router --policy kv_aware --worker-urls ...` finds each replica's publisher
+itself, without `--kv-event-source` flags.
 
 `vllm-router --policy kv_aware` asks every worker for the ids of each incoming request within
 a 1 s budget, and they must be exactly the ids the worker prefills; so the render routes run

@@ -12,30 +12,20 @@ Per `tool_choice` (vLLM's behaviour; absent means "auto" when tools are given, e
 | named | gets the tools | a grammar forces that function's arguments | "stop" |
 
 "tool_calls" replaces only a natural stop: a call cut off by max_tokens keeps "length", as
-OpenAI's API does, so a client knows the arguments are incomplete (vLLM says "tool_calls" for
-"auto" even then). With `parallel_tool_calls=false` the `required` grammar allows one call and
-"auto" keeps only the first. The parser is `--tool-call-parser`, or else the one the chat
-template implies (`parsers/tool_format.py`). The grammar goes to the engine as the request's
-`SamplingParams.structured_outputs` (JSON schema, `nanoserve/structured/`); the
-reasoning split does not apply to grammar-forced output, which has no reasoning section.
+OpenAI's API does (vLLM says "tool_calls" for "auto" even then). With
+`parallel_tool_calls=false` the `required` grammar allows one call and "auto" keeps only the
+first. The parser is `--tool-call-parser`, or else the one the chat template implies
+(`parsers/tool_format.py`). The grammar goes to the engine as the request's
+`SamplingParams.structured_outputs` (JSON schema, `nanoserve/structured/`); the reasoning split
+does not apply to grammar-forced output, which has no reasoning section.
 
-Two choices differ from vLLM's, both measured on the tests' tiny random-weight Llama, a
-stand-in for a weak model that the grammar must still bring to an end (prompt "hi"; greedy and
-4 seeds at temperature 1; `required` and two named functions: 15 runs of up to 100 tokens):
-- Whitespace between JSON tokens is bounded to 20 characters (`TOOL_JSON_WHITESPACE`), where
-  vLLM allows any amount. Unbounded, 13 of the 15 runs wrote whitespace until the token limit;
-  bounded, 13 ended within 100 tokens and the two others (several `required` calls) within 300.
-  20 characters still allow the usual `": "` and pretty-printing a few levels deep.
-- Each `required` item allows only `name` and `parameters` (`additionalProperties: false`):
-  with vLLM's open items, the greedy run started a third key string and never closed it.
-- A `required` list holds at most as many calls as there are tools, and never more than
-  `MAX_REQUIRED_CALLS` (vLLM's list is unbounded): the default model at temperature 0.8
-  repeated one call eight times until max_tokens, finishing "length" with no usable answer.
-- A `required` list ends at the first call that exactly repeats an earlier one: the output
-  processor cuts the text after the last new call and stops the engine request there
-  (`output/repeats.py`, on `SamplingParams.is_call_list`), and the answer finishes
-  "tool_calls". The grammar lets the list end after every complete call; it cannot forbid the
-  repeat, which is context a JSON schema does not carry.
+Where vLLM's grammar is open, this one is bounded, so that a weak model forced into it still
+comes to an end (runs in docs/benchmarks.md, "Tool calling: bounds on the forced JSON"): JSON
+whitespace in runs of at most 20 characters (`TOOL_JSON_WHITESPACE`); `required` items with
+only `name` and `parameters`; a `required` list of at most as many calls as there are tools and
+`MAX_REQUIRED_CALLS`; and a `required` list that ends at the first call repeating an earlier
+one, cut there by the output processor (`output/repeats.py`, on `SamplingParams.is_call_list`)
+and finishing "tool_calls", since a JSON schema cannot forbid a repeat.
 """
 
 from __future__ import annotations

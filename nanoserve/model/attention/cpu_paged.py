@@ -1,66 +1,23 @@
 """The CPU backend: attention that reads the paged KV cache in place (`csrc/paged_attention.cpp`).
 
-What it computes: for each decode request b and query head h, softmax(q[b, h] · Kᵀ / √D) · V
-over the request's `context_lens[b]` cached tokens, whose rows are found through
-`block_table[b]` (token t at row t % block_size of block `block_table[b, t // block_size]`).
-That is what sdpa.py's `gather_decode_attention` (one gather of every request's blocks into a
-padded buffer, a key mask, SDPA) computes; tests/model/test_paged_attention.py holds them equal
-within 1e-5 relative. The kernel walks each (request, KV head) once, loading every key and value
-row a single time for the H / Hkv query heads that share it (GQA), with an online softmax over
-tiles of 32 keys and AVX2 dot products; float32 arithmetic throughout, over a float32 or a
-float16 cache (below).
+What it computes: for each query token and query head h, softmax(q[h] · Kᵀ / √D) · V over its
+request's first `context_lens` cached tokens, found through its `block_table` row (token t at
+row t % block_size of block `block_table[t // block_size]`), as sdpa.py's
+`gather_decode_attention` does (tests/model/test_paged_attention.py: within 1e-5 relative).
+Arithmetic is float32 over a float32, float16 or int8 cache (`--kv-cache-dtype`;
+engine/model_runner.py says when "auto" picks float16); each key and value row is loaded once
+for the query heads that share it (GQA).
 
-Why a kernel: the gather copies every decode's whole context, per layer, into a fresh padded
-buffer (at batch 64 x 1,024 tokens, 100 MB a layer, page faults included) before SDPA reads it
-again; the kernel reads each row once, from where it lies, at about the machine's memory
-bandwidth (~21 GB/s here). Measured on a 2-core AVX2 machine, torch.set_num_threads(2), default
-model shapes (30 layers, 9 heads, 3 KV heads, D = 64, blocks of 16, each layer's own cache,
-blocks shuffled), best of interleaved runs:
+Every token of a step, a prefill chunk's too, is attended as a decode over the cache up to its
+own position, after the step's keys and values are written: a token's result is then the same
+bits whatever chunk it came in and whatever the prefix cache held, which SDPA over a chunk
+cannot give (a chunk's rows are walked in blocks of 16, `csrc/run_attend.h`, each with the bits
+it gets alone).
 
-    batch  context | per layer: gather+SDPA  kernel | per step (30 layers): gather+SDPA  kernel
-        1      256 |              0.064 ms  0.016 ms |                        1.9 ms   0.5 ms  3.9x
-        1    1,024 |              0.209 ms  0.068 ms |                        6.3 ms   2.0 ms  3.1x
-       16      256 |              0.664 ms  0.296 ms |                       19.9 ms   8.9 ms  2.2x
-       16    1,024 |              3.18 ms   1.16 ms  |                       95 ms    35 ms    2.7x
-       64      256 |              3.47 ms   1.33 ms  |                      104 ms    40 ms    2.6x
-       64    1,024 |             45.0 ms    4.56 ms  |                     1350 ms   137 ms    9.9x
-
-With one thread the ratios are 2.2-8.7x. The runner's per-step tables shrink too (the padded
-per-head block rows and key mask are no longer built: 10-70 us down to 4-35 us). The kernel's
-own choices (tile size, prefetching, splitting a context over threads) are measured in its
-source.
-
-A float16 cache (`--kv-cache-dtype`; engine/model_runner.py says when "auto" picks it) holds
-each row in half the bytes. The kernel loads 8 halves at a time and widens them with F16C's
-`vcvtph2ps`; q, the scores, the softmax and the sums stay float32, so it computes what the
-gather path computes on the rounded values (the tests hold them within 1e-5). Per step (30
-layers, shapes as above), float32 vs float16 cache through the same build, medians of
-interleaved runs: on the 2-core machine, shared with other jobs (one thread: with two, other
-jobs' load swamped the figures), and on a quiet 16-core Xeon pinned to 2 cores, 2 threads:
-
-                   |  2-core machine, 1 thread   |  Xeon, 2 cores, 2 threads
-    batch  context |  float32  float16           |  float32  float16
-        1      256 |   1.09 ms  0.61 ms  1.8x    |   0.57 ms  0.50 ms  1.1x
-        1    1,024 |   3.97 ms  2.05 ms  1.9x    |   1.95 ms  2.03 ms  1.0x
-       16      256 |  31.9 ms  16.7 ms   1.9x    |  12.0 ms   8.3 ms   1.4x
-       16    1,024 | 130 ms    64.2 ms   2.0x    |  41.6 ms  27.4 ms   1.5x
-       64      256 | 148 ms    77.7 ms   1.9x    |  41.2 ms  27.0 ms   1.5x
-       64    1,024 | 583 ms   311 ms     1.9x    | 175 ms   116 ms     1.5x
-
-Where the cache comes from DRAM the time follows the bytes. At batch 1 x 1,024 the Xeon gained
-nothing: its 30 layers' cache (47 MB in float32) likely sits in that machine's large L3, where
-the kernel is bound by arithmetic and the widening is not free. The float32 path runs the same
-instructions as before the kernel was templated (timed beside the old build: within noise).
-
-Every token of a step is attended this way, prefill chunks' tokens too: each is a query over
-the cache up to its own position (`context_lens` = position + 1), after the whole step's keys
-and values are written. A token's result is then the same whatever chunk it came in and
-whatever the prefix cache held, bit for bit (as a decode's is, alone or batched), which SDPA
-over a chunk cannot give. At prompts of 32-512 tokens it is as fast as SDPA or faster
-(0.5-1.05x its time, one and two threads, measured). A chunk's rows share their keys, so the
-kernel walks them in blocks of 16 rows (`csrc/run_attend.h`): each tile's rows are widened once
-for the block, and each row gets the bits it gets alone. The last 512-token chunk of a
-6,656-token prompt (one layer, float16 cache, 2 threads): 486-540 -> 305-342 ms, interleaved.
+Why a kernel, not gather + SDPA: the gather copies every request's whole context into a padded
+buffer, per layer, before SDPA reads it again; the kernel reads each row once, where it lies:
+2.2-9.9x less time a step on 2 cores. Figures: docs/benchmarks.md, "Decode attention over the
+paged cache".
 """
 
 from __future__ import annotations
