@@ -7,8 +7,8 @@ registered for the CPU key, each given a fake implementation here so Dynamo can 
 compiled whole (`fullgraph`) by Inductor with its C++ wrapper. The kernels are the same, in
 the same order, so the hidden states must be the native stack's bit for bit; the comparison
 checks that on one step before it times anything. It stands in for the native stack inside
-the engine (`CausalLM.swap_layer_stack`), so whole steps are timed, interleaved with the native
-ones on one engine, as `--compare-eager` does.
+the engine (the runner's `ForwardPlan.swap_layer_stack`), so whole steps are timed,
+interleaved with the native ones on one engine, as `--compare-eager` does.
 
 Measured on the 2-core Zen 1 (docs/benchmarks.md): the graph is the nine kernel calls a layer
 with nothing to fuse between them, so it runs as the dispatcher path does, each kernel its own
@@ -136,12 +136,12 @@ def compare_compiled(engine: EngineCore, batch_sizes: list[int], context_len: in
                      ) -> list[tuple[int, float, float, float, bool]]:
     """(batch, native step seconds, compiled step seconds, seconds to compile, whether one
     step's final hidden states were the same bits), medians over interleaved rounds."""
-    model = engine.loaded.model
+    model, plan = engine.loaded.model, engine.runner.plan
     figures: list[tuple[int, float, float, float, bool]] = []
     for batch in batch_sizes:
         ids = start_decoding(engine, batch, context_len, 2 * rounds * (repeats + 1) + 3,
                              "compiled")
-        native = model.layer_stack
+        native = plan.layer_stack
         if native is None:
             raise RuntimeError("the layers do not run as one native call here: "
                                "--compare-compiled needs the fused CPU path, packed weights "
@@ -149,7 +149,7 @@ def compare_compiled(engine: EngineCore, batch_sizes: list[int], context_len: in
         compiled = CompiledLayers(model, engine.runner.kv_caches,
                                   engine.block_table.table.shape[1], cpp_wrapper)
         recorder = _Recorder(native)
-        model.swap_layer_stack(recorder)
+        plan.swap_layer_stack(recorder)
         engine.step()
         assert recorder.args is not None, "the step ran the layer stack"
         hidden, *rest = recorder.args
@@ -160,9 +160,9 @@ def compare_compiled(engine: EngineCore, batch_sizes: list[int], context_len: in
         times: dict[bool, list[float]] = {True: [], False: []}
         for _ in range(rounds):
             for is_native in (True, False):
-                model.swap_layer_stack(native if is_native else compiled)
+                plan.swap_layer_stack(native if is_native else compiled)
                 times[is_native].append(median_seconds(engine.step, repeats))
-        model.swap_layer_stack(native)
+        plan.swap_layer_stack(native)
         for request_id in ids:
             engine.abort(request_id)
         figures.append((batch, statistics.median(times[True]), statistics.median(times[False]),

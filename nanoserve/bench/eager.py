@@ -15,16 +15,16 @@ def compare_eager(engine: EngineCore, batch_sizes: list[int], context_len: int,
                   repeats: int, rounds: int = 6) -> list[tuple[int, float, float]]:
     """(batch, native step seconds, eager step seconds): medians over interleaved rounds of
     `repeats` steps each."""
-    model = engine.loaded.model
+    plan = engine.runner.plan  # the runner's choice of the layers' path
     figures = []
     for batch in batch_sizes:
         ids = start_decoding(engine, batch, context_len, 2 * rounds * (repeats + 1) + 2, "eager")
         times: dict[bool, list[float]] = {True: [], False: []}
         for _ in range(rounds):
             for native in (True, False):
-                model.use_native_layers = native
+                plan.use_native_layers = native
                 times[native].append(median_seconds(engine.step, repeats))
-        model.use_native_layers = not engine.config.model.enforce_eager
+        plan.use_native_layers = not engine.config.model.enforce_eager
         for request_id in ids:
             engine.abort(request_id)
         figures.append((batch, statistics.median(times[True]), statistics.median(times[False])))

@@ -28,6 +28,7 @@ from nanoserve.model.attention import (
     can_read_cache_in_place,
     select_attention_backend,
 )
+from nanoserve.model.forward_plan import ForwardPlan
 from nanoserve.model.llama import CausalLM
 from nanoserve.model.weight_arena import hugepage_buffer
 from nanoserve.protocol import StepInput
@@ -91,9 +92,14 @@ class ModelRunner:
     """Owns the model and the KV cache tensors; one `execute` per engine step."""
 
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int,
-                 device: torch.device, dtype: torch.dtype) -> None:
+                 device: torch.device, dtype: torch.dtype, *,
+                 use_native_layers: bool = True) -> None:
+        """`use_native_layers`: let the attention backend's native layer stack run the
+        layers where it can (False: `--enforce-eager`, the Python layer loop)."""
         arch = model.arch
         self.model = model
+        # how the layers run: the op table and the native stack (model/forward_plan.py)
+        self.plan = ForwardPlan(model, use_native_layers=use_native_layers)
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.num_kv_heads = arch.num_kv_heads
@@ -122,8 +128,8 @@ class ModelRunner:
         """`execute`'s two results, and the final normed hidden states [T, hidden] that
         pooling requests are pooled from (the worker's Pooler)."""
         meta = self.attention.build_metadata(step)
-        hidden = self.model(self._tensor(step.token_ids), self._tensor(step.positions),
-                            self.kv_caches, self.attention, meta)  # [T, hidden]
+        hidden = self.plan.forward(self._tensor(step.token_ids), self._tensor(step.positions),
+                                   self.kv_caches, self.attention, meta)  # [T, hidden]
         prompt_logits = [
             self.model.compute_logits(
                 hidden[entry.first_row : entry.first_row + len(entry.target_token_ids)])

@@ -49,6 +49,6 @@ def build_rank(config: EngineConfig, group: TensorParallelGroup | None, *,
             context_len=model.max_model_len or loaded.arch.max_position_embeddings)
     if group is not None and group.world_size > 1:  # every rank's cache: rank 0's blocks
         num_blocks = group.broadcast_int(num_blocks)
-    loaded.model.use_native_layers = not model.enforce_eager
-    runner = ModelRunner(loaded.model, num_blocks, cache.block_size, device, kv_dtype)
+    runner = ModelRunner(loaded.model, num_blocks, cache.block_size, device, kv_dtype,
+                         use_native_layers=not model.enforce_eager)
     return RankBuild(loaded, runner, num_blocks)

@@ -22,6 +22,7 @@ class ZeroCostRunner:
         self.device = real.device
         self.block_size = real.block_size
         self.kv_caches = real.kv_caches
+        self.plan = real.plan  # never runs: the model is skipped
         vocab = real.model.arch.vocab_size
         self.hidden_size = real.model.arch.hidden_size
         self.logits = torch.zeros(max_rows, vocab, device=real.device)

@@ -3,8 +3,10 @@
 The model runs on a flat batch: every scheduled token of every request in one [num_tokens] row
 vector, with attention routed through the paged KV cache by a backend (the attention/ package).
 Projections that read the same input are fused at load time (q/k/v into one matmul, gate/up
-into one). `CausalLM.forward` returns the final hidden states; `compute_logits` turns the rows
-that sample into float32 logits.
+into one). The model holds its weights and one forward, the layer loop (`CausalLM.forward`:
+the final hidden states); `compute_logits` turns the rows that sample into float32 logits.
+Which op table the layers are bound to, and whether the attention backend's native stack runs
+them instead, the model runner's plan chooses (forward_plan.py).
 
 One layer forward (`BoundDecoderLayer.forward`) runs over one of two op tables (layer_ops.py),
 each folding a residual add into the next norm. With exact weights (`--quantization none`) the
@@ -15,7 +17,7 @@ the plain layer dispatches ~25 small ops between its four matmuls, and the fused
 batch-1 step from 23.6 to 15.5 ms on one thread (docs/benchmarks.md, "The fused op table
 against the plain layer"). Where the fused table runs over the CPU paged attention at one rank,
 every layer and the final norm are one native call instead (native_layers.py, bit for bit;
-`--enforce-eager` keeps this Python loop).
+`--enforce-eager` keeps this loop).
 
 Under tensor parallelism each rank holds its heads, MLP rows and vocabulary rows (shard.py);
 each layer all-reduces the attention output projection's and the down projection's partial
@@ -26,7 +28,7 @@ the identity.
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -34,15 +36,11 @@ from torch import nn
 
 from nanoserve.model.arch import ArchConfig
 from nanoserve.model.attention import AttentionBackend, AttentionMetadata
-from nanoserve.model.attention.cpu_paged import CpuPagedMetadata
-from nanoserve.model.fused_ops import kernels
-from nanoserve.model.layer_ops import EXACT_OPS, OpTable, StepContext, fused_table
+from nanoserve.model.layer_ops import OpTable, StepContext
 from nanoserve.model.linear import linear
-from nanoserve.model.native_layers import build_layer_stack
 from nanoserve.model.parallel import TensorParallelGroup
 from nanoserve.model.rope import RotaryEmbedding
 from nanoserve.model.shard import local_arch, vocab_range
-from nanoserve.profiling import scope
 
 
 class DecoderLayer(nn.Module):
@@ -121,16 +119,6 @@ class CausalLM(nn.Module):
         # Tied models reuse the embedding matrix: the loader points `lm_head` at the same tensor.
         self.lm_head = _param(num_rows, arch.hidden_size)
         self.rotary: RotaryEmbedding | None = None
-        # The fused op table or the exact one: None decides at the first forward (quantized
-        # weights on the CPU in float32, with the kernel built); tests set it to run both on
-        # one model.
-        self.use_fused_ops: bool | None = None
-        # by (use_fused_ops, profiled): the layers bound to that table, made once
-        self._bound_layers: dict[tuple[bool, bool], tuple[OpTable, list[BoundDecoderLayer]]] = {}
-        # Whether the fused layers run as one native call (native_layers.py) where they can;
-        # False (`--enforce-eager`) keeps the Python layer loop.
-        self.use_native_layers = True
-        self._layer_stack: tuple[object, Any] | None = None  # (its kv_caches, the stack)
 
     @property
     def decoder_layers(self) -> list[DecoderLayer]:
@@ -138,81 +126,23 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                attention: AttentionBackend[Any], meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions: [num_tokens] -> final hidden states [num_tokens, hidden_size].
-        `meta` is `attention`'s own, from `attention.build_metadata` for this step."""
-        assert self.rotary is not None, "weights not loaded: use nanoserve.model.loader.load_model"
-        table, layers = self._bind_layers()
-        eps = self.arch.rms_norm_eps
-        cos, sin = table.rope_tables(self.rotary, positions)
-        stack = self._native_stack(kv_caches, attention) if table.is_fused else None
-        if stack is not None:  # only over CpuPagedBackend, whose metadata this is
-            paged = cast(CpuPagedMetadata, meta)
-            hidden = self._embed(input_ids)
-            # a scope for `bench step`: a few tokens run as one native region the profiler
-            # cannot see into (csrc/team_forward.h)
-            with scope("nanoserve.layers"):
-                return stack.forward(hidden, cos, sin, positions, paged.cache_index,
-                                     paged.block_table, paged.context_lens)
+                attention: AttentionBackend[Any], meta: AttentionMetadata, table: OpTable,
+                layers: list[BoundDecoderLayer], cos: torch.Tensor,
+                sin: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: [num_tokens] -> final hidden states [num_tokens, hidden_size],
+        through `layers` (this model's, bound to `table`; the runner's `ForwardPlan` chooses
+        both, and `cos`, `sin` are `table.rope_tables` at `positions`). `meta` is
+        `attention`'s own, from `attention.build_metadata` for this step."""
         step = StepContext(positions, cos, sin, attention.forward, meta, meta.cache_index,
-                           meta.reads_new_kv, eps)
-        hidden = self._embed(input_ids)  # [T, hidden], a fresh tensor: updated in place
+                           meta.reads_new_kv, self.arch.rms_norm_eps)
+        hidden = self.embed(input_ids)  # [T, hidden], a fresh tensor: updated in place
         delta = None
         for layer, (k_cache, v_cache) in zip(layers, kv_caches, strict=True):
             delta = layer.forward(hidden, delta, step, k_cache, v_cache)
         assert delta is not None, "a model has at least one layer"
-        return table.add_rms_norm(hidden, delta, self.norm, eps)
+        return table.add_rms_norm(hidden, delta, self.norm, self.arch.rms_norm_eps)
 
-    def _bind_layers(self) -> tuple[OpTable, list[BoundDecoderLayer]]:
-        """This forward's op table and the layers bound to it (bound at its first use)."""
-        if self.use_fused_ops is None:
-            self.use_fused_ops = self._can_fuse()
-        # the profiler check once per step, not per call: the fused table scopes each kernel
-        key = (self.use_fused_ops, self.use_fused_ops and torch.autograd._profiler_enabled())
-        bound = self._bound_layers.get(key)
-        if bound is None:
-            table = fused_table(key[1]) if key[0] else EXACT_OPS
-            bound = self._bound_layers[key] = (table, [
-                BoundDecoderLayer(layer, table, self.group) for layer in self.decoder_layers])
-        return bound
-
-    def _native_stack(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                      attention: AttentionBackend[Any]) -> Any | None:
-        """The layers as one native call over these caches (built at first use), or None."""
-        # Under tensor parallelism the Python layer loop runs: the native stack chains every
-        # layer in C++ with no all-reduce between them, so build_layer_stack gives None for
-        # any group but the plain one of one rank.
-        if not self.use_native_layers:
-            return None
-        if self._layer_stack is None or self._layer_stack[0] is not kv_caches:
-            self._layer_stack = (kv_caches, build_layer_stack(self, kv_caches, attention))
-        return self._layer_stack[1]
-
-    @property
-    def layer_stack(self) -> Any | None:
-        """The native layer stack the last fused forward ran, or None."""
-        return None if self._layer_stack is None else self._layer_stack[1]
-
-    def swap_layer_stack(self, stack: Any) -> Any:
-        """Puts `stack` (anything with the native stack's `forward`) where the built one runs,
-        over the same caches; returns the one it replaces. For `bench step
-        --compare-compiled`, which times a compiled layer loop in its place."""
-        assert self._layer_stack is not None, "a fused forward has built the native stack"
-        kv_caches, previous = self._layer_stack
-        self._layer_stack = (kv_caches, stack)
-        return previous
-
-    def _can_fuse(self) -> bool:
-        """Quantized matmul weights (any mode but "none") on the CPU in float32, and the kernel
-        built: "none" stays the exact plain-PyTorch path."""
-        layer = self.decoder_layers[0]
-        weights = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
-        return (self.norm.device.type == "cpu" and self.norm.dtype == torch.float32
-                and self.rotary is not None and self.rotary.cos_table.dtype == torch.float32
-                and any(not isinstance(w, torch.Tensor) for w in weights)
-                and kernels() is not None)
-
-    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [T] -> [T, hidden]. Under tensor parallelism each rank looks up the ids
         in its vocabulary rows and zeroes the others; the all-reduce then gives every id its
         own row exactly (the other ranks add zeros), as nano-vllm's VocabParallelEmbedding."""

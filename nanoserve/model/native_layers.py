@@ -22,8 +22,6 @@ from typing import Any
 
 import torch
 
-from nanoserve.model.attention import AttentionBackend
-from nanoserve.model.attention.cpu_paged import CpuPagedBackend
 from nanoserve.model.layer_weights import StackedModel
 from nanoserve.model.parallel import TensorParallelGroup
 from nanoserve.model.quant_linear import QuantizedWeight
@@ -47,13 +45,14 @@ def _packed(weight: Any) -> tuple[torch.Tensor, int, int, int, torch.Tensor | No
     return weight.packed_args()
 
 
-def build_layer_stack(model: StackedModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                      attention: AttentionBackend[Any]) -> Any | None:
+def build_layer_stack(model: StackedModel,
+                      kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> Any | None:
     """The model's layers bound to their caches as one native call, or None where the Python
-    layer loop must run (see the top)."""
+    layer loop must run (see the top). Asked for by the paged CPU attention backend
+    (`CpuPagedBackend.layer_stack`), whose kernel the stack attends with, and only for the
+    fused op table (`forward_plan.py`)."""
     # one rank of the plain group: a group of several (or any other) reduces between layers
-    single = isinstance(model.group, TensorParallelGroup) and model.group.is_single
-    if not (model.use_fused_ops and single and isinstance(attention, CpuPagedBackend)):
+    if not (isinstance(model.group, TensorParallelGroup) and model.group.is_single):
         return None
     native = native_module()
     if native is None:

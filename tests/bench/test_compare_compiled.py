@@ -33,7 +33,7 @@ def test_compiled_layers_give_the_native_bits_inside_the_engine(tiny_model_dir: 
                for _, native, took, seconds, _ in figures)
     # the bit check, then a warm-up and one timed step inside the engine, per batch
     assert calls == [1, 1, 1, 2, 2, 2]
-    model = engine.loaded.model
-    assert type(model.layer_stack).__name__ == "LayerStack" and not engine.has_unfinished()
+    plan = engine.runner.plan
+    assert type(plan.layer_stack).__name__ == "LayerStack" and not engine.has_unfinished()
     table = format_compiled(figures, rounds=1)
     assert "| 1 | " in table and "| 2 | " in table and "| yes |" in table

@@ -17,15 +17,15 @@ from nanoserve.bench.step import run_step_profile
 def test_bench_step_prints_buckets_floors_and_both_layer_paths(tiny_model_dir: Any,
                                                                capsys: Any) -> None:
     engine = make_engine(tiny_model_dir("llama"), quantization="int8")
-    model = engine.loaded.model
+    plan = engine.runner.plan  # the runner's choice of the layers' path
     seen: list[bool] = []
-    forward = model.forward
+    forward = plan.forward
 
     def recording(*args: Any) -> Any:
-        seen.append(model.use_native_layers)
+        seen.append(plan.use_native_layers)
         return forward(*args)
 
-    model.forward = recording
+    plan.forward = recording
     args = argparse.Namespace(batch_sizes="1,2", context_len=16, repeats=1, compare_eager=True,
                               compare_compiled=False, rows_curve=0)
     profiles = run_step_profile(engine, args)
@@ -36,4 +36,4 @@ def test_bench_step_prints_buckets_floors_and_both_layer_paths(tiny_model_dir: A
     rows = [line for line in printed.splitlines() if line.startswith(("| 1 | ", "| 2 | "))]
     assert len(rows) == 4  # a floor row and a comparison row for each batch
     assert True in seen and False in seen  # both paths ran
-    assert model.use_native_layers is True and not engine.has_unfinished()
+    assert plan.use_native_layers is True and not engine.has_unfinished()

@@ -41,8 +41,8 @@ def prefill_logits(engine: EngineCore, prompt_ids: list[int]) -> torch.Tensor:
     attention = SdpaBackend(block_size=runner.block_size, num_kv_heads=runner.num_kv_heads,
                             num_blocks=runner.num_blocks, device=runner.device)
     meta = SdpaMetadata(cache_index=torch.arange(n), prefills=[PrefillChunk(0, n, n)])
-    hidden = runner.model(torch.tensor(prompt_ids), torch.arange(n), runner.kv_caches,
-                          attention, meta)
+    hidden = runner.plan.forward(torch.tensor(prompt_ids), torch.arange(n), runner.kv_caches,
+                                 attention, meta)
     return runner.model.compute_logits(hidden)
 
 

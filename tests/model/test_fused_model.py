@@ -52,21 +52,21 @@ def small_engine(path: Path | None, quantization: str) -> EngineCore:
 
 
 class TwoPaths:
-    """Wraps a model's forward: each step runs with the model's `flag` off, then on from the
-    same cache state, and hands both results to `record`; the second goes on."""
+    """Wraps a runner's forward plan: each step runs with the plan's `flag` off, then on from
+    the same cache state, and hands both results to `record`; the second goes on."""
 
     flag = ""
 
-    def __init__(self, model: Any) -> None:
-        self.model, self.forward = model, model.forward
+    def __init__(self, plan: Any) -> None:
+        self.plan, self.forward = plan, plan.forward
         self.num_mixed_steps = 0
-        model.forward = self
+        plan.forward = self
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  attention: AttentionBackend[Any], meta: AttentionMetadata) -> torch.Tensor:
         def run(on: bool) -> torch.Tensor:
-            setattr(self.model, self.flag, on)
+            setattr(self.plan, self.flag, on)
             return self.forward(input_ids, positions, kv_caches, attention, meta)
 
         off, off_caches, on = from_one_cache(kv_caches, lambda: run(False), lambda: run(True))
@@ -84,8 +84,8 @@ class BothPaths(TwoPaths):
 
     flag = "use_fused_ops"
 
-    def __init__(self, model: Any) -> None:
-        super().__init__(model)
+    def __init__(self, plan: Any) -> None:
+        super().__init__(plan)
         self.hidden_errors: list[float] = []
         self.cache_errors: list[float] = []
 
@@ -127,7 +127,7 @@ def mixes_decodes_and_prefills(meta: AttentionMetadata) -> bool:
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_fused_steps_match_the_plain_path(family: str, tiny_model_dir: Any) -> None:
     engine = small_engine(tiny_model_dir(family), "int8")
-    both = BothPaths(engine.loaded.model)
+    both = BothPaths(engine.runner.plan)
     run_to_completion(engine, prompts(), GREEDY)
     assert both.num_mixed_steps > 0, "some steps should mix decodes with prefill chunks"
     assert max(both.hidden_errors) < 5e-3
@@ -146,7 +146,7 @@ def test_fused_greedy_tokens_mostly_equal_the_plain_path(family: str,
     outputs = {}
     for use_fused in (True, False):
         engine = small_engine(tiny_model_dir(family), "int8")
-        engine.loaded.model.use_fused_ops = use_fused
+        engine.runner.plan.use_fused_ops = use_fused
         outputs[use_fused] = run_to_completion(engine, prompts(1), GREEDY)
     pairs = [(a, b) for rid in outputs[True]
              for a, b in zip(outputs[True][rid], outputs[False][rid], strict=True)]
@@ -159,9 +159,9 @@ def test_the_path_is_chosen_by_quantization(tiny_model_dir: Any) -> None:
     for quantization, expected in (("int8", True), ("none", False)):
         engine = small_engine(tiny_model_dir("qwen3"), quantization)
         run_to_completion(engine, {"a": [5, 6, 7]}, params)
-        assert engine.loaded.model.use_fused_ops is expected, quantization
+        assert engine.runner.plan.use_fused_ops is expected, quantization
         if native_module() is not None:  # and the layers run as one native call with it
-            stack = engine.loaded.model._layer_stack
+            stack = engine.runner.plan._layer_stack
             assert (stack is not None and stack[1] is not None) is expected, quantization
 
 
@@ -177,7 +177,7 @@ def test_without_a_compiler_the_plain_path_runs(tiny_model_dir: Any) -> None:
         "engine = make_engine(sys.argv[1], quantization='int8', max_num_batched_tokens=48)\n"
         "params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)\n"
         "out = run_to_completion(engine, {'a': list(range(3, 60)), 'b': [9, 8]}, params)\n"
-        "assert engine.loaded.model.use_fused_ops is False\n"
+        "assert engine.runner.plan.use_fused_ops is False\n"
         "print(sorted(len(ids) for ids in out.values()))\n"
     )
     env = {"CXX": "no-such-compiler-g++", "PATH": "/usr/bin:/bin", "HOME": "/nonexistent"}
@@ -203,7 +203,7 @@ def test_default_model_logits_stay_within_the_quantized_path_s_own_noise() -> No
         "Berlin is the capital of")
     logits = {}
     for use_fused in (True, False):
-        engine.loaded.model.use_fused_ops = use_fused
+        engine.runner.plan.use_fused_ops = use_fused
         logits[use_fused] = prefill_logits(engine, ids)
     fused, plain = logits[True], logits[False]
     assert ((fused - plain).norm() / plain.norm()).item() < 0.1

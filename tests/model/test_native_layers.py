@@ -28,13 +28,13 @@ class NativeAndPython(TwoPaths):
 
     flag = "use_native_layers"
 
-    def __init__(self, model: Any) -> None:
-        super().__init__(model)
+    def __init__(self, plan: Any) -> None:
+        super().__init__(plan)
         self.identical: list[bool] = []
 
     def record(self, off: torch.Tensor, off_caches: list[tuple[torch.Tensor, torch.Tensor]],
                on: torch.Tensor, on_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        assert self.model._layer_stack[1] is not None, "the native stack should run here"
+        assert self.plan._layer_stack[1] is not None, "the native stack should run here"
         same_caches = all(torch.equal(ours, theirs)
                           for pair, python_pair in zip(on_caches, off_caches, strict=True)
                           for ours, theirs in zip(pair, python_pair, strict=True))
@@ -50,7 +50,7 @@ def test_the_native_stack_equals_the_python_loop_bit_for_bit(family: str,
     for layer in engine.loaded.model.decoder_layers:  # the checkpoint's biases are all zero
         if layer.qkv_bias is not None:
             layer.qkv_bias.copy_(0.05 * torch.randn(layer.qkv_bias.shape, generator=generator))
-    both = NativeAndPython(engine.loaded.model)
+    both = NativeAndPython(engine.runner.plan)
     run_to_completion(engine, prompts(2), GREEDY)
     assert both.num_mixed_steps > 0, "some steps should mix decodes with prefill chunks"
     assert both.identical and all(both.identical)
@@ -68,7 +68,7 @@ def test_enforce_eager_keeps_the_python_loop_with_the_same_outputs(tiny_model_di
                           quantization="int8", kv_cache_memory_gb=0.0625, enforce_eager=eager)
         engine = build_engine_core(args.to_config())
         outputs[eager] = run_to_completion(engine, prompts(3), GREEDY)
-        stacks[eager] = engine.loaded.model._layer_stack
+        stacks[eager] = engine.runner.plan._layer_stack
     assert stacks[True] is None and stacks[False] is not None and stacks[False][1] is not None
     assert outputs[True] == outputs[False]
 
@@ -120,7 +120,7 @@ def test_few_token_steps_equal_the_python_loop_on_every_cache(
         scheduler=SchedulerConfig(max_num_batched_tokens=256)))
     rng = random.Random(1)
     step_prompts = {f"p{n}": [rng.randrange(3, 49152) for _ in range(n)] for n in prompt_lengths}
-    both = NativeAndPython(engine.loaded.model)
+    both = NativeAndPython(engine.runner.plan)
     outputs = run_to_completion(engine, step_prompts, GREEDY)
     assert all(len(ids) == GREEDY.max_tokens for ids in outputs.values())
     assert both.identical and all(both.identical)

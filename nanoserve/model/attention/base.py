@@ -16,12 +16,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import numpy as np
 import torch
 
 if TYPE_CHECKING:
+    from nanoserve.model.layer_weights import StackedModel
     from nanoserve.protocol import StepInput
 
 
@@ -64,6 +65,19 @@ class AttentionBackend(ABC, Generic[MetadataT]):
 
         `stored`: the caller wrote them already (both op tables do, in rope_store); k and v
         are then read only where `meta.reads_new_kv`, and may be None elsewhere."""
+
+    def layer_stack(self, model: StackedModel,
+                    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> Any | None:
+        """Every layer of `model` over `kv_caches` as one native call that attends as this
+        backend does, where this backend has one (and the model allows it); None: the layers
+        run one at a time and call `forward`. Asked only for the fused op table."""
+        return None
+
+    def run_layer_stack(self, stack: Any, hidden: torch.Tensor, cos: torch.Tensor,
+                        sin: torch.Tensor, positions: torch.Tensor,
+                        meta: MetadataT) -> torch.Tensor:
+        """`stack` (from `layer_stack`) over this step: the final normed hidden states."""
+        raise NotImplementedError(f"{type(self).__name__} has no layer stack")
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)

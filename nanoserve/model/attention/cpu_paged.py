@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -33,6 +33,8 @@ from torch.profiler import record_function
 
 from nanoserve.model.attention.base import AttentionBackend, AttentionMetadata
 from nanoserve.model.attention.kv_rows import write_kv_cache
+from nanoserve.model.layer_weights import StackedModel
+from nanoserve.model.native_layers import build_layer_stack
 from nanoserve.native import load_kernels
 
 if TYPE_CHECKING:
@@ -69,6 +71,17 @@ class CpuPagedBackend(AttentionBackend[CpuPagedMetadata]):
         kernels = load_kernels("paged_attention")
         assert kernels is not None, "check can_read_cache_in_place before choosing this backend"
         self._kernel = kernels.decode_attention
+
+    def layer_stack(self, model: StackedModel,
+                    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> Any | None:
+        """The native layer stack (native_layers.py), which attends with this kernel."""
+        return build_layer_stack(model, kv_caches)
+
+    def run_layer_stack(self, stack: Any, hidden: torch.Tensor, cos: torch.Tensor,
+                        sin: torch.Tensor, positions: torch.Tensor,
+                        meta: CpuPagedMetadata) -> torch.Tensor:
+        return stack.forward(hidden, cos, sin, positions, meta.cache_index, meta.block_table,
+                             meta.context_lens)
 
     def build_metadata(self, step: StepInput) -> CpuPagedMetadata:
         num_queries = np.diff(step.query_start_loc)  # [R], tokens per request

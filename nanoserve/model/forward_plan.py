@@ -1,0 +1,112 @@
+"""How a model's layers run: the op table, and whether the attention backend's native layer
+stack replaces the Python layer loop. The model runner owns one plan per model; the model holds
+its weights and one forward (the layer loop over layers bound to a table).
+
+- The table: the fused C++ kernels where the weights are quantized, in float32 on the CPU and
+  the kernels built; else the exact PyTorch ops, held equal to transformers
+  (`--quantization none`). Decided at the first forward; tests set `use_fused_ops` to run both
+  on one model.
+- The stack: with the fused table, the attention backend may offer every layer as one native
+  call that attends as it does (`AttentionBackend.layer_stack`; the paged CPU kernel's,
+  native_layers.py). `use_native_layers=False` (`--enforce-eager`) keeps the Python loop.
+
+`bench step --compare-eager` toggles `use_native_layers`, and `--compare-compiled` swaps the
+stack (`swap_layer_stack`), on the runner's plan.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from nanoserve.model.attention import AttentionBackend, AttentionMetadata
+from nanoserve.model.fused_ops import kernels
+from nanoserve.model.layer_ops import EXACT_OPS, OpTable, fused_table
+from nanoserve.model.llama import BoundDecoderLayer, CausalLM
+from nanoserve.profiling import scope
+
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+class ForwardPlan:
+    """One model's way of running its layers (see the module)."""
+
+    def __init__(self, model: CausalLM, *, use_native_layers: bool = True) -> None:
+        self.model = model
+        self.use_fused_ops: bool | None = None  # None: decided at the first forward
+        self.use_native_layers = use_native_layers
+        # by (use_fused_ops, profiled): the layers bound to that table, made once
+        self._bound_layers: dict[tuple[bool, bool], tuple[OpTable, list[BoundDecoderLayer]]] = {}
+        # (the caches and the backend it was built for, the stack)
+        self._layer_stack: tuple[tuple[object, object], Any] | None = None
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: KVCaches,
+                attention: AttentionBackend[Any], meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions: [num_tokens] -> final hidden states [num_tokens, hidden_size].
+        `meta` is `attention`'s own, from `attention.build_metadata` for this step."""
+        model = self.model
+        assert model.rotary is not None, "weights not loaded: use nanoserve.model.loader"
+        table, layers = self._bind_layers()
+        cos, sin = table.rope_tables(model.rotary, positions)
+        stack = self._native_stack(kv_caches, attention) if table.is_fused else None
+        if stack is not None:
+            hidden = model.embed(input_ids)
+            # a scope for `bench step`: a few tokens run as one native region the profiler
+            # cannot see into (csrc/team_forward.h)
+            with scope("nanoserve.layers"):
+                return attention.run_layer_stack(stack, hidden, cos, sin, positions, meta)
+        return model.forward(input_ids, positions, kv_caches, attention, meta, table, layers,
+                             cos, sin)
+
+    def _bind_layers(self) -> tuple[OpTable, list[BoundDecoderLayer]]:
+        """This forward's op table and the layers bound to it (bound at its first use)."""
+        if self.use_fused_ops is None:
+            self.use_fused_ops = self._can_fuse()
+        # the profiler check once per step, not per call: the fused table scopes each kernel
+        key = (self.use_fused_ops, self.use_fused_ops and torch.autograd._profiler_enabled())
+        bound = self._bound_layers.get(key)
+        if bound is None:
+            table = fused_table(key[1]) if key[0] else EXACT_OPS
+            bound = self._bound_layers[key] = (table, [
+                BoundDecoderLayer(layer, table, self.model.group)
+                for layer in self.model.decoder_layers])
+        return bound
+
+    def _native_stack(self, kv_caches: KVCaches, attention: AttentionBackend[Any]) -> Any | None:
+        """The layers as one native call over these caches (built at first use), or None."""
+        # Under tensor parallelism the Python layer loop runs: the native stack chains every
+        # layer in C++ with no all-reduce between them, so it is None for any group but the
+        # plain one of one rank.
+        if not self.use_native_layers:
+            return None
+        built = self._layer_stack
+        if built is None or built[0][0] is not kv_caches or built[0][1] is not attention:
+            built = self._layer_stack = ((kv_caches, attention),
+                                         attention.layer_stack(self.model, kv_caches))
+        return built[1]
+
+    @property
+    def layer_stack(self) -> Any | None:
+        """The native layer stack the last fused forward ran, or None."""
+        return None if self._layer_stack is None else self._layer_stack[1]
+
+    def swap_layer_stack(self, stack: Any) -> Any:
+        """Puts `stack` (anything with the native stack's `forward`) where the built one runs,
+        over the same caches; returns the one it replaces. For `bench step
+        --compare-compiled`, which times a compiled layer loop in its place."""
+        assert self._layer_stack is not None, "a fused forward has built the native stack"
+        built_for, previous = self._layer_stack
+        self._layer_stack = (built_for, stack)
+        return previous
+
+    def _can_fuse(self) -> bool:
+        """Quantized matmul weights (any mode but "none") on the CPU in float32, and the kernel
+        built: "none" stays the exact plain-PyTorch path."""
+        model = self.model
+        layer = model.decoder_layers[0]
+        weights = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+        return (model.norm.device.type == "cpu" and model.norm.dtype == torch.float32
+                and model.rotary is not None and model.rotary.cos_table.dtype == torch.float32
+                and any(not isinstance(w, torch.Tensor) for w in weights)
+                and kernels() is not None)
