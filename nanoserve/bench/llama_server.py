@@ -195,24 +195,25 @@ def start_healthy_llama_server(binary: Path, gguf_path: Path, port: int, health_
     """`start_llama_server` until `/health` answers: the process and the setting it runs in
     ("default", or NO_REPACK when the default setting exited while starting and that one
     did not). A server that exits in both settings, or never answers, raises."""
-    url = f"http://127.0.0.1:{port}"
-    for setting in ("default", NO_REPACK):
-        args = [*extra_args] if setting == "default" else [*extra_args, NO_REPACK]
+    def started(args: Sequence[str]) -> subprocess.Popen[bytes]:
         process = start_llama_server(binary, gguf_path, port, extra_args=args, **start_args)
         try:
-            wait_for_health(url, health_timeout_s, process)
-            return process, setting
-        except RuntimeError as e:  # it exited while starting
-            stop_process(process)
-            if setting != "default":
-                raise RuntimeError(f"llama-server exited while starting, in its default "
-                                   f"setting and with {NO_REPACK}: {e}") from None
-            _log(f"it exited while starting ({e}); starting it again with {NO_REPACK} "
-                 "(llama.cpp's AMX kernels crash on some CPUs)")
-        except TimeoutError:
+            wait_for_health(f"http://127.0.0.1:{port}", health_timeout_s, process)
+        except (RuntimeError, TimeoutError):  # it exited while starting, or never answered
             stop_process(process)
             raise
-    raise AssertionError("unreachable")
+        return process
+
+    try:
+        return started(extra_args), "default"
+    except RuntimeError as e:
+        _log(f"it exited while starting ({e}); starting it again with {NO_REPACK} "
+             "(llama.cpp's AMX kernels crash on some CPUs)")
+    try:
+        return started([*extra_args, NO_REPACK]), NO_REPACK
+    except RuntimeError as e:
+        raise RuntimeError(f"llama-server exited while starting, in its default setting and "
+                           f"with {NO_REPACK}: {e}") from None
 
 
 def wait_for_health(base_url: str, timeout_s: float = 120.0,
