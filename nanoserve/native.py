@@ -10,10 +10,16 @@ when the holder dies. torch's own lock (a `lock` file it creates and deletes) ou
 was killed, and every later build then waits on it forever; under our lock any such file is a
 leftover, and is removed.
 
-Flags are fixed, never `-march=native`: AVX2 + FMA + F16C is what the kernels use, the build
-machine may differ from the run machine, and AVX-512 must not be emitted. Where there is no
-compiler, no AVX2, or the build fails, `load_kernels` returns None and says why once; the callers
-then keep the plain PyTorch path.
+Instruction-set tiers. Flags are fixed per tier, never `-march=native` (the build machine may
+differ from the run machine). Every kernel is built for `avx2` (AVX2 + FMA + F16C: the reference
+and the fallback); the quantized matmuls (`TIERED_KERNELS`) are also built for `avx512` (AVX-512
+BW/VL/DQ + VNNI), as modules of their own, loaded only after /proc/cpuinfo shows the CPU has every
+flag the tier is compiled with, so no instruction reaches a CPU that lacks it. The process runs
+one tier (`cpu_tier`): the best the CPU has, or `NANOSERVE_CPU_ISA`. A tier's module proves
+itself when it loads: a small matmul of every weight layout must equal the `avx2` module's bit for
+bit, or the process falls back to `avx2` with one warning (a newer unit never gives a crash at
+build time or a different answer). Where there is no compiler, no AVX2, or the build fails,
+`load_kernels` returns None and says why once; the callers then keep the plain PyTorch path.
 """
 
 from __future__ import annotations
@@ -31,7 +37,23 @@ from pathlib import Path
 from types import ModuleType
 
 CSRC_DIR = Path(__file__).parent / "csrc"
-CPU_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-std=c++17"]
+CPU_FLAGS = ["-O3", "-fopenmp", "-std=c++17"]
+
+# each tier: the compiler flags its modules are built with, and the /proc/cpuinfo flags the CPU
+# must show (every one the compiler flags let it emit). Worst first.
+TIER_COMPILE_FLAGS: dict[str, tuple[str, ...]] = {
+    "avx2": ("-mavx2", "-mfma", "-mf16c"),
+    "avx512": ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
+               "-mavx512dq", "-mavx512vnni"),
+}
+TIER_CPU_FLAGS: dict[str, tuple[str, ...]] = {
+    "avx2": ("avx2", "fma", "f16c"),
+    "avx512": ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq",
+               "avx512_vnni"),
+}
+TIERS: tuple[str, ...] = tuple(TIER_COMPILE_FLAGS)
+# the kernels with a module per tier (the quantized matmul's tiles: matmul_tiles.h)
+TIERED_KERNELS = frozenset({"quant_matmul", "decode_layers"})
 
 
 def cache_dir() -> Path:
@@ -39,12 +61,58 @@ def cache_dir() -> Path:
     return root / "nanoserve" / "ext"
 
 
-def cpu_has_avx2() -> bool:
+class CpuTierError(ValueError):
+    """NANOSERVE_CPU_ISA names no tier, or one this CPU lacks (a start-up error)."""
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str] | None:
+    """The CPU's flags as /proc/cpuinfo lists them (the kernel leaves out what it does not
+    enable), or None where there is no /proc/cpuinfo."""
     try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:  # not Linux: let the compiler and the first call decide
-        return True
-    return " avx2" in flags and " fma" in flags and " f16c" in flags
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.partition(":")[2].split())
+    return frozenset()
+
+
+def tier_missing(tier: str) -> list[str]:
+    """The CPU flags `tier` needs that this CPU lacks (none where there is no /proc/cpuinfo and
+    the tier is avx2: the compiler and the first call decide, as before tiers)."""
+    flags = cpu_flags()
+    if flags is None:
+        return [] if tier == "avx2" else ["/proc/cpuinfo to show its flags"]
+    return [flag for flag in TIER_CPU_FLAGS[tier] if flag not in flags]
+
+
+def cpu_has_avx2() -> bool:
+    return not tier_missing("avx2")
+
+
+@functools.cache
+def cpu_tier() -> str:
+    """The tier this process runs: `NANOSERVE_CPU_ISA` (avx2, avx512 or auto; default auto, the
+    best tier the CPU has). Raises CpuTierError for a name that is no tier or a tier the CPU
+    lacks."""
+    asked = os.environ.get("NANOSERVE_CPU_ISA", "auto").strip().lower() or "auto"
+    if asked == "auto":
+        return next((t for t in reversed(TIERS) if not tier_missing(t)), "avx2")
+    if asked not in TIERS:
+        raise CpuTierError(f"NANOSERVE_CPU_ISA={asked!r} is not a tier: one of "
+                           f"{', '.join(TIERS)} or auto")
+    missing = tier_missing(asked)
+    if missing:
+        raise CpuTierError(f"NANOSERVE_CPU_ISA={asked}: this CPU lacks {', '.join(missing)} "
+                           f"(it can run: {', '.join(available_tiers()) or 'none'})")
+    return asked
+
+
+def available_tiers() -> list[str]:
+    """Every tier this CPU can run, worst first."""
+    return [t for t in TIERS if not tier_missing(t)]
 
 
 def missing_build_tool() -> str | None:
@@ -60,17 +128,88 @@ def missing_build_tool() -> str | None:
     return None
 
 
+def load_kernels(name: str, tier: str | None = None) -> ModuleType | None:
+    """The compiled extension built from `csrc/<name>.cpp`, or None (with one warning). A
+    tiered kernel is built for `tier` (default: the process's, `kernel_tier()`), every other
+    for avx2."""
+    if name not in TIERED_KERNELS:
+        tier = "avx2"
+    elif tier is None:
+        tier = kernel_tier()
+    return _load_or_warn(name, tier)
+
+
+_loaded: set[tuple[str, str]] = set()  # (kernel, tier) of each module this process loaded
+
+
+def loaded_tier() -> str | None:
+    """The tier of the quantized matmul this process runs, or None where it loaded none (no
+    compiler, a CUDA model)."""
+    if not any(name == "quant_matmul" for name, _ in _loaded):
+        return None
+    return kernel_tier()  # decided before the first load
+
+
 @functools.cache
-def load_kernels(name: str) -> ModuleType | None:
-    """The compiled extension built from `csrc/<name>.cpp`, or None (with one warning)."""
+def _load_or_warn(name: str, tier: str) -> ModuleType | None:
     reason = missing_build_tool()
     if reason is None:
         try:
-            return _build(name)
+            module = _build(name, tier)
+            if name == "quant_matmul" and tier == kernel_tier():
+                module.register_ops()  # the dispatcher's nanoserve::packed_matmul: this tier's
+            _loaded.add((name, tier))
+            return module
         except Exception as exc:  # a failed build must leave the plain path working
             reason = f"building {name} failed: {exc}"
     warnings.warn(f"nanoserve: C++ kernels unavailable ({reason}); using the PyTorch path",
-                  RuntimeWarning, stacklevel=2)
+                  RuntimeWarning, stacklevel=3)
+    return None
+
+
+@functools.cache
+def kernel_tier() -> str:
+    """The tier the quantized kernels run in this process: `cpu_tier()`, unless its modules
+    fail to build or to prove themselves against avx2's (then avx2, with one warning)."""
+    tier = cpu_tier()
+    if tier == "avx2" or missing_build_tool() is not None:
+        return "avx2"
+    try:
+        differs = _tier_differs(_build("quant_matmul", tier), _build("quant_matmul", "avx2"))
+        _build("decode_layers", tier)
+    except Exception as exc:
+        differs = f"its build failed: {exc}"
+    if differs:
+        warnings.warn(f"nanoserve: the {tier} kernels are not used ({differs}); using avx2",
+                      RuntimeWarning, stacklevel=2)
+        return "avx2"
+    return tier
+
+
+# a few rows of every layout the kernels run: (ggml type, elements and bytes a block, the byte
+# offsets of its f16 scales, which random bytes must not make NaN)
+_PROOF_TYPES = (("Q8_0", 8, 32, 34, (0,)), ("Q4_0", 2, 32, 18, (0,)),
+                ("Q4_1", 3, 32, 20, (0, 2)), ("Q4_K", 12, 256, 144, (0, 2)),
+                ("Q6_K", 14, 256, 210, (208,)))
+
+
+def _tier_differs(module: ModuleType, reference: ModuleType) -> str | None:
+    """Which layout's product differs between two tiers' quant_matmul modules, or None."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    n, k = 40, 512  # 5 groups of 8 output rows: two pairs and one alone in a wide tier
+    for label, ggml_type, elems, size, scale_offsets in _PROOF_TYPES:
+        raw = torch.randint(0, 256, (n, k // elems, size), dtype=torch.uint8, generator=gen)
+        for offset in scale_offsets:
+            scales = torch.rand(n, k // elems, generator=gen) * 0.01 + 1e-3
+            raw[..., offset:offset + 2] = scales.half().unsqueeze(-1).view(torch.uint8)
+        raw = raw.reshape(-1)
+        for rows in (1, 5, 17):
+            x = torch.randn(rows, k, generator=gen)
+            if not torch.equal(module.quant_matmul(x, raw, ggml_type, n, k),
+                               reference.quant_matmul(x, raw, ggml_type, n, k)):
+                return f"{label} at {rows} rows differs from avx2"
     return None
 
 
@@ -84,20 +223,22 @@ def build_lock(build_dir: Path) -> Iterator[None]:
         yield
 
 
-def _build(name: str) -> ModuleType:
+def _build(name: str, tier: str) -> ModuleType:
     from torch.utils.cpp_extension import load
 
     # ninja is found on PATH; a venv's bin directory is not on PATH when called by full path
     bin_dir = str(Path(sys.executable).parent)
     if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
-    build_dir = cache_dir() / name
+    suffix = "" if tier == "avx2" else f"_{tier}"
+    build_dir = cache_dir() / f"{name}{suffix}"
     # torch rebuilds when a source or a flag changes, and sees only the .cpp: the headers'
     # hash, as a flag, makes an edited header rebuild the kernels that include it
     headers = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(CSRC_DIR.glob("*.h"))))
-    flags = [*CPU_FLAGS, f"-DNANOSERVE_HEADERS={headers.hexdigest()[:16]}"]
+    flags = [*CPU_FLAGS, *TIER_COMPILE_FLAGS[tier], f"-DNANOSERVE_CPU_TIER={tier}",
+             f"-DNANOSERVE_HEADERS={headers.hexdigest()[:16]}"]
     with build_lock(build_dir):
-        return load(name=f"nanoserve_{name}", sources=[str(CSRC_DIR / f"{name}.cpp")],
+        return load(name=f"nanoserve_{name}{suffix}", sources=[str(CSRC_DIR / f"{name}.cpp")],
                     extra_cflags=flags, extra_ldflags=["-fopenmp"],
                     build_directory=str(build_dir), verbose=False)
 
@@ -107,6 +248,9 @@ KERNEL_NAMES: tuple[str, ...] = ("fused_ops", "paged_attention", "quant_matmul",
                                  "decode_layers")
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # make install: every kernel, tiered ones for each tier the CPU has
     for kernel in KERNEL_NAMES:
-        print(kernel, "ok" if load_kernels(kernel) is not None else "unavailable")
+        for kernel_tier_name in available_tiers() if kernel in TIERED_KERNELS else ["avx2"]:
+            built = load_kernels(kernel, kernel_tier_name) is not None
+            print(kernel, kernel_tier_name, "ok" if built else "unavailable")
+    print("the tier this machine runs:", kernel_tier())

@@ -106,6 +106,7 @@ class EngineReady(msgspec.Struct, tag=True, array_like=True):
     hidden_size: int = 0  # the length of an embedding (task "embed" without dimensions)
     pooling: str = "last"  # how embeddings pool the prompt's hidden states (--pooling)
     engine_index: int = 0  # which data-parallel engine core (vLLM's `engine_index`)
+    cpu_isa: str = ""  # the CPU kernels' instruction-set tier (native.py), "" where none run
 
 
 class EngineOutputs(msgspec.Struct, tag=True, array_like=True):

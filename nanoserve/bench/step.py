@@ -52,6 +52,7 @@ from nanoserve.bench.floor import format_floors, measure_rates, step_floor
 from nanoserve.bench.roofline import start_decoding
 from nanoserve.bench.timing import median_seconds
 from nanoserve.engine.core import EngineCore
+from nanoserve.native import loaded_tier
 
 MATMUL_OPS = re.compile(r"mm$|addmm|linear|quant_matmul|linear_dynamic|_weight_int|matmul")
 ATTENTION_OPS = re.compile(r"attention|index_select|index_copy|_softmax")
@@ -164,6 +165,7 @@ def format_profiles(profiles: list[StepProfile]) -> str:
 def run_step_profile(engine: EngineCore, args: argparse.Namespace) -> list[StepProfile]:
     sizes = [int(size) for size in args.batch_sizes.split(",")]
     print(f"decode step, context {args.context_len}, threads={torch.get_num_threads()}, "
+          f"CPU kernels: {loaded_tier() or 'none'} (NANOSERVE_CPU_ISA to choose), "
           f"median of {args.repeats}\n")
     profiles = [profile_decode_step(engine, size, args.context_len, args.repeats)
                 for size in sizes]

@@ -31,6 +31,9 @@
 
 #include "team_forward.h"
 
+#define NANOSERVE_STR(x) #x
+#define NANOSERVE_TIER_NAME(x) NANOSERVE_STR(x)
+
 namespace {
 
 using team_forward::PackedMatmul;
@@ -149,4 +152,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("forward", &LayerStack::forward,
            "every layer and the final norm over hidden [T, hidden_size] (updated in place)",
            nogil);
+  m.attr("cpu_tier") = NANOSERVE_TIER_NAME(NANOSERVE_CPU_TIER);  // the tier it was built for
 }

@@ -1,4 +1,6 @@
-// Matmuls straight from GGUF quantized weights (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K), AVX2 + FMA + F16C.
+// Matmuls straight from GGUF quantized weights (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K), AVX2 + FMA + F16C;
+// built a second time for the avx512 tier (native.py), whose tiles (matmul_pairs_avx512.h) give
+// the same bits from the same packed layout.
 //
 // y[M, N] = x[M, K] @ W[N, K]^T. W is repacked once, at load, into tiles of 8 output rows
 // interleaved 4 bytes at a time, so that one 32-bit lane of a 256-bit register belongs to one
@@ -208,13 +210,22 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& raw, int64_t ggml
 }
 
 // The matmul as a dispatcher op too, for native code that chains the kernels (decode_layers.cpp).
-TORCH_LIBRARY_FRAGMENT(nanoserve, m) {
-  m.def("packed_matmul(Tensor x, Tensor packed, int ggml_type, int N, int K, Tensor? wide) -> Tensor");
+// Registered when native.py asks, by the one tier the process runs: two tiers' modules may be
+// loaded side by side (the tier tests compare them), and an op is defined once.
+void register_ops() {
+  static torch::Library* defs = nullptr;
+  if (defs != nullptr) return;
+  defs = new torch::Library(torch::Library::FRAGMENT, "nanoserve", std::nullopt, __FILE__,
+                            __LINE__);
+  defs->def("packed_matmul(Tensor x, Tensor packed, int ggml_type, int N, int K, Tensor? wide) "
+            "-> Tensor");
+  auto* impls = new torch::Library(torch::Library::IMPL, "nanoserve", c10::DispatchKey::CPU,
+                                   __FILE__, __LINE__);
+  impls->impl("packed_matmul", &packed_matmul);
 }
 
-TORCH_LIBRARY_IMPL(nanoserve, CPU, m) {
-  m.impl("packed_matmul", &packed_matmul);
-}
+#define NANOSERVE_STR(x) #x
+#define NANOSERVE_TIER_NAME(x) NANOSERVE_STR(x)
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
@@ -229,4 +240,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_rows", &packed_rows, "rows ids of the packed weight, dequantized -> [len, K]", nogil);
   m.def("quant_matmul", &quant_matmul, "x [M, K] f32 @ raw GGUF weight [N, K]^T -> [M, N]", nogil);
   m.def("quant_rows", &quant_rows, "rows ids of the raw GGUF weight, dequantized -> [len, K]", nogil);
+  m.def("register_ops", &register_ops, "define nanoserve::packed_matmul as this module's");
+  m.attr("cpu_tier") = NANOSERVE_TIER_NAME(NANOSERVE_CPU_TIER);  // the tier it was built for
 }

@@ -33,6 +33,7 @@ import zmq
 from nanoserve.config import EngineConfig
 from nanoserve.engine.build import build_engine_core
 from nanoserve.engine.kv_events import KVEventPublisher
+from nanoserve.native import loaded_tier
 from nanoserve.protocol import (
     AbortRequests,
     EngineCoreOutput,
@@ -83,7 +84,7 @@ class EngineCoreProc:
             logits_processors=[f"{p.__module__}:{p.__qualname__}"
                                for p in map(type, core.sampler.processors)],
             hidden_size=core.loaded.arch.hidden_size, pooling=core.config.model.pooling,
-            engine_index=self.engine_index)
+            engine_index=self.engine_index, cpu_isa=loaded_tier() or "")
 
     # -- threads ------------------------------------------------------------------------------
     def _input_loop(self) -> None:

@@ -18,6 +18,7 @@ from nanoserve.bench.cli import add_bench_commands
 from nanoserve.config import RequestLimits, ServerConfig, api_key_from_env
 from nanoserve.engine_args import EngineArgs
 from nanoserve.entrypoints.chat_defaults import chat_defaults, describe
+from nanoserve.native import cpu_tier
 from nanoserve.parsers.reasoning import REASONING_PARSERS
 from nanoserve.parsers.tool_calls import TOOL_CALL_PARSERS
 from nanoserve.sampling_params import SamplingParams
@@ -261,6 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        cpu_tier()  # a tier asked for that the CPU lacks: an error now, not in the engine
         return int(args.func(args))
     except (FileNotFoundError, ValueError) as e:
         print(f"nanoserve: error: {e}", file=sys.stderr)

@@ -143,8 +143,8 @@ async def serve_api(engine_config: EngineConfig, server_config: ServerConfig,
     engine.on_dead = on_dead
     engine.start()
     watchers = [asyncio.create_task(_watch_parent(server))] if watch_parent else []
-    logger.info("serving %s on http://%s:%d (API server %d)", name, server_config.host,
-                server_config.port, index)
+    logger.info("serving %s on http://%s:%d (API server %d, CPU kernels: %s)", name,
+                server_config.host, server_config.port, index, ready.cpu_isa or "none")
     if server_config.web_ui and index == 0:
         # printed, not logged, so that it shows at any --log-level; the engine is ready and the
         # socket listens, so the page answers as soon as this line is read

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -52,7 +53,7 @@ class RunningServer:
     before `wait_healthy()`: a start is seconds of one core, and the machine has two."""
 
     def __init__(self, *args: str, api_key: str | None = None, log: Path | None = None,
-                 wait: bool = True) -> None:
+                 wait: bool = True, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.api_key = api_key
         cmd = [sys.executable, "-m", "nanoserve.entrypoints.cli", "serve", "--port",
@@ -63,7 +64,8 @@ class RunningServer:
         # its last lines if it exits while starting
         self.log_path = log
         self.log = open(log, "w") if log else tempfile.TemporaryFile("w+")  # noqa: SIM115
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env=None if env is None else {**os.environ, **env})
         self.url = f"http://127.0.0.1:{self.port}"
         if wait:
             self.wait_healthy()

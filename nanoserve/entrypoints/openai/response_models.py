@@ -192,3 +192,4 @@ class ServerInfoResponse(ResponseModel):
     worker_type: Literal["regular"]  # neither a prefill nor a decode worker
     max_model_len: int
     version: str
+    cpu_isa: str  # the CPU kernels' tier (avx2, avx512), "" where none run (a GPU model)

@@ -80,7 +80,8 @@ def add_router_routes(app: FastAPI, ctx: ServerContext) -> None:
         return {"model_id": ctx.model_name, "model_path": ctx.model_path or ctx.model_name,
                 "instance_id": ctx.instance_id, "kv_block_size": block_size,
                 "effective_attention_block_size": block_size, "worker_type": "regular",
-                "max_model_len": ctx.max_model_len, "version": nanoserve.__version__}
+                "max_model_len": ctx.max_model_len, "version": nanoserve.__version__,
+                "cpu_isa": ctx.engine.ready.cpu_isa}
 
     @app.get("/kv_event_sources",
              responses=responses(KVEventSourcesResponse, 401, 404))

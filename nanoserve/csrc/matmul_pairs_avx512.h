@@ -1,0 +1,225 @@
+// The avx512 tier's tile kernels (matmul_tiles.h includes this only in a module built with
+// AVX-512 BW/VL/DQ + VNNI, which native.py loads only on a CPU that has them).
+//
+// Two packed 8-row groups side by side in one 512-bit register (lanes 0-7 the first group,
+// 8-15 the second), so every vector op serves 16 outputs, and `vpdpbusd` (u8 x s8, four
+// products summed straight into each int32 lane) in place of AVX2's maddubs + add + madd.
+// The packed layout is the AVX2 tier's, unchanged: a weight packed once runs on either tier.
+//
+// The same bits as the AVX2 kernels. Each block's integer dot is the exact sum in both
+// (AVX2's int16 partial sums never saturate: gguf_blocks.h's bounds), and each output's float
+// chain is the same IEEE operations in the same order, lane by lane: fma(float(dot), dw * da,
+// acc), then fma(mw, s, acc) for the 4-bit layouts; Q6_K's two halves as lo then hi. Nothing
+// splits K. A second group that does not exist (an odd group at the end of a range) repeats
+// the first, and its lanes are not stored.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+#include "gguf_blocks.h"
+
+namespace matmul_pairs_avx512 {
+
+using namespace gguf_blocks;
+
+constexpr int PAIR_N = 2 * TILE_N;  // outputs of one pair of groups
+
+// Up to this many activation rows pass over one unpacked pair of weight blocks.
+constexpr int TILE_M = 4;
+
+struct PairRows {
+  const int8_t* q[TILE_M];
+  const float* d[TILE_M];
+  const float* s[TILE_M];
+  float* y[TILE_M];  // 16 outputs each
+};
+
+inline __m512i load_pair(const uint8_t* a, const uint8_t* b) {
+  return _mm512_inserti64x4(
+      _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))),
+      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)), 1);
+}
+
+inline __m512 join(__m256 lo, __m256 hi) {
+  return _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1);
+}
+
+// The two groups' scales as matmul_tiles::load_scales reads one group's.
+template <Layout L>
+inline void pair_scales(const uint8_t* a, const uint8_t* b, __m512& first, __m512& second) {
+  auto half = [](const uint8_t* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  };
+  auto full = [](const uint8_t* p) { return _mm256_loadu_ps(reinterpret_cast<const float*>(p)); };
+  if constexpr (L == Layout::U4H) {
+    first = join(half(a), half(b));
+    second = join(half(a + 16), half(b + 16));
+  } else if constexpr (L == Layout::S8H) {
+    first = join(half(a), half(b));
+    second = first;
+  } else {
+    first = join(full(a), full(b));
+    second = join(full(a + 32), full(b + 32));
+  }
+}
+
+// Where the streams go next. Each group is read from its start, so the line `ahead` bytes on
+// from a block is its own group's while there is one; past the group's end the next lines that
+// stream are the next pair's (group_bytes on, for a pair: the lines just past the first group
+// are the second's, already being read).
+struct Ahead {
+  int64_t bytes;  // how far ahead of a block to ask for lines
+  int64_t group_bytes;
+  int64_t skip;  // past a group's end: group_bytes for a pair, 0 for a group alone
+};
+
+template <bool Stream, int64_t BPB>
+inline void prefetch_pair(const uint8_t* a, const uint8_t* b, int64_t block_offset,
+                          const Ahead& ahead) {
+  if constexpr (Stream) {
+    int64_t offset = block_offset + ahead.bytes;
+    if (offset >= ahead.group_bytes) offset += ahead.skip;
+    for (int64_t o = 0; o < BPB; o += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(a + offset + o), _MM_HINT_NTA);
+      _mm_prefetch(reinterpret_cast<const char*>(b + offset + o), _MM_HINT_NTA);
+    }
+  }
+}
+
+inline __m512i bcast(const int8_t* a) { return _mm512_set1_epi32(load_i32(a)); }
+
+// w = d*q + m with 4-bit q (u8 0..15 straight into vpdpbusd).
+template <Layout L, int R, bool Wide, bool Stream>
+void u4_pair(const uint8_t* wa, const uint8_t* wb, int64_t KB, const Ahead& ahead,
+             const PairRows& rows) {
+  constexpr int64_t BPB = block_bytes<L, Wide>();
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < KB; ++b) {
+    const uint8_t *ba = wa + b * BPB, *bb = wb + b * BPB;
+    prefetch_pair<Stream, BPB>(wa, wb, b * BPB, ahead);
+    const uint8_t *qa = ba + qs_offset(L), *qb = bb + qs_offset(L);
+    __m512i wq[8];  // wq[j] lane i: output i's inputs 4j..4j+3
+    if constexpr (Wide) {
+      for (int t = 0; t < 8; ++t) wq[t] = load_pair(qa + 32 * t, qb + 32 * t);
+    } else {
+      for (int t = 0; t < 4; ++t) {
+        const __m512i raw = load_pair(qa + 32 * t, qb + 32 * t);
+        wq[t] = _mm512_and_si512(raw, nibble);
+        wq[t + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
+      }
+    }
+    __m512 dw, mw;
+    pair_scales<L>(ba, bb, dw, mw);
+    for (int r = 0; r < R; ++r) {
+      const int8_t* a = rows.q[r] + b * QK;
+      // two chains, so that each dpbusd does not wait on the one before (integer: exact)
+      __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq[0], bcast(a));
+      __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq[1], bcast(a + 4));
+      for (int j = 2; j < 8; j += 2) {
+        s0 = _mm512_dpbusd_epi32(s0, wq[j], bcast(a + 4 * j));
+        s1 = _mm512_dpbusd_epi32(s1, wq[j + 1], bcast(a + 4 * j + 4));
+      }
+      const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+      acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(dw, _mm512_set1_ps(rows.d[r][b])), acc[r]);
+      acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(rows.s[r][b]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(rows.y[r], acc[r]);
+}
+
+// w = d*q with signed q: vpdpbusd(|q|, a negated where q < 0), AVX2's maddubs(|q|, sign(a, q))
+// (where q is 0 the product is 0 either way). Q6_K keeps its two halves' sums apart.
+template <Layout L, int R, bool Stream>
+void s8_pair(const uint8_t* wa, const uint8_t* wb, int64_t KB, const Ahead& ahead,
+             const PairRows& rows) {
+  constexpr int64_t BPB = packed_block_bytes(L);
+  constexpr bool kPerHalf = L == Layout::S8F2;
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < KB; ++b) {
+    const uint8_t *ba = wa + b * BPB, *bb = wb + b * BPB;
+    prefetch_pair<Stream, BPB>(wa, wb, b * BPB, ahead);
+    const uint8_t *qa = ba + qs_offset(L), *qb = bb + qs_offset(L);
+    __m512i sum[R][2];
+    for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = _mm512_setzero_si512();
+    for (int t = 0; t < 8; ++t) {
+      const __m512i q = load_pair(qa + 32 * t, qb + 32 * t);
+      const __m512i q_abs = _mm512_abs_epi8(q);
+      const __mmask64 negative = _mm512_movepi8_mask(q);
+      const int half = kPerHalf ? t / 4 : t % 2;  // Q8_0: two chains, summed below
+      for (int r = 0; r < R; ++r) {
+        const __m512i a = bcast(rows.q[r] + b * QK + 4 * t);
+        const __m512i signed_a = _mm512_mask_sub_epi8(a, negative, _mm512_setzero_si512(), a);
+        sum[r][half] = _mm512_dpbusd_epi32(sum[r][half], q_abs, signed_a);
+      }
+    }
+    __m512 d0, d1;
+    pair_scales<L>(ba, bb, d0, d1);
+    for (int r = 0; r < R; ++r) {
+      const __m512 da = _mm512_set1_ps(rows.d[r][b]);
+      if constexpr (kPerHalf) {
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][0]), _mm512_mul_ps(d0, da), acc[r]);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][1]), _mm512_mul_ps(d1, da), acc[r]);
+      } else {
+        const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(sum[r][0], sum[r][1]));
+        acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d0, da), acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(rows.y[r], acc[r]);
+}
+
+template <Layout L, int R, bool Wide, bool Stream>
+inline void pair_kernel(const uint8_t* wa, const uint8_t* wb, int64_t KB, const Ahead& ahead,
+                        const PairRows& rows) {
+  if constexpr (is_u4(L)) u4_pair<L, R, Wide, Stream>(wa, wb, KB, ahead, rows);
+  else s8_pair<L, R, Stream>(wa, wb, KB, ahead, rows);
+}
+
+// matmul_tiles::matmul_groups's contract: groups [g0, g1) of the packed weight against all M
+// activation rows, y [M, N].
+template <Layout L, bool Wide, bool Stream>
+void matmul_groups(const uint8_t* packed, const int8_t* q, const float* d, const float* s,
+                   int64_t M, int64_t N, int64_t K, float* y, int64_t g0, int64_t g1,
+                   int64_t prefetch_bytes) {
+  const int64_t KB = K / QK, group_bytes = KB * block_bytes<L, Wide>();
+  constexpr int64_t kGroupsPerChunk = 8;  // even: pairs never straddle a chunk
+  alignas(64) float tail[TILE_M][PAIR_N];
+  for (int64_t gc = g0; gc < g1; gc += kGroupsPerChunk) {
+    const int64_t gc_end = std::min(g1, gc + kGroupsPerChunk);
+    for (int64_t r0 = 0; r0 < M; r0 += TILE_M) {
+      const int R = int(std::min<int64_t>(TILE_M, M - r0));
+      for (int64_t g = gc; g < gc_end; g += 2) {
+        const bool is_pair = g + 1 < gc_end;
+        const int64_t outputs = std::min<int64_t>(N - g * TILE_N, is_pair ? PAIR_N : TILE_N);
+        const bool is_full = outputs == PAIR_N;
+        PairRows rows;
+        for (int r = 0; r < R; ++r) {
+          rows.q[r] = q + (r0 + r) * K;
+          rows.d[r] = d + (r0 + r) * KB;
+          rows.s[r] = s + (r0 + r) * KB;
+          rows.y[r] = is_full ? y + (r0 + r) * N + g * TILE_N : tail[r];
+        }
+        const uint8_t* wa = packed + g * group_bytes;
+        const uint8_t* wb = is_pair ? wa + group_bytes : wa;
+        const Ahead ahead{prefetch_bytes, group_bytes, is_pair ? group_bytes : 0};
+        switch (R) {
+          case 4: pair_kernel<L, 4, Wide, Stream>(wa, wb, KB, ahead, rows); break;
+          case 3: pair_kernel<L, 3, Wide, Stream>(wa, wb, KB, ahead, rows); break;
+          case 2: pair_kernel<L, 2, Wide, Stream>(wa, wb, KB, ahead, rows); break;
+          default: pair_kernel<L, 1, Wide, Stream>(wa, wb, KB, ahead, rows); break;
+        }
+        if (!is_full) {
+          for (int r = 0; r < R; ++r)
+            std::memcpy(y + (r0 + r) * N + g * TILE_N, tail[r], outputs * sizeof(float));
+        }
+      }
+    }
+  }
+}
+
+}  // namespace matmul_pairs_avx512
