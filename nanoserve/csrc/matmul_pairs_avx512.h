@@ -19,9 +19,12 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
 
 #include "gguf_blocks.h"
+#include "tile_rows.h"
 
 namespace matmul_pairs_avx512 {
 
@@ -29,15 +32,8 @@ using namespace gguf_blocks;
 
 constexpr int PAIR_N = 2 * TILE_N;  // outputs of one pair of groups
 
-// Up to this many activation rows pass over one unpacked pair of weight blocks.
-constexpr int TILE_M = 4;
-
-struct PairRows {
-  const int8_t* q[TILE_M];
-  const float* d[TILE_M];
-  const float* s[TILE_M];
-  float* y[TILE_M];  // 16 outputs each
-};
+using tile_rows::RowPtrs;  // 16 outputs a row here
+using tile_rows::TILE_M;
 
 inline __m512i load_pair(const uint8_t* a, const uint8_t* b) {
   return _mm512_inserti64x4(
@@ -68,42 +64,17 @@ inline void pair_scales(const uint8_t* a, const uint8_t* b, __m512& first, __m51
   }
 }
 
-// Where the streams go next. Each group is read from its start, so the line `ahead` bytes on
-// from a block is its own group's while there is one; past the group's end the next lines that
-// stream are the next pair's (group_bytes on, for a pair: the lines just past the first group
-// are the second's, already being read).
-struct Ahead {
-  int64_t bytes;  // how far ahead of a block to ask for lines
-  int64_t group_bytes;
-  int64_t skip;  // past a group's end: group_bytes for a pair, 0 for a group alone
-};
-
-template <bool Stream, int64_t BPB>
-inline void prefetch_pair(const uint8_t* a, const uint8_t* b, int64_t block_offset,
-                          const Ahead& ahead) {
-  if constexpr (Stream) {
-    int64_t offset = block_offset + ahead.bytes;
-    if (offset >= ahead.group_bytes) offset += ahead.skip;
-    for (int64_t o = 0; o < BPB; o += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(a + offset + o), _MM_HINT_NTA);
-      _mm_prefetch(reinterpret_cast<const char*>(b + offset + o), _MM_HINT_NTA);
-    }
-  }
-}
-
 inline __m512i bcast(const int8_t* a) { return _mm512_set1_epi32(load_i32(a)); }
 
 // w = d*q + m with 4-bit q (u8 0..15 straight into vpdpbusd).
-template <Layout L, int R, bool Wide, bool Stream>
-void u4_pair(const uint8_t* wa, const uint8_t* wb, int64_t KB, const Ahead& ahead,
-             const PairRows& rows) {
+template <Layout L, int R, bool Wide>
+void u4_pair(const uint8_t* wa, const uint8_t* wb, int64_t KB, const RowPtrs& rows) {
   constexpr int64_t BPB = block_bytes<L, Wide>();
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < KB; ++b) {
     const uint8_t *ba = wa + b * BPB, *bb = wb + b * BPB;
-    prefetch_pair<Stream, BPB>(wa, wb, b * BPB, ahead);
     const uint8_t *qa = ba + qs_offset(L), *qb = bb + qs_offset(L);
     __m512i wq[8];  // wq[j] lane i: output i's inputs 4j..4j+3
     if constexpr (Wide) {
@@ -136,16 +107,14 @@ void u4_pair(const uint8_t* wa, const uint8_t* wb, int64_t KB, const Ahead& ahea
 
 // w = d*q with signed q: vpdpbusd(|q|, a negated where q < 0), AVX2's maddubs(|q|, sign(a, q))
 // (where q is 0 the product is 0 either way). Q6_K keeps its two halves' sums apart.
-template <Layout L, int R, bool Stream>
-void s8_pair(const uint8_t* wa, const uint8_t* wb, int64_t KB, const Ahead& ahead,
-             const PairRows& rows) {
+template <Layout L, int R>
+void s8_pair(const uint8_t* wa, const uint8_t* wb, int64_t KB, const RowPtrs& rows) {
   constexpr int64_t BPB = packed_block_bytes(L);
   constexpr bool kPerHalf = L == Layout::S8F2;
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < KB; ++b) {
     const uint8_t *ba = wa + b * BPB, *bb = wb + b * BPB;
-    prefetch_pair<Stream, BPB>(wa, wb, b * BPB, ahead);
     const uint8_t *qa = ba + qs_offset(L), *qb = bb + qs_offset(L);
     __m512i sum[R][2];
     for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = _mm512_setzero_si512();
@@ -176,19 +145,18 @@ void s8_pair(const uint8_t* wa, const uint8_t* wb, int64_t KB, const Ahead& ahea
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(rows.y[r], acc[r]);
 }
 
-template <Layout L, int R, bool Wide, bool Stream>
-inline void pair_kernel(const uint8_t* wa, const uint8_t* wb, int64_t KB, const Ahead& ahead,
-                        const PairRows& rows) {
-  if constexpr (is_u4(L)) u4_pair<L, R, Wide, Stream>(wa, wb, KB, ahead, rows);
-  else s8_pair<L, R, Stream>(wa, wb, KB, ahead, rows);
+template <Layout L, int R, bool Wide>
+inline void pair_kernel(const uint8_t* wa, const uint8_t* wb, int64_t KB, const RowPtrs& rows) {
+  if constexpr (is_u4(L)) u4_pair<L, R, Wide>(wa, wb, KB, rows);
+  else s8_pair<L, R>(wa, wb, KB, rows);
 }
 
 // matmul_tiles::matmul_groups's contract: groups [g0, g1) of the packed weight against all M
-// activation rows, y [M, N].
-template <Layout L, bool Wide, bool Stream>
+// activation rows, y [M, N]. No lines are asked for ahead: this runs where the kernel is bound
+// by arithmetic.
+template <Layout L, bool Wide>
 void matmul_groups(const uint8_t* packed, const int8_t* q, const float* d, const float* s,
-                   int64_t M, int64_t N, int64_t K, float* y, int64_t g0, int64_t g1,
-                   int64_t prefetch_bytes) {
+                   int64_t M, int64_t N, int64_t K, float* y, int64_t g0, int64_t g1) {
   const int64_t KB = K / QK, group_bytes = KB * block_bytes<L, Wide>();
   constexpr int64_t kGroupsPerChunk = 8;  // even: pairs never straddle a chunk
   alignas(64) float tail[TILE_M][PAIR_N];
@@ -200,21 +168,16 @@ void matmul_groups(const uint8_t* packed, const int8_t* q, const float* d, const
         const bool is_pair = g + 1 < gc_end;
         const int64_t outputs = std::min<int64_t>(N - g * TILE_N, is_pair ? PAIR_N : TILE_N);
         const bool is_full = outputs == PAIR_N;
-        PairRows rows;
-        for (int r = 0; r < R; ++r) {
-          rows.q[r] = q + (r0 + r) * K;
-          rows.d[r] = d + (r0 + r) * KB;
-          rows.s[r] = s + (r0 + r) * KB;
-          rows.y[r] = is_full ? y + (r0 + r) * N + g * TILE_N : tail[r];
-        }
+        const RowPtrs rows = tile_rows::rows_at(q, d, s, K, r0, R, [&](int r) {
+          return is_full ? y + (r0 + r) * N + g * TILE_N : tail[r];
+        });
         const uint8_t* wa = packed + g * group_bytes;
         const uint8_t* wb = is_pair ? wa + group_bytes : wa;
-        const Ahead ahead{prefetch_bytes, group_bytes, is_pair ? group_bytes : 0};
         switch (R) {
-          case 4: pair_kernel<L, 4, Wide, Stream>(wa, wb, KB, ahead, rows); break;
-          case 3: pair_kernel<L, 3, Wide, Stream>(wa, wb, KB, ahead, rows); break;
-          case 2: pair_kernel<L, 2, Wide, Stream>(wa, wb, KB, ahead, rows); break;
-          default: pair_kernel<L, 1, Wide, Stream>(wa, wb, KB, ahead, rows); break;
+          case 4: pair_kernel<L, 4, Wide>(wa, wb, KB, rows); break;
+          case 3: pair_kernel<L, 3, Wide>(wa, wb, KB, rows); break;
+          case 2: pair_kernel<L, 2, Wide>(wa, wb, KB, rows); break;
+          default: pair_kernel<L, 1, Wide>(wa, wb, KB, rows); break;
         }
         if (!is_full) {
           for (int r = 0; r < R; ++r)

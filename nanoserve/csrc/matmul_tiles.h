@@ -14,6 +14,7 @@
 
 #include "gguf_blocks.h"
 #include "simd_reduce.h"
+#include "tile_rows.h"
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
     defined(__AVX512DQ__)
@@ -23,7 +24,8 @@
 
 namespace matmul_tiles {
 
-constexpr int TILE_M = 4;  // activation rows that share one unpacked weight block
+using tile_rows::RowPtrs;
+using tile_rows::TILE_M;
 
 // Below kWideMinRows activation rows the kernel waits on memory: a batch-1 step streams ~66 MB
 // of the default model's layer weights from DRAM, a few hundred KB per call, and the hardware
@@ -93,14 +95,8 @@ inline void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* 
 
 // ---- the tile kernels ---------------------------------------------------------------------------
 
-// R activation rows (as pointers to their quantized row) times one packed 8-row group.
-struct RowPtrs {
-  const int8_t* q[TILE_M];
-  const float* d[TILE_M];
-  const float* s[TILE_M];
-  float* y[TILE_M];  // 8 outputs each
-};
-
+// R activation rows (RowPtrs: pointers to their quantized row, 8 outputs each) times one
+// packed 8-row group.
 template <Layout L>
 inline void load_scales(const uint8_t* blk, __m256& a, __m256& b) {
   if constexpr (L == Layout::U4H) {
@@ -245,8 +241,7 @@ void matmul_groups(const uint8_t* packed, const int8_t* q, const float* d, const
   // one (Zen 4, one row over 96 MB of Q4_1 weights: 20 against 28 GB/s, prefetch distance
   // 0-4096 bytes alike). Where it is bound by arithmetic, the pairs.
   if constexpr (!Stream)
-    return matmul_pairs_avx512::matmul_groups<L, Wide, Stream>(packed, q, d, s, M, N, K, y, g0,
-                                                               g1, kPrefetchBytes);
+    return matmul_pairs_avx512::matmul_groups<L, Wide>(packed, q, d, s, M, N, K, y, g0, g1);
 #endif
   const int64_t KB = K / QK, group_bytes = KB * block_bytes<L, Wide>();
   // a few groups stay in L1/L2 while every tile of activation rows passes over them
@@ -258,13 +253,9 @@ void matmul_groups(const uint8_t* packed, const int8_t* q, const float* d, const
       const int R = int(std::min<int64_t>(TILE_M, M - r0));
       for (int64_t g = gc; g < gc_end; ++g) {
         const bool is_full = (g + 1) * TILE_N <= N;
-        RowPtrs rows;
-        for (int r = 0; r < R; ++r) {
-          rows.q[r] = q + (r0 + r) * K;
-          rows.d[r] = d + (r0 + r) * KB;
-          rows.s[r] = s + (r0 + r) * KB;
-          rows.y[r] = is_full ? y + (r0 + r) * N + g * TILE_N : tail[r];
-        }
+        const RowPtrs rows = tile_rows::rows_at(q, d, s, K, r0, R, [&](int r) {
+          return is_full ? y + (r0 + r) * N + g * TILE_N : tail[r];
+        });
         const uint8_t* w = packed + g * group_bytes;
         switch (R) {
           case 4: group_kernel<L, 4, Wide, Stream>(w, KB, rows); break;
