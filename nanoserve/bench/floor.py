@@ -4,8 +4,11 @@ takes at the rates measured here, whichever is longer.
   bytes  every matmul weight as the kernels hold it (packed blocks; a 4-bit weight's wide form
          where the kernel reads it, from 16 rows on), the LM head, and each request's KV cache
          rows up to its context, read once per step
-  read   the machine's read bandwidth: a sum over a buffer far larger than the caches,
-         2 threads (the best of a few)
+  read   the read bandwidth the step can have: a sum over a buffer the size of one
+         request's step (its weights), repeated as the steps repeat, 2 threads (the best of a
+         few). Where the caches hold the weights between steps (a server CPU's L3 of hundreds
+         of MB), that is the caches' rate, not DRAM's: a floor at DRAM's rate would be one the
+         step can beat
   MACs   the projections' and the LM head's multiply-adds for the step's rows (attention's are
          counted as bytes: at these sizes it waits on the cache rows, not on arithmetic)
   rate   the int8 matmul kernel's multiply-adds per second on the model's largest projection
@@ -27,13 +30,14 @@ from nanoserve.model.quant_linear import QuantizedWeight
 
 # the kernel reads a 4-bit weight's wide form from this many rows on (csrc/quant_matmul.cpp)
 WIDE_MIN_ROWS = 16
-_READ_BUFFER_BYTES = 512 << 20
+_MIN_READ_BYTES = 64 << 20  # a tiny model's step would measure L2's rate, not a stream's
 
 
 @dataclass(frozen=True)
 class MachineRates:
     read_bytes_per_s: float
     macs_per_s: float  # the quantized kernel's (or oneDNN's, for float weights)
+    read_buffer_bytes: int = 0  # the buffer the read rate was measured on
 
 
 @dataclass(frozen=True)
@@ -88,24 +92,27 @@ def step_floor(model: CausalLM, kv_cache: torch.Tensor, batch: int, context_len:
 
 def measure_rates(model: CausalLM, repeats: int = 5) -> MachineRates:
     """The read bandwidth and the matmul kernel's multiply-add rate, measured now."""
-    read = _read_seconds(repeats)
+    buffer_bytes = max(_MIN_READ_BYTES, sum(_weight_bytes(w, 1) for w in _matmul_weights(model)))
+    read = _read_seconds(buffer_bytes, repeats)
     largest = model.decoder_layers[0].gate_up_proj
     rows, (num_rows, in_features) = 256, _shape(largest)
     x = torch.randn(rows, in_features)
     matmul = largest.matmul if isinstance(largest, QuantizedWeight) else (lambda a: a @ largest.T)
     seconds = best_seconds(lambda: matmul(x), repeats)
-    return MachineRates(_READ_BUFFER_BYTES / read, rows * num_rows * in_features / seconds)
+    return MachineRates(buffer_bytes / read, rows * num_rows * in_features / seconds,
+                        buffer_bytes)
 
 
-def _read_seconds(repeats: int) -> float:
-    """The best time of one sum over a buffer of _READ_BUFFER_BYTES (freed on return)."""
-    buffer = torch.ones(_READ_BUFFER_BYTES // 4, dtype=torch.float32)  # pages faulted in
+def _read_seconds(num_bytes: int, repeats: int) -> float:
+    """The best time of one sum over a buffer of `num_bytes` (freed on return)."""
+    buffer = torch.ones(num_bytes // 4, dtype=torch.float32)  # pages faulted in
     return best_seconds(buffer.sum, repeats)
 
 
 def format_floors(steps: list[tuple[int, float, StepFloor]], rates: MachineRates) -> str:
     """(batch, measured step seconds, floor) rows as a table."""
-    lines = [f"floor: max(bytes / {rates.read_bytes_per_s / 1e9:.1f} GB/s read, "
+    lines = [f"floor: max(bytes / {rates.read_bytes_per_s / 1e9:.1f} GB/s read (a sum over "
+             f"{rates.read_buffer_bytes / 1e6:.0f} MB, the step's weights, again and again), "
              f"multiply-adds / {rates.macs_per_s / 1e9:.0f} GMAC/s of the matmul kernel), "
              "both measured now",
              "| batch | step | bytes | memory floor | multiply-adds | compute floor | "

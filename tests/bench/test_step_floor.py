@@ -10,7 +10,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from helpers import make_engine
 
-from nanoserve.bench.floor import MachineRates, format_floors, step_floor
+from nanoserve.bench.floor import MachineRates, format_floors, measure_rates, step_floor
 from nanoserve.model.quant_linear import QuantizedWeight
 
 
@@ -39,3 +39,19 @@ def test_the_floor_counts_the_packed_weights_the_cache_rows_and_the_products(
     assert step_floor(model, key_cache, 3, 40, slow_arithmetic).seconds == 3 * products / 1e6
     table = format_floors([(3, 2 * floor.seconds, floor)], rates)
     assert table.splitlines()[-1].endswith("| 2.00x |")
+
+
+def test_the_read_rate_is_measured_on_a_buffer_the_size_of_the_steps_weights(
+        tiny_model_dir: Any) -> None:
+    """A server CPU's L3 can hold the default model's weights between steps: the floor reads
+    at the rate a buffer of the step's own bytes, read again and again, gets there (a tiny
+    model's at least 64 MB, so that it measures a stream and not L2)."""
+    engine = make_engine(tiny_model_dir("qwen2"), quantization="int8")
+    model = engine.loaded.model
+    rates = measure_rates(model, repeats=2)
+    weights = [w for layer in model.decoder_layers
+               for w in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
+    step_bytes = sum(w.data.numel() for w in [*weights, model.lm_head])
+    assert rates.read_buffer_bytes == max(64 << 20, step_bytes)
+    assert rates.read_bytes_per_s > 0 and rates.macs_per_s > 0
+    assert "a sum over 67 MB, the step's weights" in format_floors([], rates)
