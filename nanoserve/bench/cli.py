@@ -158,6 +158,10 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--llama-server-threads", type=int, default=None,
                    help="llama-server --threads (default: the number of CPUs)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    p.add_argument("--long-prompt-beside", type=int, default=0, metavar="TOKENS",
+                   help="after the levels, per level: its streams decoding, then one prompt of "
+                        "about this many tokens among them; prints the streams' gaps between "
+                        "tokens alone and beside its prefill, and its time to first token")
 
 
 def _add_embed_args(p: argparse.ArgumentParser) -> None:

@@ -215,10 +215,14 @@ def parse_levels(text: str) -> list[int]:
 
 async def send_request(session: aiohttp.ClientSession, url: str, body: dict[str, Any],
                        headers: dict[str, str], path: str = "/v1/completions",
-                       keep_body: bool = False) -> RequestRecord:
+                       keep_body: bool = False, record: RequestRecord | None = None
+                       ) -> RequestRecord:
     """One streamed completion (or chat completion, by `path`); never raises (errors are
-    recorded). With `keep_body` the response's bytes are kept in `record.body`."""
-    record = RequestRecord(start=time.perf_counter(), body=bytearray() if keep_body else None)
+    recorded). With `keep_body` the response's bytes are kept in `record.body`. A `record`
+    given is filled (and started now), so the caller can watch the stream as it arrives."""
+    if record is None:
+        record = RequestRecord(start=0.0, body=bytearray() if keep_body else None)
+    record.start = time.perf_counter()
     try:
         async with session.post(url.rstrip("/") + path, json=body,
                                 headers=headers) as response:
@@ -308,6 +312,7 @@ class ServerRun:
     name: str
     model: str
     levels: list[LevelStats]
+    more_tables: list[list[str]] = field(default_factory=list)  # printed after its own
 
 def _ms(seconds: float) -> float:
     return seconds * 1e3

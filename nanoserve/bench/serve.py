@@ -24,6 +24,9 @@ import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+import aiohttp
+
+from nanoserve.bench.beside import OUTPUT_TOKENS, BesideStats, format_beside, run_beside
 from nanoserve.bench.load_client import (
     ServerRun,
     completion_body,
@@ -68,7 +71,29 @@ async def bench_server(name: str, url: str, model: str | None, args: argparse.Na
             print(f"{name}: concurrency {concurrency}: {stats.requests} requests, "
                   f"{stats.failures} failed, {stats.tokens_per_s:.1f} tok/s", file=sys.stderr)
             results.append(stats)
-    return ServerRun(name, model, results)
+        more = []
+        if args.long_prompt_beside:
+            more.append(format_beside(name, [await _beside(name, session, url, model, args,
+                                                           level, headers) for level in levels]))
+    return ServerRun(name, model, results, more)
+
+
+async def _beside(name: str, session: aiohttp.ClientSession, url: str, model: str,
+                  args: argparse.Namespace, streams: int, headers: dict[str, str]
+                  ) -> BesideStats:
+    """`streams` of the level's requests, and a --long-prompt-beside prompt among them (the
+    prompts are new: no prefix of a level before is in the cache)."""
+    seed = args.seed * 1_000_003 + 500_000 + streams
+    bodies = [completion_body(model, p, args.output_len)
+              for p in make_prompts(streams, args.input_len, seed=seed)]
+    long_prompt = make_prompts(1, args.long_prompt_beside, seed=seed + 1)[0]
+    stats = await run_beside(session, url, bodies,
+                             completion_body(model, long_prompt, OUTPUT_TOKENS),
+                             args.long_prompt_beside, headers)
+    print(f"{name}: {streams} streams beside a {args.long_prompt_beside}-token prompt: "
+          f"its TTFT {stats.long_ttft:.1f} s", file=sys.stderr)
+    return stats
+
 
 
 # ---------------------------------------------------------------------------------------------
@@ -181,6 +206,9 @@ def run_serve_bench(args: argparse.Namespace) -> int:
     for run in runs:
         print()
         print("\n".join(format_table(run)))
+        for table in run.more_tables:
+            print()
+            print("\n".join(table))
     if len(runs) == 2:
         print()
         print("\n".join(format_comparison(runs[0], runs[1])))
@@ -203,7 +231,8 @@ def _bench_llama_server(args: argparse.Namespace, levels: Sequence[int]) -> Serv
                           ) as (url, setting):
             runs.append(asyncio.run(bench_server("llama-server", url, None, args, [level])))
             settings.append(setting)
-    return ServerRun(peer_name(settings), runs[0].model, [run.levels[0] for run in runs])
+    return ServerRun(peer_name(settings), runs[0].model, [run.levels[0] for run in runs],
+                     [table for run in runs for table in run.more_tables])
 
 
 def peer_name(settings: Sequence[str]) -> str:
