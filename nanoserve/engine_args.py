@@ -65,6 +65,11 @@ class EngineArgs:
         SchedulerConfig.max_num_batched_tokens,
         "tokens in one forward pass; smaller chunks long prefills finer, which lowers "
         "time-to-first-token under load (default: %(default)s)", type=int)
+    long_prefill_token_threshold: int = _arg(
+        SchedulerConfig.long_prefill_token_threshold,
+        "the most prompt tokens one request computes in a step, so that a long prompt does not "
+        "stall the streams already decoding for long; 0: only --max-num-batched-tokens caps it "
+        "(default: %(default)s)", type=int)
     kv_cache_memory_gb: float | None = _arg(
         None, "KV cache size in GiB (default: on CPU 1, or less where --max-num-seqs sequences at "
         "the full context need less; 90%% of free GPU memory)",
@@ -218,6 +223,7 @@ class EngineArgs:
             raise ValueError("give --speculative-config or --draft-proposer, not both")
         return SchedulerConfig(
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
             draft_proposer=speculative or self.draft_proposer,
             speculative_max_rows=self.speculative_max_rows,
             num_speculative_tokens=speculative.num_speculative_tokens if speculative

@@ -116,9 +116,10 @@ class Scheduler:
         allocated. Only an admitted request's prefix-cache hits count as computed here;
         `update_after_step` advances the rest after the forward.
 
-        1) Running requests: each takes its remaining known tokens up to what is left of the
-           budget (a prompt's next chunk, or a decode's token plus as many drafts as fit).
-           When blocks run out the newest running request is preempted (blocks freed, slot
+        1) Running requests: each takes its remaining known tokens (at most
+           `long_prefill_token_threshold` when set) up to what is left of the budget (a
+           prompt's next chunk, or a decode's token plus as many drafts as fit). When
+           blocks run out the newest running request is preempted (blocks freed, slot
            released, back to the front of the waiting queue); if that is the request itself,
            the pass ends.
         2) Waiting requests, in queue order, not in a step that preempted: one waiting for
@@ -131,7 +132,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(self._capped(request.num_tokens - request.num_computed_tokens), budget)
             # drafts ride on a decode, as many as the budget leaves room for
             drafts = request.draft_token_ids[: budget - 1] if num_new == 1 else []
             num_new += len(drafts)
@@ -159,7 +160,7 @@ class Scheduler:
                 skipped.append(self.waiting.popleft())
                 continue
             computed_blocks, num_cached = self.kv_cache.get_computed_blocks(request)
-            num_new = min(request.num_tokens - num_cached, budget)
+            num_new = min(self._capped(request.num_tokens - num_cached), budget)
             if not self.kv_cache.allocate_slots(request, num_new, computed_blocks):
                 break
             self.waiting.popleft()
@@ -174,6 +175,11 @@ class Scheduler:
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
         return out
+
+    def _capped(self, num_new: int) -> int:
+        """A request's new tokens for this step, at most --long-prefill-token-threshold."""
+        threshold = self.config.long_prefill_token_threshold
+        return threshold if 0 < threshold < num_new else num_new
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)

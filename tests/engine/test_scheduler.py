@@ -52,6 +52,24 @@ def test_budget_chunks_long_prompts_and_decodes_go_first() -> None:
     assert b.num_computed_tokens == 25
 
 
+def test_long_prefill_token_threshold_caps_a_requests_chunk_not_the_step() -> None:
+    """vLLM's --long-prefill-token-threshold: a prompt computes at most that many tokens a
+    step, so the budget it leaves goes to others (here, a second prompt); decodes are not
+    touched."""
+    kv = KVCacheManager(64, BLOCK)
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=32, long_prefill_token_threshold=6),
+                  kv, 128)
+    a = add(s, "a", 20)
+    add(s, "b", 4)
+    chunks = [[(x.request.request_id, x.num_new_tokens) for x in step(s).scheduled]
+              for _ in range(4)]
+    assert chunks == [[("a", 6), ("b", 4)], [("a", 6), ("b", 1)], [("a", 6), ("b", 1)],
+                      [("a", 2), ("b", 1)]]
+    assert a.num_computed_tokens == 20 and a.num_output_tokens == 1
+    with pytest.raises(ValueError, match="long_prefill_token_threshold must be >= 0"):
+        SchedulerConfig(long_prefill_token_threshold=-1)
+
+
 def test_max_num_seqs_caps_running_requests() -> None:
     s = make(max_num_seqs=2)
     for i in range(4):
