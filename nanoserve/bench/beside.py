@@ -20,7 +20,7 @@ from typing import Any
 
 import aiohttp
 
-from nanoserve.bench.load_client import RequestRecord, percentile, send_request
+from nanoserve.bench.load_client import RequestRecord, percentile, ratio, send_request, to_ms
 
 SETTLE_TOKENS = 8  # tokens each stream has streamed before the long prompt is sent
 OUTPUT_TOKENS = 4  # the long prompt's own output
@@ -82,10 +82,6 @@ async def run_beside(session: aiohttp.ClientSession, url: str,
     return beside_stats(streams, long, arrived, prompt_tokens)
 
 
-def _ms(seconds: float) -> float:
-    return seconds * 1e3
-
-
 def format_beside(name: str, levels: Sequence[BesideStats]) -> list[str]:
     """A row per level: the streams' gaps alone and beside the long prompt, and its TTFT."""
     lines = [f"{name}: a long prompt beside running streams (gaps in ms)",
@@ -93,9 +89,10 @@ def format_beside(name: str, levels: Sequence[BesideStats]) -> list[str]:
              f"{'p99':>8} {'beside p99 / alone p50':>23} {'its TTFT ms':>12} {'gaps':>5}"]
     for s in levels:
         lines.append(
-            f"{s.streams:>7} {s.prompt_tokens:>7} {_ms(s.alone[0]):10.1f} {_ms(s.alone[1]):7.1f} "
-            f"{_ms(s.beside[0]):11.1f} {_ms(s.beside[1]):8.1f} "
-            f"{s.beside[1] / s.alone[0]:22.1f}x {_ms(s.long_ttft):12.1f} {s.beside_gaps:>5}")
+            f"{s.streams:>7} {s.prompt_tokens:>7} {to_ms(s.alone[0]):10.1f} "
+            f"{to_ms(s.alone[1]):7.1f} {to_ms(s.beside[0]):11.1f} {to_ms(s.beside[1]):8.1f} "
+            f"{ratio(s.beside[1], s.alone[0]):22.1f}x {to_ms(s.long_ttft):12.1f} "
+            f"{s.beside_gaps:>5}")
     lines += [f"  {s.streams} streams: {s.failures} requests failed"
               for s in levels if s.failures]
     return lines

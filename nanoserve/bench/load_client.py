@@ -314,7 +314,7 @@ class ServerRun:
     levels: list[LevelStats]
     more_tables: list[list[str]] = field(default_factory=list)  # printed after its own
 
-def _ms(seconds: float) -> float:
+def to_ms(seconds: float) -> float:
     return seconds * 1e3
 
 def format_table(run: ServerRun) -> list[str]:
@@ -326,9 +326,9 @@ def format_table(run: ServerRun) -> list[str]:
     for s in run.levels:
         lines.append(
             f"{s.concurrency:>11} {s.requests:>9} {s.failures:>7} {s.tokens_per_s:8.1f} "
-            f"{s.requests_per_s:7.2f} {_ms(s.ttft[0]):9.1f} {_ms(s.ttft[1]):8.1f} "
-            f"{_ms(s.ttft[2]):8.1f} {_ms(s.itl[0]):8.1f} {_ms(s.itl[1]):7.1f} "
-            f"{_ms(s.itl[2]):7.1f} {_ms(s.e2e_p50):9.1f}")
+            f"{s.requests_per_s:7.2f} {to_ms(s.ttft[0]):9.1f} {to_ms(s.ttft[1]):8.1f} "
+            f"{to_ms(s.ttft[2]):8.1f} {to_ms(s.itl[0]):8.1f} {to_ms(s.itl[1]):7.1f} "
+            f"{to_ms(s.itl[2]):7.1f} {to_ms(s.e2e_p50):9.1f}")
     lines += [f"  concurrency {s.concurrency}: first error: {s.first_error}"
               for s in run.levels if s.first_error]
     return lines
@@ -347,6 +347,6 @@ def format_comparison(ours: ServerRun, theirs: ServerRun) -> list[str]:
     for a, b in zip(ours.levels, theirs.levels, strict=True):
         lines.append(
             f"{a.concurrency:>11} {a.tokens_per_s:9.1f} {b.tokens_per_s:11.1f} "
-            f"{ratio(a.tokens_per_s, b.tokens_per_s):6.2f}x {_ms(a.ttft[0]):12.1f} "
-            f"{_ms(b.ttft[0]):17.1f} {ratio(a.ttft[0], b.ttft[0]):6.2f}x")
+            f"{ratio(a.tokens_per_s, b.tokens_per_s):6.2f}x {to_ms(a.ttft[0]):12.1f} "
+            f"{to_ms(b.ttft[0]):17.1f} {ratio(a.ttft[0], b.ttft[0]):6.2f}x")
     return lines

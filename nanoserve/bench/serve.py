@@ -95,7 +95,6 @@ async def _beside(name: str, session: aiohttp.ClientSession, url: str, model: st
     return stats
 
 
-
 # ---------------------------------------------------------------------------------------------
 # Servers started by the benchmark.
 

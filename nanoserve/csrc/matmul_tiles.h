@@ -2,8 +2,9 @@
 // activations' int8 quantization, the tile kernels over one packed 8-row group, and a range of
 // groups against all activation rows. quant_matmul.cpp splits the groups with at::parallel_for;
 // decode_layers.cpp's one-region forward hands each thread its share. One definition for both,
-// so the two give the same bits. A module built for the avx512 tier (native.py) runs
-// matmul_pairs_avx512.h's kernels from matmul_groups instead: the same bits again.
+// so the two give the same bits. In a module built for the avx512 tier (native.py) the block
+// dots below are vpdpbusd, and from kWideMinRows rows matmul_groups runs
+// matmul_pairs_avx512.h's kernels instead: the same bits again.
 #pragma once
 
 #include <immintrin.h>
@@ -192,8 +193,7 @@ void s8_group(const uint8_t* w, int64_t KB, const RowPtrs& rows) {
         const bool first = kPerHalf ? t % 4 == 0 : t == 0;
         sum[r][h] = _mm256_dpbusd_epi32(first ? _mm256_setzero_si256() : sum[r][h], q_abs,
                                         _mm256_sign_epi8(a, q));
-        continue;
-#endif
+#else
         const __m256i p = _mm256_maddubs_epi16(q_abs, _mm256_sign_epi8(a, q));
         if constexpr (kPerHalf) {
           sum[r][t / 4] = t % 4 == 0 ? p : _mm256_add_epi16(sum[r][t / 4], p);
@@ -201,6 +201,7 @@ void s8_group(const uint8_t* w, int64_t KB, const RowPtrs& rows) {
           const __m256i p32 = _mm256_madd_epi16(p, ones);
           sum[r][0] = t == 0 ? p32 : _mm256_add_epi32(sum[r][0], p32);
         }
+#endif
       }
     }
     __m256 d0, d1;
