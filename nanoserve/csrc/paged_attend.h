@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "attention_tiles.h"
+#include "flash_tiles.h"
 #include "kv_int8.h"
 
 namespace paged_attend {
@@ -35,14 +36,15 @@ struct Problem {
   float scale;
 };
 
-// One thread's working memory: the scaled queries, a tile's scores and its rows' addresses.
+// One thread's working memory: the scaled queries, a tile's keys transposed, its scores and
+// its rows' addresses.
 template <typename T>
 struct Scratch {
-  std::vector<float> q, scores, corr;
+  std::vector<float> q, kt, scores, corr;
   std::vector<int8_t> q8;  // q's heads as int8 rows, for an int8 cache's integer scores
   std::vector<const T*> keys, values;  // two tiles' worth: this one and the next
   explicit Scratch(int64_t group, int64_t dim)
-      : q(group * dim), scores(group * kTileTokens), corr(group),
+      : q(group * dim), kt(kTileTokens * dim), scores(group * kTileTokens), corr(group),
         q8(group * row_elements<int8_t>(dim)), keys(2 * kTileTokens), values(2 * kTileTokens) {}
 };
 
@@ -71,8 +73,9 @@ void locate_rows(const Problem<T>& pb, const int32_t* table, int64_t plane, int6
 
 // Attention of one (request, KV head) over tokens [begin, end): unnormalized acc [G, D], the
 // running max and sum [G], for the group's query heads [h0, h1) (all G by default; then G is
-// h1 - h0). A head's arithmetic is the same in any subset of fewer than four heads: score_heads
-// and accumulate_heads take heads in fours, and a four runs its own variant (attend_heads).
+// h1 - h0). A float or float16 cache runs flash_tiles.h, where a head's bits do not depend on
+// the other heads it runs with; an int8 cache scores in integers (score_heads_int8) and takes
+// heads in fours (accumulate_heads), so its heads split exactly only in groups under four.
 template <typename T>
 void attend_range(const Problem<T>& pb, int64_t b, int64_t kv_head, int64_t begin, int64_t end,
                   Scratch<T>& sc, float* acc, float* max, float* sum, int64_t h0 = 0,
@@ -104,17 +107,20 @@ void attend_range(const Problem<T>& pb, int64_t b, int64_t kv_head, int64_t begi
         score_heads_int8(sc.q8.data(), keys, n, dim, group, next, sc.scores.data());
       else
         score_heads<T>(sc.q.data(), keys, n, dim, group, next, sc.scores.data());
-    } else {
-      score_heads<T>(sc.q.data(), keys, n, dim, group, next, sc.scores.data());
-    }
-    softmax_tile(sc.scores.data(), n, group, max, sum, sc.corr.data());
-    if constexpr (std::is_same_v<T, int8_t>) {  // each value row's scale, once per weight
-      for (int64_t j = 0; j < n; ++j) {
+      softmax_tile(sc.scores.data(), n, group, max, sum, sc.corr.data());
+      for (int64_t j = 0; j < n; ++j) {  // each value row's scale, once per weight
         const float scale = row_scale(values[j], dim);
         for (int64_t g = 0; g < group; ++g) sc.scores[g * kTileTokens + j] *= scale;
       }
+      accumulate_heads<T>(sc.scores.data(), values, n, dim, group, sc.corr.data(), acc);
+    } else {
+      flash_tiles::transpose_keys(keys, n, dim, sc.kt.data(), next);
+      flash_tiles::score_rows(sc.q.data(), dim, group, sc.kt.data(), dim, sc.scores.data());
+      for (int64_t g = 0; g < group; ++g)
+        flash_tiles::softmax_row(sc.scores.data() + g * kTileTokens, n, max[g], sum[g],
+                                 sc.corr[g]);
+      flash_tiles::accumulate_rows(sc.scores.data(), values, n, group, dim, sc.corr.data(), acc);
     }
-    accumulate_heads<T>(sc.scores.data(), values, n, dim, group, sc.corr.data(), acc);
     std::copy(keys + kTileTokens, keys + kTileTokens + num_next, keys);
     std::copy(values + kTileTokens, values + kTileTokens + num_next, values);
   }
@@ -127,10 +133,14 @@ inline int64_t num_parts(const int32_t* context_lens, int64_t batch) {
   return std::max<int64_t>(1, (max_len + kPartitionTokens - 1) / kPartitionTokens);
 }
 
-// Whether splitting a group's query heads keeps every head's bits: each subset must run the
-// tile variants the whole group runs, and the group runs one variant for all its heads only
-// when it has fewer than four (accumulate_tile's PH differs for four).
-inline bool heads_split_exactly(int64_t group) { return group < 4; }
+// Whether splitting a group's query heads keeps every head's bits: always on a float or float16
+// cache (flash_tiles.h); an int8 cache's subset must run the tile variants the whole group
+// runs, and the group runs one variant for all its heads only when it has fewer than four
+// (accumulate_tile's PH differs for four).
+template <typename T>
+inline bool heads_split_exactly(int64_t group) {
+  return !std::is_same_v<T, int8_t> || group < 4;
+}
 
 // Units [first, last) of an unsplit batch, a unit being one query head of one item (unit = item
 // * G + g), each normalized into out [B, H, D]; an item's heads are divided where the range cuts

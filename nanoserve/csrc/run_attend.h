@@ -68,18 +68,21 @@ inline bool has_runs(const std::vector<Block>& blocks) {
                      [](const Block& blk) { return blk.last - blk.first > 1; });
 }
 
-// One thread's working memory for a block: its rows' scaled queries, one tile's rows widened,
-// and every row's partials [rows, parts, G, D] until the merge.
+// One thread's working memory for a block, its rows being (token, query head) pairs in the
+// output's order: their scaled queries; one tile's keys transposed and values widened; the
+// tile's scores; the running sums of the partition being walked; and every row's partials
+// [tokens, parts, G, D] until the merge.
 template <typename T>
 struct BlockScratch {
-  std::vector<float> q, keys, values, scores, corr, part_acc, part_max, part_sum, merged;
-  std::vector<const float*> key_rows, value_rows;
+  std::vector<float> q, kt, values, scores, corr, acc, max, sum;
+  std::vector<float> part_acc, part_max, part_sum, merged;
+  std::vector<const float*> value_rows;
   std::vector<const T*> cache_keys, cache_values;  // a tile's rows in the cache
   BlockScratch(int64_t group, int64_t dim)
-      : q(kBlockRows * group * dim), keys(kTileTokens * dim),
-        values(kTileTokens * dim), scores(group * kTileTokens), corr(group),
-        key_rows(kTileTokens), value_rows(kTileTokens), cache_keys(kTileTokens),
-        cache_values(kTileTokens) {}
+      : q(kBlockRows * group * dim), kt(kTileTokens * dim), values(kTileTokens * dim),
+        scores(kBlockRows * group * kTileTokens), corr(kBlockRows * group),
+        acc(kBlockRows * group * dim), max(kBlockRows * group), sum(kBlockRows * group),
+        value_rows(kTileTokens), cache_keys(kTileTokens), cache_values(kTileTokens) {}
 };
 
 // Rows of a tile as float32 rows: float rows are used where they lie, half rows widened.
@@ -97,32 +100,33 @@ void widen_tile(const T* const* cache_rows, int64_t n, int64_t dim, float* into,
   }
 }
 
-// Partition `part` of every row of `blk` for one KV head, in lockstep: row r's partial goes to
-// the scratch's [r, part] slot (an empty one where its context ends before the partition).
+// Partition `part` of every row of `blk` for one KV head, tile by tile: each tile's keys are
+// transposed and its values widened once for the whole block, then the rows whose context
+// reaches the tile (the block's later tokens: contexts grow by one a token) run
+// flash_tiles.h's steps as a decode's heads do. Token r's partial goes to the scratch's
+// [r, part] slot (an empty one where its context ends before the partition).
 template <typename T>
 void attend_partition(const Problem<T>& pb, const Block& blk, int64_t kv_head, int64_t part,
                       int64_t parts, BlockScratch<T>& sc) {
   const int64_t group = pb.num_heads / pb.num_kv_heads, dim = pb.dim;
-  const int64_t rows = blk.last - blk.first, begin = part * kPartitionTokens;
+  const int64_t tokens = blk.last - blk.first, begin = part * kPartitionTokens;
   int64_t ends[kBlockRows];
-  int64_t max_end = begin;
-  for (int64_t r = 0; r < rows; ++r) {
+  for (int64_t r = 0; r < tokens; ++r)
     ends[r] = std::clamp<int64_t>(pb.context_lens[blk.first + r], begin,
                                   begin + kPartitionTokens);
-    max_end = std::max(max_end, ends[r]);
-    const int64_t slot = r * parts + part;
-    std::fill_n(sc.part_acc.data() + slot * group * dim, group * dim, 0.0f);
-    std::fill_n(sc.part_max.data() + slot * group, group, kNegInf);
-    std::fill_n(sc.part_sum.data() + slot * group, group, 0.0f);
-  }
+  const int64_t max_end = ends[tokens - 1];  // contexts grow along the block
+  std::fill_n(sc.acc.data(), tokens * group * dim, 0.0f);
+  std::fill_n(sc.max.data(), tokens * group, kNegInf);
+  std::fill_n(sc.sum.data(), tokens * group, 0.0f);
   const int32_t* table = pb.block_table + (blk.last - 1) * pb.max_blocks;  // covers every row
   const int64_t plane = kv_head * pb.num_blocks * pb.block_size;
   const T** keys = sc.cache_keys.data();
   const T** values = sc.cache_values.data();
   locate_rows(pb, table, plane, begin, std::min(kTileTokens, max_end - begin), keys, values);
+  int64_t first = 0;  // the first token whose context reaches the tile
   for (int64_t t0 = begin; t0 < max_end; t0 += kTileTokens) {
     const int64_t n_max = std::min(kTileTokens, max_end - t0);
-    widen_tile(keys, n_max, dim, sc.keys.data(), sc.key_rows.data());
+    flash_tiles::transpose_keys(keys, n_max, dim, sc.kt.data(), NextRows<T>{nullptr, nullptr, 0});
     widen_tile(values, n_max, dim, sc.values.data(), sc.value_rows.data());
     const int64_t num_next = std::clamp<int64_t>(max_end - t0 - n_max, 0, kTileTokens);
     locate_rows(pb, table, plane, t0 + n_max, num_next, keys, values);  // read: done with these
@@ -130,17 +134,24 @@ void attend_partition(const Problem<T>& pb, const Block& blk, int64_t kv_head, i
       prefetch_row(keys[j], dim);
       prefetch_row(values[j], dim);
     }
-    const NextRows<float> none{nullptr, nullptr, 0};
-    for (int64_t r = 0; r < rows; ++r) {
-      if (ends[r] <= t0) continue;
-      const int64_t n = std::min(kTileTokens, ends[r] - t0), slot = r * parts + part;
-      score_heads<float>(sc.q.data() + r * group * dim, sc.key_rows.data(), n, dim, group,
-                         none, sc.scores.data());
-      softmax_tile(sc.scores.data(), n, group, sc.part_max.data() + slot * group,
-                   sc.part_sum.data() + slot * group, sc.corr.data());
-      accumulate_heads<float>(sc.scores.data(), sc.value_rows.data(), n, dim, group,
-                              sc.corr.data(), sc.part_acc.data() + slot * group * dim);
+    while (ends[first] <= t0) ++first;
+    const int64_t row0 = first * group, rows = (tokens - first) * group;
+    flash_tiles::score_rows(sc.q.data() + row0 * dim, dim, rows, sc.kt.data(), dim,
+                            sc.scores.data());
+    for (int64_t i = 0; i < rows; ++i) {
+      const int64_t n = std::min(kTileTokens, ends[first + i / group] - t0);
+      flash_tiles::softmax_row(sc.scores.data() + i * kTileTokens, n, sc.max[row0 + i],
+                               sc.sum[row0 + i], sc.corr[i]);
     }
+    flash_tiles::accumulate_rows(sc.scores.data(), sc.value_rows.data(), n_max, rows, dim,
+                                 sc.corr.data(), sc.acc.data() + row0 * dim);
+  }
+  for (int64_t r = 0; r < tokens; ++r) {  // token r's heads, into its [r, part] slot
+    const int64_t slot = r * parts + part;
+    std::copy_n(sc.acc.data() + r * group * dim, group * dim,
+                sc.part_acc.data() + slot * group * dim);
+    std::copy_n(sc.max.data() + r * group, group, sc.part_max.data() + slot * group);
+    std::copy_n(sc.sum.data() + r * group, group, sc.part_sum.data() + slot * group);
   }
 }
 

@@ -220,7 +220,7 @@ at::Tensor forward_cache(const std::vector<Layer>& layers, const at::Tensor& fin
           H, Hkv, D, first.k_cache.size(1), first.k_cache.size(2), st.block_table.size(1),
           static_cast<float>(st.scale)};
       float* attn_out = attn.data_ptr<float>();
-      if (parts == 1 && paged_attend::heads_split_exactly(group)) {
+      if (parts == 1 && paged_attend::heads_split_exactly<T>(group)) {
         paged_attend::attend_heads(pb, share_begin(items * group, tid, team),
                                    share_begin(items * group, tid + 1, team), scratch,
                                    max.data(), sum.data(), attn_out);

@@ -346,3 +346,27 @@ def test_engine_decodes_through_the_kernel(tiny_model_dir: Callable[[str], Path]
     gathered = run_to_completion(make_engine(path), prompts, params)
     assert not calls
     assert in_place == gathered
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.int8])
+@pytest.mark.parametrize(("num_kv_heads", "group"), [(3, 3), (1, 4), (4, 1)],
+                         ids=["gqa-9-3", "one-kv-head", "mha"])
+def test_tiled_prefill_rows_equal_float64(cache_dtype: torch.dtype, num_kv_heads: int,
+                                          group: int) -> None:
+    """A prefill chunk's rows (blocks of rows against tiles of keys, flash_tiles.h) and decodes
+    beside them equal float64 attention over the cached values, for every cache type and head
+    layout (the default model's 9 query heads over 3 KV heads, one KV head, MHA), with
+    contexts on both sides of the 32-key tiles' and the 512-key partitions' edges."""
+    _, k_cache, v_cache, table, _ = random_case([1100, 31, 32, 33, 513], num_kv_heads, group,
+                                                head_dim=64, seed=num_kv_heads)
+    chunk = range(480, 560)  # rows crossing a partition edge and every tile edge between
+    tables = torch.cat([table[:1].repeat(len(chunk), 1), table[1:]]).contiguous()
+    lens = torch.tensor([t + 1 for t in chunk] + [31, 32, 33, 513], dtype=torch.int32)
+    q = 2 * torch.randn(len(lens), num_kv_heads * group, 64,
+                        generator=torch.Generator().manual_seed(7))
+    case = with_cache_dtype((q, k_cache, v_cache, tables, lens), cache_dtype)
+    ours = decode_attention(*case)
+    assert relative_error(ours, reference_on_the_cached_values(case)) < 1e-5
+    alone = torch.cat([decode_attention(*(t[i : i + 1] if t.dim() < 4 else t for t in case))
+                       for i in range(len(lens))])
+    assert torch.equal(ours, alone)
