@@ -10,8 +10,9 @@
 //
 // One work item is (request, KV head, partition of the context). It loads each key and value
 // row once and uses it for the G = H / Hkv query heads that share it. The context is walked in
-// tiles of kTileTokens: scores for the tile (G dot products per key), one max/exp/sum per tile
-// (online softmax: the running sums are rescaled once per tile, not per token), then P·V.
+// tiles of kTileTokens: scores for the tile (a float cache's as a small matrix product,
+// flash_tiles.h; an int8 cache's in integers), one max/exp/sum per tile (online softmax: the
+// running sums are rescaled once per tile, not per token), then P·V.
 // Contexts longer than kPartitionTokens are split into partitions of that many tokens, attended
 // in parallel and merged by log-sum-exp. The split depends only on a context's own length, never
 // on the batch or the thread count, so a request's result is the same alone or batched (and a

@@ -1,19 +1,15 @@
 // A prefill chunk's rows attended together (paged_attention.cpp takes this path when a batch
 // holds them): the rows of one request's run share their keys, so a block of up to kBlockRows
-// consecutive rows walks the context once, tile by tile in lockstep, each tile's key and value
-// rows widened to float32 once for the block instead of once per row, and its rows' addresses
-// found once. Each row then runs paged_attend.h's own tile functions on the widened rows, on
-// the same tiles and partitions, with the same merge: every row's bits are those it gets attended
-// alone (the widening is exact), so a token's result still does not depend on the chunk it came
-// in. An int8 cache keeps the per-row path (its scores are integer dot products on the rows).
+// consecutive tokens walks the context once, tile by tile: each tile's keys transposed and its
+// values widened to float32 once for the block, then its tokens' query heads run
+// flash_tiles.h's steps together, as a decode's heads do. A row's bits are those it gets alone
+// (flash_tiles.h says why), so a token's result still does not depend on the chunk it came in.
+// An int8 cache keeps the per-row path (its scores are integer dot products on the rows).
 //
 // Work items are (block, KV head), handed out largest first from a shared counter: a chunk's
 // later rows see more keys, and in-order halves of a first chunk's rows give one thread a
-// quarter of its keys. A block's partitions are merged where it ends, from its own partials,
-// where the per-row path sets aside and zeroes partials for the whole batch (15 MB a layer at
-// 512 rows of a 6,656-token prompt). Measured, one layer, the last 512-row chunk of that
-// prompt: 486-540 -> 305-342 ms; the whole prompt's first token 104-119 -> 85-89 s
-// (docs/benchmarks.md).
+// quarter of its keys. A block's partitions are merged where it ends, from its own partials.
+// Figures: docs/benchmarks.md, "Prefill attention as tiled matrix products".
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -33,9 +29,9 @@ namespace run_attend {
 
 using namespace paged_attend;
 
-// Rows attended together. The last 512-row chunk of a 6,656-token prompt, one layer, float16
-// cache, two alternated rounds in a noisy hour, one thread / two: 8 rows 479-684 / 298-450 ms,
-// 16 rows 424-436 / 269-329 ms, 32 rows 420-619 / 329-405 ms.
+// Tokens attended together (rows: tokens x query heads of a KV head). The last 512-row chunk
+// of a 6,144-token context, one layer, float16 cache, 2 threads, Zen 4: 16 tokens 50-57 ms,
+// 32 tokens 58-67 ms.
 constexpr int64_t kBlockRows = 16;
 
 // Rows [first, last) of the batch: one request's consecutive tokens, the last row's table
