@@ -5,7 +5,10 @@ ids, each token's logprob and top-2 alternatives, finish reasons) of the default
 `gguf` and `none` modes, each request run alone and all of them batched together. It was
 written by this module (`python tests/engine/test_golden_outputs.py`) on the engine before
 issue 13's refactors; the engine of today must reproduce it bit for bit. Rewrite it only for a
-change that is meant to change tokens, and say so in the commit.
+change that is meant to change tokens, and say so in the commit; record it with the three
+variables tests/conftest.py sets (ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
+MKL_ENABLE_INSTRUCTIONS=AVX2), or an AVX-512 CPU records float32 sums in another order.
+Last rewritten for the tiled attention (csrc/flash_tiles.h), which reorders attention's sums.
 """
 
 from __future__ import annotations
