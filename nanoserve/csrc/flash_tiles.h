@@ -152,45 +152,18 @@ inline void softmax_row(float* s, int64_t n, float& max, float& sum, float& corr
   sum = std::fma(sum, corr, simd::hsum(total));  // one rounding in every inlined copy
 }
 
-// acc[r] = acc[r] * corr[r] + sum_j p[r][j] * value j, for R rows and NV * 8 columns from d0:
-// one FMA chain per output element over the keys in order. Rows whose context ends before
-// key j have p = 0 there, which adds exactly nothing.
-template <typename T, int R, int NV>
-inline void accumulate_rows_r(const float* p, const T* const* values, int64_t n, int64_t dim,
-                              int64_t d0, const float* corr, float* acc) {
-  __m256 a[R][NV];
-  NANOSERVE_FLASH_UNROLL
-  for (int r = 0; r < R; ++r) {
-    const __m256 c = _mm256_set1_ps(corr[r]);
-    NANOSERVE_FLASH_UNROLL
-    for (int v = 0; v < NV; ++v)
-      a[r][v] = _mm256_mul_ps(_mm256_loadu_ps(acc + r * dim + d0 + 8 * v), c);
-  }
-  for (int64_t j = 0; j < n; ++j) {
-    __m256 x[NV];
-    NANOSERVE_FLASH_UNROLL
-    for (int v = 0; v < NV; ++v) x[v] = load8(values[j] + d0 + 8 * v);
-    NANOSERVE_FLASH_UNROLL
-    for (int r = 0; r < R; ++r) {
-      const __m256 w = _mm256_broadcast_ss(p + r * kTileTokens + j);
-      NANOSERVE_FLASH_UNROLL
-      for (int v = 0; v < NV; ++v) a[r][v] = _mm256_fmadd_ps(w, x[v], a[r][v]);
-    }
-  }
-  NANOSERVE_FLASH_UNROLL
-  for (int r = 0; r < R; ++r)
-    NANOSERVE_FLASH_UNROLL
-    for (int v = 0; v < NV; ++v) _mm256_storeu_ps(acc + r * dim + d0 + 8 * v, a[r][v]);
-}
-
-// R rows' P · V over every column, four vectors of columns at a time.
+// R rows' P · V over every column, four vectors of columns at a time: acc[r] = acc[r] *
+// corr[r] + sum_j p[r][j] * value j, one FMA chain per output element over the keys in order
+// (attention_tiles.h's accumulate_columns with one accumulator set). Rows whose context ends
+// before key j have p = 0 there, which adds exactly nothing.
 template <typename T, int R>
 inline void accumulate_rows_columns(const float* p, const T* const* values, int64_t n,
                                     int64_t dim, const float* corr, float* acc) {
   int64_t d0 = 0;
   for (; d0 + 32 <= dim; d0 += 32)
-    accumulate_rows_r<T, R, 4>(p, values, n, dim, d0, corr, acc);
-  for (; d0 < dim; d0 += 8) accumulate_rows_r<T, R, 1>(p, values, n, dim, d0, corr, acc);
+    attention_tiles::accumulate_columns<T, R, 4, 1>(p, values, n, dim, d0, corr, acc);
+  for (; d0 < dim; d0 += 8)
+    attention_tiles::accumulate_columns<T, R, 1, 1>(p, values, n, dim, d0, corr, acc);
 }
 
 // Rows [0, rows): p [rows, 32], corr [rows], acc [rows, dim]; values are the tile's n rows
