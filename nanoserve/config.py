@@ -22,6 +22,13 @@ KV_CACHE_DTYPES = ("auto", "float32", "float16", "int8")
 POOLING_METHODS = ("last", "mean")  # how embeddings pool hidden states (engine/pooler.py)
 # how the API servers pick a data-parallel engine core for a request (engine/dp_router.py)
 LOAD_BALANCE_METHODS = ("cache_aware", "round_robin")
+# vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN, with our prefix: lets max_model_len pass the model's
+# context (positions it was never trained on; long-prompt benchmarks on a short-context model)
+ALLOW_LONG_MAX_MODEL_LEN = "NANOSERVE_ALLOW_LONG_MAX_MODEL_LEN"
+
+
+def allow_long_max_model_len() -> bool:
+    return os.environ.get(ALLOW_LONG_MAX_MODEL_LEN, "").lower() in ("1", "true")
 
 
 @dataclass(frozen=True)
@@ -107,6 +114,11 @@ class SchedulerConfig:
     # their gaps between tokens stay shorter while it prefills, at the price of more steps
     # for it (`bench serve --long-prompt-beside` measures both).
     long_prefill_token_threshold: int = 0
+    # While requests decode, a step's prompt chunks are cut so that the step takes about this
+    # many times a decode-only step, from measured step times (engine/prefill_pacer.py); 0: off.
+    # 2: the streams beside a 6,000-token prompt keep their p99 gap within 3x their p50
+    # (docs/benchmarks.md, "Pacing a long prompt beside running streams").
+    prefill_pacing: float = 2.0
     # A source of draft tokens ('module:Class' or a class, see engine/drafts.py) and the most
     # drafts a request takes per step; no proposer means one token per request per step.
     draft_proposer: Any = None
@@ -128,6 +140,9 @@ class SchedulerConfig:
         if self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be >= 0 (0: no cap), got "
                              f"{self.long_prefill_token_threshold}")
+        if self.prefill_pacing != 0 and not self.prefill_pacing > 1:
+            raise ValueError("prefill_pacing must be 0 (off) or > 1 (a step beside decodes aims "
+                             f"at that many decode-only steps), got {self.prefill_pacing}")
 
 
 @dataclass(frozen=True)

@@ -70,6 +70,11 @@ class EngineArgs:
         "the most prompt tokens one request computes in a step, so that a long prompt does not "
         "stall the streams already decoding for long; 0: only --max-num-batched-tokens caps it "
         "(default: %(default)s)", type=int)
+    prefill_pacing: float = _arg(
+        SchedulerConfig.prefill_pacing,
+        "while requests decode, cut prompt chunks so a step takes about this many times a "
+        "decode-only step (measured as it runs), so the streams keep their pace beside a long "
+        "prompt; 0: off (default: %(default)s)", type=float, metavar="FACTOR")
     kv_cache_memory_gb: float | None = _arg(
         None, "KV cache size in GiB (default: on CPU 1, or less where --max-num-seqs sequences at "
         "the full context need less; 90%% of free GPU memory)",
@@ -224,6 +229,7 @@ class EngineArgs:
         return SchedulerConfig(
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
+            prefill_pacing=self.prefill_pacing,
             draft_proposer=speculative or self.draft_proposer,
             speculative_max_rows=self.speculative_max_rows,
             num_speculative_tokens=speculative.num_speculative_tokens if speculative

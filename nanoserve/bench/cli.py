@@ -149,7 +149,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="comma-separated levels of requests in flight")
     p.add_argument("--num-requests", type=int, default=None,
                    help="requests per level (default: max(2 x concurrency, 8))")
-    p.add_argument("--input-len", type=int, default=128, help="prompt tokens (about)")
+    p.add_argument("--input-len", default="128",
+                   help="prompt tokens (about); comma-separated lengths run the whole load "
+                        "at each, e.g. 2000,6000,12000 (default: %(default)s)")
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--api-key", default=None, help="sent as `Authorization: Bearer KEY`")
     p.add_argument("--compare-llama-server", action="store_true",

@@ -2,7 +2,11 @@
 
 Each request is a streamed `POST /v1/completions` of a prompt of about `--input-len` tokens
 (random common English words, seeded, so every server gets the same prompts), greedy, EOS
-ignored, `--output-len` tokens. At each concurrency level `--num-requests` requests run with at
+ignored, `--output-len` tokens. Several input lengths (`--input-len 2000,6000,12000`) run the
+whole load once per length, each with its own prompts and its own tables; a length past the
+model's context runs anyway (both servers are given the context it needs, nanoserve through
+NANOSERVE_ALLOW_LONG_MAX_MODEL_LEN), since the time a prompt takes does not depend on what the
+model learned. At each concurrency level `--num-requests` requests run with at
 most that many in flight. Per level: output tokens/s over the wall time (first send to last
 completion), requests/s, time to first token, inter-token latency and end-to-end latency.
 
@@ -41,7 +45,7 @@ from nanoserve.bench.load_client import (
     served_model_name,
     summarize,
 )
-from nanoserve.config import DEFAULT_MODEL_NAME
+from nanoserve.config import ALLOW_LONG_MAX_MODEL_LEN, DEFAULT_MODEL_NAME
 
 HEALTH_TIMEOUT_S = 300.0
 
@@ -119,9 +123,10 @@ def nanoserve_server(model: str | None, extra_args: Sequence[str] = ()
     # would block the server once full.
     fd, log_name = tempfile.mkstemp(prefix="nanoserve-serve-", suffix=".log")
     print(f"starting: {' '.join(cmd)} (log: {log_name})", file=sys.stderr)
+    env = {**os.environ, ALLOW_LONG_MAX_MODEL_LEN: "1"} if "--max-model-len" in cmd else None
     with os.fdopen(fd, "wb") as log:
         process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                   stdin=subprocess.DEVNULL)
+                                   stdin=subprocess.DEVNULL, env=env)
     with _ready(process, port, "nanoserve serve") as url:
         yield url, process.pid
 
@@ -187,11 +192,38 @@ def gguf_for_llama_server(model: str | None) -> Path:
 
 
 def run_serve_bench(args: argparse.Namespace) -> int:
-    """Run the load on the server (and llama-server when comparing); print the tables.
+    """Run the load on the server (and llama-server when comparing) at each input length;
+    print the tables.
 
     Exit status 1 if any request failed, 2 if a server could not be built or started, else 0.
     """
     levels = parse_levels(args.concurrency)
+    status = 0
+    for one_length in per_input_length(args):
+        status = max(status, _run_one_length(one_length, levels))
+        if status == 2:
+            break
+    return status
+
+
+def parse_input_lengths(text: str) -> list[int]:
+    """'2000,6000' -> [2000, 6000]; each length must be positive."""
+    lengths = [int(part) for part in str(text).split(",") if part.strip()]
+    if not lengths or min(lengths) < 1:
+        raise ValueError(f"--input-len needs positive integers, got {text!r}")
+    return lengths
+
+
+def per_input_length(args: argparse.Namespace) -> list[argparse.Namespace]:
+    """The arguments of each length's run: its `input_len`, and a seed of its own after the
+    first, so no length's prompts are a prefix of another's (the first keeps the seed, and so
+    the prompts, of a one-length run)."""
+    return [argparse.Namespace(**{**vars(args), "input_len": length,
+                                  "seed": args.seed + 7919 * i})
+            for i, length in enumerate(parse_input_lengths(args.input_len))]
+
+
+def _run_one_length(args: argparse.Namespace, levels: Sequence[int]) -> int:
     try:
         runs = [_bench_target(args, levels)]
         if args.compare_llama_server:
@@ -244,5 +276,16 @@ def _bench_target(args: argparse.Namespace, levels: Sequence[int]) -> ServerRun:
     if args.url:
         # an explicit --model names what the server serves; else ask the server
         return asyncio.run(bench_server(args.url, args.url, args.model, args, levels))
-    with nanoserve_server(args.model) as (url, _):
+    with nanoserve_server(args.model, context_args(args.model, args)) as (url, _):
         return asyncio.run(bench_server("nanoserve", url, None, args, levels))
+
+
+def context_args(model: str | None, args: argparse.Namespace) -> list[str]:
+    """`--max-model-len` for a load whose requests need more than the model's context (the
+    same context llama-server's slots get), else nothing: the server keeps its defaults."""
+    from nanoserve.model.loader import load_arch
+
+    needed = llama_slot_tokens(args.input_len, args.output_len)
+    if needed <= load_arch(model).max_position_embeddings:
+        return []
+    return ["--max-model-len", str(needed)]

@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from nanoserve.config import EngineConfig
+from nanoserve.config import ALLOW_LONG_MAX_MODEL_LEN, EngineConfig, allow_long_max_model_len
 from nanoserve.engine.block_table import BlockTable
 from nanoserve.engine.drafts import (
     draft_budget,
@@ -33,6 +33,7 @@ from nanoserve.engine.drafts import (
 from nanoserve.engine.executor import Executor
 from nanoserve.engine.kv_cache import KVCacheManager
 from nanoserve.engine.model_runner import ModelRunner
+from nanoserve.engine.prefill_pacer import PrefillPacer, tokens_per_unit_of_context
 from nanoserve.engine.request import Request, RequestStatus
 from nanoserve.engine.scheduler import ScheduledRequest, Scheduler
 from nanoserve.engine.step_input import build_step_input
@@ -52,6 +53,7 @@ from nanoserve.sampling_params import SamplingParams
 from nanoserve.structured.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
+
 # With only compiling requests left, how long a step waits for a compile to finish: short, so
 # new inputs are not held up, and not a spin that takes the core the compile runs on.
 GRAMMAR_WAIT_S = 0.005
@@ -75,7 +77,8 @@ class EngineCore:
         self.max_model_len = self._max_model_len(num_blocks * block_size)
         self.kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching,
                                        record_events=config.kv_events.enable_kv_cache_events)
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len,
+                                   self._pacer(config, loaded))
         # every running request's blocks by slot; a step's block table is read from it
         num_slots = config.scheduler.max_num_seqs
         self.block_table = BlockTable(num_slots, -(-self.max_model_len // block_size))
@@ -88,6 +91,16 @@ class EngineCore:
             self.max_sampled_rows(config), config.model.torch_device)
         self.compiling: dict[str, Request] = {}  # requests whose grammar is compiling
         self.stats = SchedulerStats()  # brought up to date by every step and abort
+
+    @staticmethod
+    def _pacer(config: EngineConfig, loaded: LoadedModel) -> PrefillPacer | None:
+        factor = config.scheduler.prefill_pacing
+        if not factor:
+            return None
+        arch = loaded.arch
+        return PrefillPacer(factor, tokens_per_unit_of_context(
+            arch.hidden_size, arch.intermediate_size, arch.num_layers, arch.num_heads,
+            arch.num_kv_heads, arch.head_dim))
 
     @staticmethod
     def max_sampled_rows(config: EngineConfig) -> int:
@@ -104,8 +117,11 @@ class EngineCore:
         if arch.sliding_window:
             limit = min(limit, arch.sliding_window)  # beyond it, full attention would differ
         if wanted is not None:
-            if wanted > limit:
-                raise ValueError(f"max_model_len={wanted} exceeds the model's context of {limit}")
+            if wanted > limit and not allow_long_max_model_len():
+                raise ValueError(
+                    f"max_model_len={wanted} exceeds the model's context of {limit}; set "
+                    f"{ALLOW_LONG_MAX_MODEL_LEN}=1 to run past it anyway (positions past the "
+                    "model's training give outputs it was never taught; benchmarks use it)")
             if wanted > cache_tokens:
                 raise ValueError(
                     f"max_model_len={wanted} does not fit the KV cache ({cache_tokens} tokens); "
@@ -209,7 +225,11 @@ class EngineCore:
              if r.slot is not None and not r.is_pooling],
             released, self._fill_grammars(sampling))
         # 3) run the model and sample, on the workers
+        started = time.perf_counter()
         out = self.executor.execute_step(step)
+        if self.scheduler.pacer is not None:
+            self.scheduler.pacer.observe(sched.num_decodes, sched.prompt_units,
+                                         time.perf_counter() - started)
         self.stats.sample_seconds += out.sample_seconds
         self._collect_prompt_logprobs(sched.scheduled, step, out)
         # 4) commit each request's tokens (1 + its accepted drafts), finish those that stop

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from nanoserve.config import SchedulerConfig
 from nanoserve.engine.kv_cache import KVCacheManager
+from nanoserve.engine.prefill_pacer import PrefillPacer
 from nanoserve.engine.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -64,6 +65,8 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     admitted: list[Request] = field(default_factory=list)  # given a slot in this step
     preempted: list[Request] = field(default_factory=list)  # lost their slot in this step
+    num_decodes: int = 0  # scheduled requests computing only their next token (and drafts)
+    prompt_units: float = 0.0  # the prompt chunks' cost for the pacer (0 without one)
 
     @property
     def num_tokens(self) -> int:
@@ -74,8 +77,10 @@ class Scheduler:
     """Waiting and running queues over one KV cache; no tensors here."""
 
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager,
-                 max_model_len: int) -> None:
+                 max_model_len: int, pacer: PrefillPacer | None = None) -> None:
         self.config = config
+        self.pacer = pacer  # cuts prompt chunks beside decodes (`--prefill-pacing`)
+        self._allowance: float | None = None  # the pacer's units left in the step scheduling
         self.kv_cache = kv_cache
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
@@ -118,7 +123,9 @@ class Scheduler:
 
         1) Running requests: each takes its remaining known tokens (at most
            `long_prefill_token_threshold` when set) up to what is left of the budget (a
-           prompt's next chunk, or a decode's token plus as many drafts as fit). When
+           prompt's next chunk, or a decode's token plus as many drafts as fit). In a step
+           with decodes the pacer's allowance caps the prompt chunks too, each at least its
+           floor of tokens (engine/prefill_pacer.py). When
            blocks run out the newest running request is preempted (blocks freed, slot
            released, back to the front of the waiting queue); if that is the request itself,
            the pass ends.
@@ -128,11 +135,13 @@ class Scheduler:
         """
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        self._allowance = self._prompt_allowance()
         # 1) running requests, oldest first; preempt the newest when blocks run out
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(self._capped(request.num_tokens - request.num_computed_tokens), budget)
+            num_new = self._paced(request.num_computed_tokens, num_new)
             # drafts ride on a decode, as many as the budget leaves room for
             drafts = request.draft_token_ids[: budget - 1] if num_new == 1 else []
             num_new += len(drafts)
@@ -144,6 +153,7 @@ class Scheduler:
             else:
                 out.scheduled.append(ScheduledRequest(request, request.num_computed_tokens,
                                                       num_new, drafts))
+                self._count(out, request, request.num_computed_tokens, num_new - len(drafts))
                 budget -= num_new
                 i += 1
                 continue
@@ -161,6 +171,7 @@ class Scheduler:
                 continue
             computed_blocks, num_cached = self.kv_cache.get_computed_blocks(request)
             num_new = min(self._capped(request.num_tokens - num_cached), budget)
+            num_new = self._paced(num_cached, num_new)
             if not self.kv_cache.allocate_slots(request, num_new, computed_blocks):
                 break
             self.waiting.popleft()
@@ -172,6 +183,7 @@ class Scheduler:
             self.running.append(request)
             out.admitted.append(request)
             out.scheduled.append(ScheduledRequest(request, num_cached, num_new))
+            self._count(out, request, num_cached, num_new)
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
         return out
@@ -180,6 +192,33 @@ class Scheduler:
         """A request's new tokens for this step, at most --long-prefill-token-threshold."""
         threshold = self.config.long_prefill_token_threshold
         return threshold if 0 < threshold < num_new else num_new
+
+    def _prompt_allowance(self) -> float | None:
+        """The pacer's units for this step's prompt chunks: None (no cap) without a pacer or
+        when no running request is decoding."""
+        if self.pacer is None or not any(
+                r.num_tokens - r.num_computed_tokens == 1 for r in self.running):
+            return None
+        return self.pacer.allowance()
+
+    def _paced(self, start: int, num_new: int) -> int:
+        """A prompt chunk of `num_new` tokens from `start` cut to what is left of the pacer's
+        allowance, but never below the pacer's floor, so every prompt moves each step."""
+        if self._allowance is None or num_new <= 1 or self.pacer is None:
+            return num_new
+        return self.pacer.chunk(start, num_new, self._allowance)
+
+    def _count(self, out: SchedulerOutput, request: Request, start: int,
+               num_tokens: int) -> None:
+        """Book a scheduled request as a decode (its last known token) or as a prompt chunk
+        (its units spent)."""
+        if request.num_tokens - start == 1:
+            out.num_decodes += 1
+        elif self.pacer is not None:
+            units = self.pacer.units(start, num_tokens)
+            out.prompt_units += units
+            if self._allowance is not None:
+                self._allowance = max(0.0, self._allowance - units)
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)

@@ -7,6 +7,7 @@ llama-server.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import io
 import math
@@ -39,7 +40,13 @@ from nanoserve.bench.load_client import (
     send_request,
     summarize,
 )
-from nanoserve.bench.serve import free_port, llama_slot_tokens
+from nanoserve.bench.serve import (
+    context_args,
+    free_port,
+    llama_slot_tokens,
+    parse_input_lengths,
+    per_input_length,
+)
 
 # What a vLLM-style server sends for three tokens, then usage, then [DONE]: a first chunk
 # with no text (as servers send while holding back an incomplete character), a comment line.
@@ -248,6 +255,26 @@ def test_levels_and_request_counts() -> None:
         parse_levels("0,2")
     assert [requests_per_level(c, None) for c in (1, 8, 32)] == [8, 16, 64]
     assert requests_per_level(32, 5) == 5
+
+
+def test_several_input_lengths_each_get_prompts_and_a_context_of_their_own() -> None:
+    """`--input-len 2000,6000,12000`: a run per length; the first keeps a one-length run's
+    seed (and so its prompts), the later ones have their own, so no length's prompts are a
+    prefix of another's; a length whose requests may need more than the default model's 8,192
+    positions gives the self-started server a --max-model-len (the context a llama-server slot
+    gets: twice the request, since random words can tokenize longer)."""
+    args = argparse.Namespace(input_len="2000,6000,12000", output_len=128, seed=3, model=None)
+    runs = per_input_length(args)
+    assert [(r.input_len, r.seed) for r in runs] == [(2000, 3), (6000, 3 + 7919),
+                                                      (12000, 3 + 2 * 7919)]
+    assert per_input_length(argparse.Namespace(input_len="128", seed=3))[0].seed == 3
+    first = make_prompts(1, 2000, seed=runs[0].seed)[0]
+    assert not make_prompts(1, 6000, seed=runs[1].seed)[0].startswith(first[:200])
+    assert [context_args(None, r) for r in runs] == [
+        [], ["--max-model-len", "12256"], ["--max-model-len", "24256"]]
+    for bad in ("0", "", "2000,-1"):
+        with pytest.raises(ValueError, match="--input-len needs positive integers"):
+            parse_input_lengths(bad)
 
 
 def test_comparison_ratios() -> None:

@@ -109,3 +109,19 @@ def test_refuses_out_of_vocab_token_ids(llama_dir: str) -> None:
     with pytest.raises(ValueError, match="out of range"):
         engine.add_request("x", [1, 49152], GREEDY)
     assert not engine.has_unfinished()
+
+
+def test_max_model_len_past_the_models_context_needs_the_opt_in(
+        llama_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN, spelled NANOSERVE_ALLOW_LONG_MAX_MODEL_LEN: without
+    it a max_model_len past the model's 1,024 positions is refused naming the variable; with it
+    a prompt past them runs (benchmarks of long prompts on a short-context model)."""
+    monkeypatch.delenv("NANOSERVE_ALLOW_LONG_MAX_MODEL_LEN", raising=False)
+    with pytest.raises(ValueError, match="exceeds the model's context of 1024; set "
+                                         "NANOSERVE_ALLOW_LONG_MAX_MODEL_LEN=1"):
+        make_engine(llama_dir, max_model_len=1500)
+    monkeypatch.setenv("NANOSERVE_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    engine = make_engine(llama_dir, max_model_len=1500)
+    prompt = [random.Random(3).randrange(3, 49152) for _ in range(1200)]
+    out = run_to_completion(engine, {"long": prompt}, GREEDY)["long"]
+    assert len(out) == GREEDY.max_tokens
