@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,7 +14,9 @@ SUPPORTED_MODEL_TYPES = {
     "qwen2": "qwen2",
     "qwen3": "qwen3",
 }
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# GGUF `rope.scaling.type` -> ours (llama.cpp's names); anything else is refused by name
+GGUF_ROPE_TYPES = {"none": "default", "linear": "linear", "yarn": "yarn"}
 
 
 class UnsupportedModelError(ValueError):
@@ -29,6 +32,14 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # YaRN (Qwen3 past 32k, gpt-oss): the ramp between the rotations beta_fast and beta_slow,
+    # and the cos/sin scale (None: from the factor, as transformers infers it)
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
 
 
 @dataclass(frozen=True)
@@ -125,9 +136,7 @@ class ArchConfig:
         num_heads = get("attention.head_count")
         hidden = get("embedding_length")
         vocab = get("vocab_size") or len(meta.get("tokenizer.ggml.tokens", ()))
-        scaling = RopeScaling()
-        if get("rope.scaling.type") == "linear":
-            scaling = RopeScaling(rope_type="linear", factor=float(get("rope.scaling.factor")))
+        scaling = _gguf_rope_scaling(get)
         eos = meta.get("tokenizer.ggml.eos_token_id")
         return cls(
             family=families[arch],
@@ -166,12 +175,59 @@ def _rope_scaling(cfg: dict[str, Any]) -> RopeScaling:
         )
     if rope_type == "default":
         return RopeScaling()
+    original = int(params.get("original_max_position_embeddings")
+                   or cfg.get("original_max_position_embeddings")
+                   or cfg.get("max_position_embeddings", 8192))
+    factor = params.get("factor")
+    if factor is None and rope_type == "yarn":  # DeepSeek-style: the ratio of the contexts
+        factor = cfg.get("max_position_embeddings", original) / original
     return RopeScaling(
         rope_type=rope_type,
-        factor=float(params["factor"]),
+        factor=float(factor),
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(
-            params.get("original_max_position_embeddings", cfg.get("max_position_embeddings", 8192))
-        ),
+        original_max_position_embeddings=original,
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        attention_factor=_optional_float(params.get("attention_factor")),
+        mscale=_optional_float(params.get("mscale")),
+        mscale_all_dim=_optional_float(params.get("mscale_all_dim")),
+        truncate=bool(params.get("truncate", True)),
     )
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def _gguf_rope_scaling(get: Any) -> RopeScaling:
+    """llama.cpp's `rope.scaling.*` keys. YaRN's `attn_factor` multiplies the scale llama.cpp
+    derives from the factor (ggml's rope_yarn), so it becomes transformers' attention_factor
+    only times that scale; an unknown type is refused by name, never run as plain rope."""
+    kind = get("rope.scaling.type")
+    if kind is None:
+        return RopeScaling()
+    if kind not in GGUF_ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"unsupported GGUF rope scaling type {kind!r}; nanoserve supports "
+            f"{sorted(GGUF_ROPE_TYPES)}")
+    rope_type = GGUF_ROPE_TYPES[kind]
+    if rope_type == "default":
+        return RopeScaling()
+    factor = float(get("rope.scaling.factor", 1.0))
+    if rope_type == "linear":
+        return RopeScaling(rope_type="linear", factor=factor)
+    attn_factor = get("rope.scaling.attn_factor")
+    return RopeScaling(
+        rope_type="yarn", factor=factor,
+        original_max_position_embeddings=int(get("rope.scaling.original_context_length")
+                                             or get("context_length", 4096)),
+        beta_fast=float(get("rope.scaling.yarn_beta_fast") or 32.0),
+        beta_slow=float(get("rope.scaling.yarn_beta_slow") or 1.0),
+        attention_factor=None if attn_factor is None
+        else float(attn_factor) * yarn_mscale(factor))
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's cos/sin scale for a context `factor` (the paper's Eq. 21; 1 for factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0

@@ -22,7 +22,7 @@ from nanoserve.model.gguf_file import GGUFFile
 from nanoserve.model.llama import CausalLM
 from nanoserve.model.parallel import TensorParallelGroup
 from nanoserve.model.quantization import resolve_mode
-from nanoserve.model.rope import RotaryEmbedding, inverse_frequencies
+from nanoserve.model.rope import RotaryEmbedding, attention_scaling, inverse_frequencies
 from nanoserve.model.tokenizer import (
     load_engine_tokenizer_from_dir,
     load_engine_tokenizer_from_gguf,
@@ -160,7 +160,8 @@ def load_model(model: str | None, device: torch.device, dtype: torch.dtype,
     net = CausalLM(arch, group)
     load_into(net, tensors, dtype, device, mode)
     positions = max_positions or arch.max_position_embeddings
-    net.rotary = RotaryEmbedding(inverse_frequencies(arch, rope_factors), positions, dtype, device)
+    net.rotary = RotaryEmbedding(inverse_frequencies(arch, rope_factors), positions, dtype, device,
+                                 attention_scaling(arch))
     net.eval()
     name = DEFAULT_MODEL_NAME if model in _DEFAULT_MODEL_ALIASES else str(model)
     return LoadedModel(net, net.arch, tokenizer, path, name,

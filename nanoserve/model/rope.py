@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from nanoserve.model.arch import ArchConfig
+from nanoserve.model.arch import ArchConfig, RopeScaling, yarn_mscale
 
 
 def inverse_frequencies(arch: ArchConfig, rope_factors: torch.Tensor | None = None) -> torch.Tensor:
@@ -27,7 +27,44 @@ def inverse_frequencies(arch: ArchConfig, rope_factors: torch.Tensor | None = No
         return _llama3_frequencies(inv_freq, scaling.factor, scaling.low_freq_factor,
                                    scaling.high_freq_factor,
                                    scaling.original_max_position_embeddings)
+    if scaling.rope_type == "yarn":
+        return _yarn_frequencies(inv_freq, scaling, dim, arch.rope_theta)
     return inv_freq
+
+
+def attention_scaling(arch: ArchConfig) -> float:
+    """What cos and sin are multiplied by: YaRN's scale, else 1 (transformers'
+    `attention_scaling`, the second value of its rope initializers)."""
+    scaling = arch.rope_scaling
+    if scaling.rope_type != "yarn":
+        return 1.0
+    if scaling.attention_factor is not None:
+        return scaling.attention_factor
+    if scaling.mscale and scaling.mscale_all_dim:
+        return yarn_mscale(scaling.factor, scaling.mscale) \
+            / yarn_mscale(scaling.factor, scaling.mscale_all_dim)
+    return yarn_mscale(scaling.factor)
+
+
+def _yarn_frequencies(inv_freq: torch.Tensor, scaling: RopeScaling, dim: int,
+                      base: float) -> torch.Tensor:
+    """YaRN: pairs that turn more than beta_fast times over the original context keep their
+    speed, those under beta_slow are divided by the factor, a linear ramp blends between."""
+    def correction_dim(rotations: float) -> float:
+        context = scaling.original_max_position_embeddings
+        return dim * math.log(context / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (keep the speed), 0: interpolate (divide by the factor)
+    # 1 / (factor * base^(2i/d)), not inv_freq / factor: the same roundings as transformers
+    speeds = base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float) / dim)
+    return 1.0 / (scaling.factor * speeds) * (1 - keep) + inv_freq * keep
 
 
 def _llama3_frequencies(inv_freq: torch.Tensor, factor: float, low_freq_factor: float,
@@ -50,12 +87,14 @@ class RotaryEmbedding:
     position itself, no lookup: each row holds the angles twice (halves equal), as here."""
 
     def __init__(self, inv_freq: torch.Tensor, max_positions: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, scale: float = 1.0) -> None:
+        """`scale` multiplies cos and sin (YaRN's `attention_scaling`), in float32 before the
+        cast, as transformers does."""
         positions = torch.arange(max_positions, dtype=torch.int64).float()
         freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, head_dim / 2]
         angles = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
-        self.cos_table = angles.cos().to(device=device, dtype=dtype)
-        self.sin_table = angles.sin().to(device=device, dtype=dtype)
+        self.cos_table = (angles.cos() * scale).to(device=device, dtype=dtype)
+        self.sin_table = (angles.sin() * scale).to(device=device, dtype=dtype)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin for each token, shaped [num_tokens, 1, head_dim] to broadcast over heads."""
