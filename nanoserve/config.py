@@ -370,7 +370,8 @@ class ServerConfig:
     api_key: str | None = None
     served_model_name: str | None = None  # None = the model's own name
     reasoning_parser: str | None = None  # "qwen3" | "deepseek_r1"
-    tool_call_parser: str | None = None  # "hermes" | "llama3_json": reads tool_choice="auto"
+    # "hermes" | "llama3_json" | "qwen3_coder": reads tool_choice="auto" (None: the template's)
+    tool_call_parser: str | None = None
     # /v1/rerank and /score: "cosine" (of the two texts' embeddings) or "yes_no" (the logit of
     # "yes" against "no" after a judging prompt, Qwen3-Reranker's method). On the default
     # model, 16 hand-made queries x 4 documents: cosine puts the answer first 11 times (MRR

@@ -4,8 +4,9 @@ and the real server driven by the official `openai` SDK.
 How the tiny random model is made to call tools: the `ScriptedOutput` logits processor
 (scripted_output.py, loaded with `--logits-processors`) forces the tokens of a given text, so the
 engine, sampler, detokenizer, parsers and SSE all run for real on a deterministic output. The
-server's template is a Qwen 2.5-style one with tools (`--chat-template`), since the tiny model's
-SmolLM2 template ignores them. Grammar-forced output (`required`, a named function) runs free:
+server's template is a Qwen 2.5-style one with tools (`--chat-template`), or a Qwen3-Coder-style
+one, since the tiny model's SmolLM2 template ignores them. Grammar-forced output (`required`, a
+named function) runs free:
 the grammar built from the tools' schemas is all that makes the random model's arguments valid.
 """
 
@@ -70,6 +71,58 @@ For each function call, return a json object with function name and arguments wi
 {"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}
 </tool_call>
 {%- endfor %}<|im_end|>
+{% elif message.role == 'tool' %}<|im_start|>user
+<tool_response>
+{{ message.content }}
+</tool_response><|im_end|>
+{% else %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+# Qwen3-Coder's tool template, shortened: the tools and the call format in the system turn,
+# earlier calls as <function=...> blocks of <parameter=...> values inside <tool_call>
+QWEN3_CODER_TEMPLATE = """\
+{%- if tools %}<|im_start|>system
+You are a helpful assistant.
+
+# Tools
+
+You have access to the following functions:
+
+<tools>
+{%- for tool in tools %}
+<function>
+<name>{{ tool.function.name }}</name>
+<parameters>{{ tool.function.parameters | tojson }}</parameters>
+</function>
+{%- endfor %}
+</tools>
+
+If you choose to call a function ONLY reply in the following format with NO suffix:
+
+<tool_call>
+<function=example_function_name>
+<parameter=example_parameter_1>
+value_1
+</parameter>
+</function>
+</tool_call><|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == 'assistant' and message.tool_calls %}<|im_start|>assistant
+{% if message.content %}{{ message.content }}
+
+{% endif %}
+{%- for call in message.tool_calls %}<tool_call>
+<function={{ call.function.name }}>
+{% for name, value in call.function.arguments | items %}<parameter={{ name }}>
+{{ value if value is string else value | tojson }}
+</parameter>
+{% endfor %}</function>
+</tool_call>
+{% endfor %}<|im_end|>
 {% elif message.role == 'tool' %}<|im_start|>user
 <tool_response>
 {{ message.content }}
@@ -215,21 +268,24 @@ def start_server(model: Path, *args: str, monkeypatch: pytest.MonkeyPatch) -> Ru
 
 @pytest.fixture(scope="module")
 def servers(tiny_model_dir: Any) -> Iterator[dict[str, RunningServer]]:
-    """Both servers, started at once (each start is seconds of one core): "hermes" with
+    """The servers, started at once (each start is seconds of one core): "hermes" with
     --tool-call-parser hermes and the Qwen template, "plain" with no --tool-call-parser and
-    the model's own template (which ignores tools)."""
+    the model's own template (which ignores tools), "qwen3_coder" with no --tool-call-parser
+    and the Qwen3-Coder template."""
     with pytest.MonkeyPatch.context() as monkeypatch:
         started = {"hermes": start_server(tiny_model_dir("llama"), "--tool-call-parser",
                                           "hermes", "--chat-template", QWEN_TOOLS_TEMPLATE,
                                           monkeypatch=monkeypatch),
-                   "plain": start_server(tiny_model_dir("llama"), monkeypatch=monkeypatch)}
+                   "plain": start_server(tiny_model_dir("llama"), monkeypatch=monkeypatch),
+                   "qwen3_coder": start_server(tiny_model_dir("llama"), "--chat-template",
+                                               QWEN3_CODER_TEMPLATE, monkeypatch=monkeypatch)}
     try:
         for server in started.values():
             server.wait_healthy()
         yield started
     finally:
         exits = {name: server.stop() for name, server in started.items()}
-    assert exits == {"hermes": 0, "plain": 0}
+    assert exits == {"hermes": 0, "plain": 0, "qwen3_coder": 0}
 
 
 @pytest.fixture(scope="module")
@@ -241,6 +297,12 @@ def hermes_server(servers: dict[str, RunningServer]) -> RunningServer:
 def plain_server(servers: dict[str, RunningServer]) -> RunningServer:
     """No --tool-call-parser, the model's own template (which ignores tools)."""
     return servers["plain"]
+
+
+@pytest.fixture(scope="module")
+def qwen3_coder_server(servers: dict[str, RunningServer]) -> RunningServer:
+    """No --tool-call-parser, the Qwen3-Coder template (which implies qwen3_coder)."""
+    return servers["qwen3_coder"]
 
 
 @pytest.fixture(scope="module")
@@ -337,6 +399,40 @@ def test_auto_reads_hermes_calls_streamed_or_not(hermes_server: RunningServer,
     assert as_calls(one.choices[0].message) == EXPECTED_CALLS[:1]
     assert collect_stream(hermes_server, HERMES_OUTPUT, tokenizer, tools=TOOLS,
                           parallel_tool_calls=False)[1] == EXPECTED_CALLS[:1]
+
+
+QWEN3_CODER_OUTPUT = ("Let me check.\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\n"
+                      "Paris\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n"
+                      "</tool_call>\n<tool_call>\n<function=get_time>\n<parameter=utc>\nTrue\n"
+                      "</parameter>\n</function>\n</tool_call>")
+QWEN3_CODER_CALLS = [{"name": "get_weather", "arguments": '{"city": "Paris", "days": 3}'},
+                     {"name": "get_time", "arguments": '{"utc": true}'}]
+
+
+@pytest.mark.slow
+def test_auto_reads_qwen3_coder_calls_streamed_or_not(qwen3_coder_server: RunningServer,
+                                                      tokenizer: Any) -> None:
+    """Without --tool-call-parser the Qwen3-Coder template implies qwen3_coder; the tools'
+    schemas type the values (days an integer, utc a boolean from Python's `True`)."""
+    history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "days": 2}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "5 degrees"}]
+    ids = qwen3_coder_server.post("/tokenize", {"messages": history,
+                                                "tools": BOUNDED_TOOLS}).json()["tokens"]
+    prompt = qwen3_coder_server.post("/detokenize", {"tokens": ids}).json()["prompt"]
+    assert ("<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n<parameter=days>\n2"
+            "\n</parameter>\n</function>") in prompt
+    out = create(qwen3_coder_server, QWEN3_CODER_OUTPUT, tokenizer, tools=BOUNDED_TOOLS)
+    (choice,) = out.choices
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == "Let me check.\n\n"
+    assert as_calls(choice.message) == QWEN3_CODER_CALLS
+    for call in QWEN3_CODER_CALLS:
+        check_bounded_call(call)
+    assert collect_stream(qwen3_coder_server, QWEN3_CODER_OUTPUT, tokenizer,
+                          tools=BOUNDED_TOOLS) == ("Let me check.\n\n", QWEN3_CODER_CALLS,
+                                                   "tool_calls")
 
 
 @pytest.mark.slow

@@ -107,3 +107,25 @@ def test_streamed_events_add_up_to_the_whole_parse(cuts: list[int],
     whole = parser(is_parallel_allowed).parse(OUTPUT)
     assert reasoning == whole.reasoning and content == whole.content
     assert calls == [(c.name, c.arguments) for c in whole.tool_calls]
+
+
+QWEN3_CODER_OUTPUT = ("<think>Paris, then Oslo.</think>Checking.\n\n<tool_call>\n"
+                      "<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n"
+                      "<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n</function>\n"
+                      "</tool_call>")
+
+
+def test_qwen3_coder_calls_after_the_reasoning_in_any_chunking() -> None:
+    def chat() -> ChatStreamParser:
+        return ChatStreamParser(make_reasoning_parser("qwen3", False),
+                                make_tool_call_parser("qwen3_coder"))
+
+    expected = ("Paris, then Oslo.", "Checking.\n\n",
+                [("get_weather", '{"city": "Paris"}'), ("get_weather", '{"city": "Oslo"}')])
+    whole = chat().parse(QWEN3_CODER_OUTPUT)
+    assert (whole.reasoning, whole.content,
+            [(c.name, c.arguments) for c in whole.tool_calls]) == expected
+    one_at_a_time = stream(chat(), QWEN3_CODER_OUTPUT, list(range(len(QWEN3_CODER_OUTPUT))))
+    assert summary(one_at_a_time) == expected
+    for at in range(len(QWEN3_CODER_OUTPUT) + 1):
+        assert summary(stream(chat(), QWEN3_CODER_OUTPUT, [at])) == expected, at

@@ -159,6 +159,91 @@ def test_named_function_output_is_its_arguments() -> None:
     assert calls_of(parser, "") == (None, [("get_weather", "")])
 
 
+QWEN3_TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
+                                         "detailed": {"type": "boolean"}}}}},
+    {"type": "function", "function": {"name": "write_file", "parameters": {
+        "type": "object", "properties": {"path": {"type": "string"},
+                                         "content": {"type": "string"}}}}},
+]
+PARIS_CALL = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+              "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>")
+PARIS_ARGUMENTS = '{"city": "Paris", "days": 3}'
+
+QWEN3_CODER_CASES = [
+    # (text, content, [(name, arguments)])
+    ("I'll check.\n\n" + PARIS_CALL, "I'll check.\n\n", [("get_weather", PARIS_ARGUMENTS)]),
+    (PARIS_CALL + "\n<tool_call>\n<function=get_time>\n</function>\n</tool_call>\nDone.",
+     "Done.", [("get_weather", PARIS_ARGUMENTS), ("get_time", "{}")]),
+    ("<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n</function>"
+     "\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n</function>\n</tool_call>",
+     None, [("get_weather", '{"city": "Oslo"}'), ("get_weather", '{"city": "Rome"}')]),
+    # a value keeps its inner newlines and text that only looks like tags; quotes are escaped
+    ('<tool_call>\n<function=write_file>\n<parameter=path>\na.py\n</parameter>\n'
+     '<parameter=content>\nif a <b > c:\n    print("</para")\n\n</parameter>\n</function>\n'
+     "</tool_call>", None,
+     [("write_file", '{"path": "a.py", "content": "if a <b > c:\\n    print(\\"</para\\")\\n"}')]),
+    # the schema types each value; a value the schema does not type is read as JSON if it is
+    ("<tool_call><function=get_weather><parameter=city>Zürich</parameter><parameter=detailed>"
+     "True</parameter><parameter=days>three</parameter><parameter=extra>[1, 2]</parameter>"
+     "</function></tool_call>", None,
+     [("get_weather", '{"city": "Zürich", "detailed": true, "days": "three", "extra": [1, 2]}')]),
+    ("<tool_call>\n<function=undeclared>\n<parameter=n>\n5\n</parameter>\n<parameter=s>\nhi\n"
+     "</parameter>\n</function>\n</tool_call>", None, [("undeclared", '{"n": 5, "s": "hi"}')]),
+    # blocks without a call are content, tags included, verbatim
+    ("Use <tool_call>\nlike this\n</tool_call> here.",
+     "Use <tool_call>\nlike this\n</tool_call> here.", []),
+    ("<tool_call><function={{ tool.name }}></function></tool_call>",
+     "<tool_call><function={{ tool.name }}></function></tool_call>", []),
+    ("<tool_call>\n<function=get_wea", "<tool_call>\n<function=get_wea", []),
+    ("plain answer <function=f> < <tool", "plain answer <function=f> < <tool", []),
+    # missing closing tags: a closing tag closes what is open inside it
+    ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</function>\n</tool_call>",
+     None, [("get_weather", '{"city": "Paris"}')]),
+    ("<tool_call>\n<function=get_weather>\n<parameter=days>\n2\n</parameter>\n</tool_call>ok",
+     "ok", [("get_weather", '{"days": 2}')]),
+    # cut off by max_tokens: the parameters so far (an open one too), and the closing brace
+    ("<tool_call>\n<function=get_weather>\n<parameter=city>\nPar", None,
+     [("get_weather", '{"city": "Par"}')]),
+    ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=da",
+     None, [("get_weather", '{"city": "Paris"}')]),
+    ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</param", None,
+     [("get_weather", '{"city": "Paris\\n</param"}')]),
+    ("<tool_call>\n<function=now>", None, [("now", "{}")]),
+]
+
+
+@pytest.mark.parametrize(("text", "content", "calls"), QWEN3_CODER_CASES)
+def test_qwen3_coder(text: str, content: str | None, calls: list[tuple[str, str]]) -> None:
+    parser = make_tool_call_parser("qwen3_coder", QWEN3_TOOLS)
+    assert calls_of(parser, text) == (content, calls)
+    every_split(parser, text)
+    for _, arguments in calls:
+        assert isinstance(json.loads(arguments), dict)
+
+
+def test_qwen3_coder_streams_each_parameter_as_it_closes() -> None:
+    parser = make_tool_call_parser("qwen3_coder", QWEN3_TOOLS)
+    assert parser.feed("Sure.\n<tool") == ["Sure.\n"]
+    assert parser.feed("_call>\n<function=get_") == []
+    header, brace = parser.feed("weather>\n")
+    assert isinstance(header, ToolCallDelta) and (header.index, header.name) == (0, "get_weather")
+    assert brace == ToolCallDelta(0, arguments="{")
+    assert parser.feed("<parameter=city>\nPar") == []
+    assert parser.feed("is\n</parameter>\n<parameter=days>\n3\n</para") == [
+        ToolCallDelta(0, arguments='"city": "Paris"')]
+    assert parser.feed("meter>\n") == [ToolCallDelta(0, arguments=', "days": 3')]
+    assert parser.feed("</function>\n</tool") == [ToolCallDelta(0, arguments="}")]
+    assert parser.feed("_call>\n") == []
+    assert parser.finish() == []
+
+
+def test_qwen3_coder_without_tools_reads_values_as_json_where_they_are() -> None:
+    parser = make_tool_call_parser("qwen3_coder")
+    assert calls_of(parser, PARIS_CALL) == (None, [("get_weather", PARIS_ARGUMENTS)])
+
+
 def test_parse_is_independent_of_streaming_in_progress() -> None:
     parser = make_tool_call_parser("hermes")
     parser.feed("<tool_call>{\"name\": \"f\", ")
@@ -173,26 +258,43 @@ def test_unknown_parser_name() -> None:
 FRAGMENTS = ["<tool_call>", "</tool_call>", "<tool", "_call>", "{", "}", "[", "]", '"name"',
              '"arguments"', '"parameters"', ":", ",", " ", "\n", '"f"', '"a\\"b"', "1", "x",
              "<|python_tag|>", ";", "null", '"}"']
+XML_FRAGMENTS = ["<tool_call>", "</tool_call>", "<tool", "_call>", "<function=", "<function=f>",
+                 "</function>", "<parameter=", "<parameter=x>", "<parameter=y>", "</parameter>",
+                 "</para", "f>", "x>", ">", "<", " ", "\n", "1", "True", "None", "[1, 2]",
+                 "{'a': 1}", '"q"', "{{ name }}"]
+XML_TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {
+    "type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "object"}}}}}]
 
 
-@settings(max_examples=300, deadline=None)
-@given(parts=st.lists(st.sampled_from(FRAGMENTS), max_size=30),
-       cuts=st.lists(st.integers(min_value=0, max_value=200), max_size=6),
-       name=st.sampled_from(["hermes", "llama3_json", "required"]))
-def test_any_text_streams_as_it_parses(parts: list[str], cuts: list[int], name: str) -> None:
-    """Arbitrary mixes of tags, JSON pieces and text, cut anywhere: the stream adds up to the
-    whole-text parse, and content never loses or invents text when there are no calls."""
-    text = "".join(parts)
-    parser = required_calls_parser() if name == "required" else make_tool_call_parser(name)
+def any_parser(name: str) -> ToolCallParser:
+    if name == "required":
+        return required_calls_parser()
+    return make_tool_call_parser(name, XML_TOOLS if name == "qwen3_coder" else None)
+
+
+@settings(max_examples=400, deadline=None)
+@given(name=st.sampled_from(["hermes", "llama3_json", "required", "qwen3_coder"]),
+       data=st.data(), cuts=st.lists(st.integers(min_value=0, max_value=200), max_size=6))
+def test_any_text_streams_as_it_parses(name: str, data: st.DataObject, cuts: list[int]) -> None:
+    """Arbitrary mixes of tags, JSON or XML pieces and text, cut anywhere or fed a character at
+    a time: the stream adds up to the whole-text parse, and content never loses or invents text
+    when there are no calls."""
+    fragments = XML_FRAGMENTS if name == "qwen3_coder" else FRAGMENTS
+    text = "".join(data.draw(st.lists(st.sampled_from(fragments), max_size=30), label="parts"))
+    parser = any_parser(name)
     points = sorted({min(c, len(text)) for c in cuts})
     pieces = [text[a:b] for a, b in zip([0, *points], [*points, len(text)], strict=True)]
     whole = calls_of(parser, text)
     assert streamed(parser, pieces) == whole
+    assert streamed(parser, list(text)) == whole
     content, calls = whole
     if not calls:
         assert (content or "") == text
     for _, arguments in calls:
-        assert arguments in text or arguments == "{}"
+        if name == "qwen3_coder":  # built from the parameters
+            assert isinstance(json.loads(arguments), dict)
+        else:  # as the model wrote them
+            assert arguments in text or arguments == "{}"
 
 
 def test_streamed_arguments_are_valid_json_once_complete() -> None:

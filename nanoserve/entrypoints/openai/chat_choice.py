@@ -87,7 +87,7 @@ def tool_call_parser_for(plan: ToolPlan, parser_name: str | None) -> ToolCallPar
     """A fresh parser of one sample's output for this plan (None: the output is content)."""
     if plan.mode == "auto":
         assert parser_name is not None  # plan_tools refuses "auto" without a parser
-        return make_tool_call_parser(parser_name)
+        return make_tool_call_parser(parser_name, plan.tools)
     if plan.mode == "required":
         return required_calls_parser()
     if plan.mode == "named":
