@@ -153,13 +153,28 @@ def llama_server(gguf: Path, parallel: int, threads: int, slot_tokens: int = 512
     binary = binary or ensure_llama_server()
     port = free_port()
     process, setting = start_healthy_llama_server(
-        binary, gguf, port, HEALTH_TIMEOUT_S, parallel=parallel,
-        ctx_size=parallel * slot_tokens, threads=threads)
+        binary, gguf, port, HEALTH_TIMEOUT_S, extra_args=training_context_override(
+            gguf, slot_tokens), parallel=parallel, ctx_size=parallel * slot_tokens,
+        threads=threads)
     try:
         print(f"llama-server is ready ({setting} setting)", file=sys.stderr)
         yield f"http://127.0.0.1:{port}", setting
     finally:
         stop_process(process)
+
+
+def training_context_override(gguf: Path, slot_tokens: int) -> list[str]:
+    """llama-server caps a slot at the model's training context (a longer request gets a
+    400); for a load that needs more, the GGUF's `{arch}.context_length` is overridden to the
+    slot's size, as nanoserve is given the context through --max-model-len."""
+    from nanoserve.model.gguf_file import GGUFFile
+
+    meta = GGUFFile(gguf).metadata
+    key = f"{meta.get('general.architecture', 'llama')}.context_length"
+    trained = meta.get(key)
+    if trained is None or slot_tokens <= int(trained):
+        return []
+    return ["--override-kv", f"{key}=int:{slot_tokens}"]
 
 
 @contextlib.contextmanager

@@ -181,6 +181,8 @@ def _rope_scaling(cfg: dict[str, Any]) -> RopeScaling:
     factor = params.get("factor")
     if factor is None and rope_type == "yarn":  # DeepSeek-style: the ratio of the contexts
         factor = cfg.get("max_position_embeddings", original) / original
+    if factor is None:
+        raise UnsupportedModelError(f"rope scaling {rope_type!r} needs a 'factor'")
     return RopeScaling(
         rope_type=rope_type,
         factor=float(factor),

@@ -46,7 +46,9 @@ from nanoserve.bench.serve import (
     llama_slot_tokens,
     parse_input_lengths,
     per_input_length,
+    training_context_override,
 )
+from nanoserve.model.loader import default_model_path
 
 # What a vLLM-style server sends for three tokens, then usage, then [DONE]: a first chunk
 # with no text (as servers send while holding back an incomplete character), a comment line.
@@ -275,6 +277,16 @@ def test_several_input_lengths_each_get_prompts_and_a_context_of_their_own() -> 
     for bad in ("0", "", "2000,-1"):
         with pytest.raises(ValueError, match="--input-len needs positive integers"):
             parse_input_lengths(bad)
+
+
+def test_llama_server_gets_a_training_context_as_long_as_its_slot() -> None:
+    """llama-server caps a slot at the GGUF's training context (8,192 for the default model)
+    and answers a longer request with a 400; a longer slot overrides the key, a shorter one
+    leaves the file as it is."""
+    gguf = default_model_path()
+    assert training_context_override(gguf, 8192) == []
+    assert training_context_override(gguf, 24256) == [
+        "--override-kv", "llama.context_length=int:24256"]
 
 
 def test_comparison_ratios() -> None:
