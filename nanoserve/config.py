@@ -114,8 +114,9 @@ class SchedulerConfig:
     # their gaps between tokens stay shorter while it prefills, at the price of more steps
     # for it (`bench serve --long-prompt-beside` measures both).
     long_prefill_token_threshold: int = 0
-    # While requests decode, a step's prompt chunks are cut so that the step takes about this
-    # many times a decode-only step, from measured step times (engine/prefill_pacer.py); 0: off.
+    # While requests decode, the chunks of prompts longer than the budget are cut so that a
+    # step takes about this many times a decode-only step, from measured step times
+    # (engine/prefill_pacer.py); 0: off.
     # 2: the streams beside a 6,000-token prompt keep their p99 gap within 3x their p50
     # (docs/benchmarks.md, "Pacing a long prompt beside running streams").
     prefill_pacing: float = 2.0

@@ -72,9 +72,10 @@ class EngineArgs:
         "(default: %(default)s)", type=int)
     prefill_pacing: float = _arg(
         SchedulerConfig.prefill_pacing,
-        "while requests decode, cut prompt chunks so a step takes about this many times a "
-        "decode-only step (measured as it runs), so the streams keep their pace beside a long "
-        "prompt; 0: off (default: %(default)s)", type=float, metavar="FACTOR")
+        "while requests decode, cut the chunks of prompts longer than --max-num-batched-tokens "
+        "so a step takes about this many times a decode-only step (measured as it runs), so "
+        "the streams keep their pace beside a long prompt; 0: off (default: %(default)s)",
+        type=float, metavar="FACTOR")
     kv_cache_memory_gb: float | None = _arg(
         None, "KV cache size in GiB (default: on CPU 1, or less where --max-num-seqs sequences at "
         "the full context need less; 90%% of free GPU memory)",

@@ -124,8 +124,8 @@ class Scheduler:
         1) Running requests: each takes its remaining known tokens (at most
            `long_prefill_token_threshold` when set) up to what is left of the budget (a
            prompt's next chunk, or a decode's token plus as many drafts as fit). In a step
-           with decodes the pacer's allowance caps the prompt chunks too, each at least its
-           floor of tokens (engine/prefill_pacer.py). When
+           with decodes the pacer's allowance caps the chunks of prompts longer than the
+           budget too, each at least its floor of tokens (engine/prefill_pacer.py). When
            blocks run out the newest running request is preempted (blocks freed, slot
            released, back to the front of the waiting queue); if that is the request itself,
            the pass ends.
@@ -141,7 +141,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(self._capped(request.num_tokens - request.num_computed_tokens), budget)
-            num_new = self._paced(request.num_computed_tokens, num_new)
+            num_new = self._paced(request, request.num_computed_tokens, num_new)
             # drafts ride on a decode, as many as the budget leaves room for
             drafts = request.draft_token_ids[: budget - 1] if num_new == 1 else []
             num_new += len(drafts)
@@ -171,7 +171,7 @@ class Scheduler:
                 continue
             computed_blocks, num_cached = self.kv_cache.get_computed_blocks(request)
             num_new = min(self._capped(request.num_tokens - num_cached), budget)
-            num_new = self._paced(num_cached, num_new)
+            num_new = self._paced(request, num_cached, num_new)
             if not self.kv_cache.allocate_slots(request, num_new, computed_blocks):
                 break
             self.waiting.popleft()
@@ -201,10 +201,15 @@ class Scheduler:
             return None
         return self.pacer.allowance()
 
-    def _paced(self, start: int, num_new: int) -> int:
-        """A prompt chunk of `num_new` tokens from `start` cut to what is left of the pacer's
-        allowance, but never below the pacer's floor, so every prompt moves each step."""
-        if self._allowance is None or num_new <= 1 or self.pacer is None:
+    def _paced(self, request: Request, start: int, num_new: int) -> int:
+        """A long prompt's chunk of `num_new` tokens from `start` cut to what is left of the
+        pacer's allowance, but never below the pacer's floor, so it moves each step. Only a
+        request longer than the step budget is long (one chunked anyway, as vLLM's
+        long-prefill threshold counts it): a shorter prompt stalls the streams for one step
+        at most, and cutting it would only make it wait (at 32 streams, a 128-token prompt
+        paced to 32-token chunks doubled the time to first token)."""
+        if (self._allowance is None or num_new <= 1 or self.pacer is None
+                or request.num_tokens <= self.config.max_num_batched_tokens):
             return num_new
         return self.pacer.chunk(start, num_new, self._allowance)
 

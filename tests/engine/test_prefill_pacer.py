@@ -105,17 +105,24 @@ def test_a_prompt_alone_takes_the_full_budget_and_pacing_off_changes_nothing() -
         assert [x.num_new_tokens for x in out.scheduled] == expected
         plain.update_after_step(out, [7] * sum(1 for x in out.scheduled if x.samples))
 
-def test_a_prompt_behind_a_spent_allowance_still_moves_by_the_floor() -> None:
+def test_only_prompts_longer_than_the_budget_are_paced() -> None:
+    """A prompt that fits one step's budget goes whole, as without a pacer (cutting it would
+    only delay it); a longer one behind a spent allowance still moves by the floor."""
     s = make()
     add(s, "stream", 10, max_tokens=10_000)
     for _ in range(3):
         run_step(s)
     first = add(s, "first", 5000, max_tokens=1)
     second = add(s, "second", 300, max_tokens=1)
-    for _ in range(6):
-        out = run_step(s)
-        assert {x.request.request_id for x in out.scheduled} == {"stream", "first", "second"}
-    assert first.num_computed_tokens > second.num_computed_tokens >= 6 * MIN_CHUNK_TOKENS
+    third = add(s, "third", 4000, max_tokens=1)
+    out = run_step(s)
+    sizes = {x.request.request_id: x.num_new_tokens for x in out.scheduled}
+    assert sizes["stream"] == 1 and sizes["second"] == 300
+    assert MIN_CHUNK_TOKENS <= sizes["first"] < 100 and sizes["third"] == MIN_CHUNK_TOKENS
+    for _ in range(5):
+        run_step(s)
+    assert first.num_computed_tokens > third.num_computed_tokens >= 6 * MIN_CHUNK_TOKENS
+    assert second.num_output_tokens == 1
 
 
 def test_pacing_must_be_off_or_above_one() -> None:
