@@ -140,10 +140,12 @@ def llama_slot_tokens(input_len: int, output_len: int) -> int:
 
 @contextlib.contextmanager
 def llama_server(gguf: Path, parallel: int, threads: int, slot_tokens: int = 512,
-                 binary: Path | None = None) -> Iterator[tuple[str, str]]:
+                 binary: Path | None = None, extra_args: Sequence[str] = ()
+                 ) -> Iterator[tuple[str, str]]:
     """llama-server (built if missing) on a free port until the block ends, `slot_tokens` of
-    context for each of its `parallel` slots; yields its URL and its setting ("default", or
-    `--no-repack` where the default one dies at start: `start_healthy_llama_server`)."""
+    context for each of its `parallel` slots, `extra_args` after its own; yields its URL and
+    its setting ("default", or `--no-repack` where the default one dies at start:
+    `start_healthy_llama_server`)."""
     from nanoserve.bench.llama_server import (
         ensure_llama_server,
         start_healthy_llama_server,
@@ -153,9 +155,8 @@ def llama_server(gguf: Path, parallel: int, threads: int, slot_tokens: int = 512
     binary = binary or ensure_llama_server()
     port = free_port()
     process, setting = start_healthy_llama_server(
-        binary, gguf, port, HEALTH_TIMEOUT_S, extra_args=training_context_override(
-            gguf, slot_tokens), parallel=parallel, ctx_size=parallel * slot_tokens,
-        threads=threads)
+        binary, gguf, port, HEALTH_TIMEOUT_S, extra_args=extra_args, parallel=parallel,
+        ctx_size=parallel * slot_tokens, threads=threads)
     try:
         print(f"llama-server is ready ({setting} setting)", file=sys.stderr)
         yield f"http://127.0.0.1:{port}", setting
@@ -272,8 +273,9 @@ def _bench_llama_server(args: argparse.Namespace, levels: Sequence[int]) -> Serv
     # started after the server under test has been stopped (when it was ours), so neither
     # takes CPU from the other's measurement
     for level in levels:
-        with llama_server(gguf, parallel=level, threads=threads,
-                          slot_tokens=llama_slot_tokens(args.input_len, args.output_len)
+        slot_tokens = llama_slot_tokens(args.input_len, args.output_len)
+        with llama_server(gguf, parallel=level, threads=threads, slot_tokens=slot_tokens,
+                          extra_args=training_context_override(gguf, slot_tokens)
                           ) as (url, setting):
             runs.append(asyncio.run(bench_server("llama-server", url, None, args, [level])))
             settings.append(setting)

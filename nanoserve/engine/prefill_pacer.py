@@ -25,8 +25,9 @@ near `factor` times a decode-only step instead (`--prefill-pacing`):
 
 Only prompts longer than the step budget are paced (the scheduler's `_paced`): a shorter one
 stalls the streams for one step at most. Nothing is capped before D is known or when no request
-decodes (a prompt alone runs at the full budget). The cap only changes how a prompt is chunked, never a token's result: attention and the
-matmuls give each row the same bits in any chunk (the engine's invariance tests).
+decodes (a prompt alone runs at the full budget). The cap only changes how a prompt is
+chunked, never a token's result: attention and the matmuls give each row the same bits in any
+chunk (the engine's invariance tests).
 """
 
 from __future__ import annotations
