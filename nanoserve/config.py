@@ -114,11 +114,9 @@ class SchedulerConfig:
     # their gaps between tokens stay shorter while it prefills, at the price of more steps
     # for it (`bench serve --long-prompt-beside` measures both).
     long_prefill_token_threshold: int = 0
-    # While requests decode, the chunks of prompts longer than the budget are cut so that a
-    # step takes about this many times a decode-only step, from measured step times
-    # (engine/prefill_pacer.py); 0: off.
-    # 2: the streams beside a 6,000-token prompt keep their p99 gap within 3x their p50
-    # (docs/benchmarks.md, "Pacing a long prompt beside running streams").
+    # Beside decodes, prompts longer than the budget are chunked so a step takes about this
+    # many decode-only steps (engine/prefill_pacer.py; 0: off). 2: the streams' p99 gap beside
+    # a 6,000-token prompt fell from ~2 s to ~0.2 s (docs/benchmarks.md, "Pacing ...").
     prefill_pacing: float = 2.0
     # A source of draft tokens ('module:Class' or a class, see engine/drafts.py) and the most
     # drafts a request takes per step; no proposer means one token per request per step.

@@ -23,10 +23,10 @@ Formats (vLLM's parser names):
   optionally after `<|python_tag|>`. A message that starts otherwise is all content; so is one
   whose first object has no name. Text after the calls is content. (vLLM's non-streamed parser
   looks for JSON anywhere in the text; its streaming one, like this one, only at the start.)
-- `qwen3_coder` (Qwen3-Coder, Qwen3.5/3.6): `<tool_call>` blocks, each holding a call
-  `<function=NAME>`, one `<parameter=KEY>VALUE</parameter>` per argument, `</function>`. Text
-  outside the blocks is content as with `hermes`, and so is a block without a call, tags
-  included. Several functions in one block are several calls; other text in a block, or between
+- `qwen3_coder` (Qwen3-Coder, Qwen3.5/3.6; in `xml_tool_calls.py`): `<tool_call>` blocks, each
+  holding a call `<function=NAME>`, one `<parameter=KEY>VALUE</parameter>` per argument,
+  `</function>`. Text outside the blocks is content as with `hermes`, and so is a block without
+  a call, tags included. Several functions in one block are several calls; other text in a block, or between
   a call's parameters, is ignored. A closing tag also closes what is open inside it: a parameter
   whose `</parameter>` is missing ends at `</function>` or `</tool_call>`, a call at
   `</tool_call>`. A name holding whitespace, quotes, braces or `<` makes its tag no tag (vLLM's
@@ -51,78 +51,25 @@ the parameters it had, an open one with its value so far, and gets its closing b
 
 from __future__ import annotations
 
-import json
-import re
-import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from nanoserve.parsers.call_scanner import OPEN, CallObjectScanner
-from nanoserve.parsers.parameter_values import parameter_schemas, value_json
+from nanoserve.parsers.tool_call_events import (  # the shared parts, imported from here too
+    Event,
+    ToolCall,
+    ToolCallDelta,
+    ToolCallParser,
+    assemble,
+    new_tool_call_id,
+    partial_tag_length,
+)
+from nanoserve.parsers.xml_tool_calls import Qwen3CoderToolParser
+
+__all__ = ["TOOL_CALL_PARSERS", "Event", "ToolCall", "ToolCallDelta", "ToolCallParser",
+           "assemble", "make_tool_call_parser", "new_tool_call_id", "required_calls_parser"]
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "qwen3_coder")
-
-
-@dataclass
-class ToolCallDelta:
-    """A piece of one streamed call (OpenAI's `delta.tool_calls[i]`)."""
-
-    index: int  # the call's place in the message, from 0
-    id: str | None = None  # with `name`, on the call's first piece only
-    name: str | None = None
-    arguments: str = ""
-
-
-@dataclass
-class ToolCall:
-    """A whole call, as a non-streamed message carries it."""
-
-    id: str
-    name: str
-    arguments: str  # JSON text
-
-
-Event = str | ToolCallDelta  # content text, or a piece of a call
-
-
-def new_tool_call_id() -> str:
-    """OpenAI's form: `call_` and 24 hex digits."""
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
-def assemble(events: list[Event]) -> tuple[str | None, list[ToolCall]]:
-    """Events -> (content, None where empty; the calls in order)."""
-    content = "".join(e for e in events if isinstance(e, str))
-    calls: dict[int, ToolCall] = {}
-    for event in events:
-        if isinstance(event, ToolCallDelta):
-            if event.name is not None:
-                calls[event.index] = ToolCall(event.id or new_tool_call_id(), event.name, "")
-            calls[event.index].arguments += event.arguments
-    return content or None, [calls[i] for i in sorted(calls)]
-
-
-class ToolCallParser:
-    """The interface: one instance per sample, fed its text deltas in order."""
-
-    def feed(self, delta: str) -> list[Event]:
-        """The events this piece of text completes, in order."""
-        raise NotImplementedError
-
-    def finish(self) -> list[Event]:
-        """The end of the text: what was held back, and the end of an open call."""
-        raise NotImplementedError
-
-    def fresh(self) -> ToolCallParser:
-        """A new parser of the same kind, at the start."""
-        raise NotImplementedError
-
-    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """A whole text at once: (content, None where empty; the calls). Independent of any
-        streaming in progress on this parser."""
-        parser = self.fresh()
-        return assemble(parser.feed(text) + parser.finish())
 
 
 class _Call:
@@ -204,7 +151,7 @@ class HermesToolParser(ToolCallParser):
             self._is_after_call = False
         at = text.find(self.start)
         if at == -1:
-            keep = len(text) - _partial_tag_length(text, self.start)
+            keep = len(text) - partial_tag_length(text, self.start)
             if keep:
                 events.append(text[:keep])
             self._held = text[keep:]
@@ -217,7 +164,7 @@ class HermesToolParser(ToolCallParser):
     def _block(self, text: str, events: list[Event]) -> str:
         at = text.find(self.end)
         if at == -1:
-            keep = len(text) - _partial_tag_length(text, self.end)
+            keep = len(text) - partial_tag_length(text, self.end)
             self._block_text(text[:keep], events)
             self._held = text[keep:]
             return ""
@@ -367,215 +314,6 @@ class CallSequenceParser(ToolCallParser):
         return rest
 
 
-_BLOCK_START, _BLOCK_END = HermesToolParser.start, HermesToolParser.end  # hermes' blocks
-_FUNCTION_START, _FUNCTION_END = "<function=", "</function>"
-_PARAMETER_START, _PARAMETER_END = "<parameter=", "</parameter>"
-# A function's or parameter's name runs to its tag's `>`; any other of these before it makes the
-# text no tag (vLLM refuses function names holding them: `<function={{ name }}>` is no call)
-_NAME_END = re.compile(r"[\s<>{}\"']")
-_OUTSIDE, _IN_BLOCK, _FUNCTION_NAME, _IN_FUNCTION, _PARAMETER_NAME, _IN_PARAMETER = range(6)
-
-
-class _XmlCall:
-    """One `<function=NAME>` call: its arguments, a JSON object of one member per parameter."""
-
-    def __init__(self, index: int, name: str, schemas: Mapping[str, Any]) -> None:
-        self.index = index
-        self.name = name
-        self.schemas = schemas  # its parameters' schemas, by name
-        self._num_arguments = 0
-
-    def start(self) -> list[Event]:
-        return [ToolCallDelta(self.index, new_tool_call_id(), self.name),
-                ToolCallDelta(self.index, arguments="{")]
-
-    def argument(self, key: str, value: str) -> ToolCallDelta:
-        """A parameter's member, `"key": value`, after a comma unless it is the first."""
-        separator = ", " if self._num_arguments else ""
-        self._num_arguments += 1
-        value = value.removeprefix("\n").removesuffix("\n")  # the template's, around the value
-        schema = self.schemas.get(key)
-        member = f"{json.dumps(key, ensure_ascii=False)}: {value_json(value, schema)}"
-        return ToolCallDelta(self.index, arguments=separator + member)
-
-    def close(self) -> ToolCallDelta:
-        return ToolCallDelta(self.index, arguments="}")
-
-
-class Qwen3CoderToolParser(ToolCallParser):
-    """`<tool_call>` blocks of `<function=NAME>` calls with `<parameter=KEY>` values (see the
-    module); `tools`: the request's, which type the values."""
-
-    def __init__(self, tools: Sequence[Mapping[str, Any]] | None = None) -> None:
-        self.tools = tools
-        self._schemas = parameter_schemas(tools)
-        self._state = _OUTSIDE
-        self._held = ""
-        self._block_raw: str | None = None  # the open block's text while it has no call
-        self._call: _XmlCall | None = None  # the open function's call
-        self._key = ""  # the open parameter's name
-        self._value: list[str] = []  # and its text so far
-        self._is_after_call = False  # whitespace here follows a call's block: dropped
-        self._num_calls = 0
-
-    def fresh(self) -> Qwen3CoderToolParser:
-        return Qwen3CoderToolParser(self.tools)
-
-    def feed(self, delta: str) -> list[Event]:
-        text, self._held = self._held + delta, ""
-        events: list[Event] = []
-        while text:
-            text = self._read(text, events)
-        return events
-
-    def finish(self) -> list[Event]:
-        held, self._held = self._held, ""
-        events: list[Event] = []
-        if self._state == _OUTSIDE:
-            if held:
-                events.append(held)
-        elif self._call is not None:  # cut off: the parameters so far, and the closing brace
-            if self._state == _IN_PARAMETER:
-                self._value.append(held)  # a partial closing tag is value text after all
-                self._end_parameter(events)
-            events.append(self._call.close())
-        elif self._block_raw is not None:  # a block cut off before its first call: content
-            events.append(_BLOCK_START + self._block_raw + held)
-        return events
-
-    def _read(self, text: str, events: list[Event]) -> str:
-        """Reads `text` from its start, as far as the state it is in goes; returns the rest."""
-        if self._state == _OUTSIDE:
-            return self._outside(text, events)
-        if self._state == _IN_BLOCK:
-            return self._in_block(text, events)
-        if self._state == _FUNCTION_NAME:
-            return self._function_name(text, events)
-        if self._state == _IN_FUNCTION:
-            return self._in_function(text, events)
-        if self._state == _PARAMETER_NAME:
-            return self._parameter_name(text)
-        return self._in_parameter(text, events)
-
-    def _outside(self, text: str, events: list[Event]) -> str:
-        if self._is_after_call:
-            text = text.lstrip()
-            if not text:
-                return ""
-            self._is_after_call = False
-        before, tag, after = self._until_tag(text, (_BLOCK_START,))
-        if before:
-            events.append(before)
-        if tag:
-            self._state, self._block_raw = _IN_BLOCK, ""
-        return after
-
-    def _in_block(self, text: str, events: list[Event]) -> str:
-        """Between a block's calls; the text there is content only if the block has none."""
-        before, tag, after = self._until_tag(text, (_FUNCTION_START, _BLOCK_END))
-        self._keep_raw(before + tag)
-        if tag == _FUNCTION_START:
-            self._state = _FUNCTION_NAME
-        elif tag:
-            self._end_block(events)
-        return after
-
-    def _function_name(self, text: str, events: list[Event]) -> str:
-        read = self._name(text)
-        if read is None:
-            return ""
-        name, is_tag = read
-        if not is_tag:  # `<function=` and no name: text of the block
-            self._keep_raw(name)
-            self._state = _IN_BLOCK
-            return text[len(name):]
-        self._call = _XmlCall(self._num_calls, name, self._schemas.get(name, {}))
-        self._num_calls += 1
-        self._block_raw = None  # the block is a call's: its other text is not content
-        events.extend(self._call.start())
-        self._state = _IN_FUNCTION
-        return text[len(name) + 1:]
-
-    def _in_function(self, text: str, events: list[Event]) -> str:
-        """Between a call's parameters, where text is ignored."""
-        _, tag, after = self._until_tag(text, (_PARAMETER_START, _FUNCTION_END, _BLOCK_END))
-        if tag == _PARAMETER_START:
-            self._state = _PARAMETER_NAME
-        elif tag:
-            self._end_call(tag, events)
-        return after
-
-    def _parameter_name(self, text: str) -> str:
-        read = self._name(text)
-        if read is None:
-            return ""
-        name, is_tag = read
-        if not is_tag:  # `<parameter=` and no name: text of the function, ignored
-            self._state = _IN_FUNCTION
-            return text[len(name):]
-        self._key, self._value, self._state = name, [], _IN_PARAMETER
-        return text[len(name) + 1:]
-
-    def _in_parameter(self, text: str, events: list[Event]) -> str:
-        """A parameter's value, up to its `</parameter>`, or the end of its function or block
-        where the model left that out."""
-        before, tag, after = self._until_tag(text, (_PARAMETER_END, _FUNCTION_END, _BLOCK_END))
-        self._value.append(before)
-        if tag:
-            self._end_parameter(events)
-            if tag == _PARAMETER_END:
-                self._state = _IN_FUNCTION
-            else:
-                self._end_call(tag, events)
-        return after
-
-    def _end_parameter(self, events: list[Event]) -> None:
-        assert self._call is not None
-        events.append(self._call.argument(self._key, "".join(self._value)))
-
-    def _end_call(self, closing_tag: str, events: list[Event]) -> None:
-        """`</function>` ends the call; `</tool_call>` ends it and its block."""
-        assert self._call is not None
-        events.append(self._call.close())
-        self._call = None
-        if closing_tag == _BLOCK_END:
-            self._end_block(events)
-        else:
-            self._state = _IN_BLOCK
-
-    def _end_block(self, events: list[Event]) -> None:
-        if self._block_raw is None:
-            self._is_after_call = True
-        else:  # no call in it: the block is content, tags included
-            events.append(_BLOCK_START + self._block_raw)
-        self._state = _OUTSIDE
-
-    def _keep_raw(self, text: str) -> None:
-        if self._block_raw is not None:
-            self._block_raw += text
-
-    def _name(self, text: str) -> tuple[str, bool] | None:
-        """The name `text` starts with (after `<function=` or `<parameter=`) and whether `>` ends
-        it there, making its tag; None while it may go on (then `text` is held back)."""
-        end = _NAME_END.search(text)
-        if end is None:
-            self._held = text
-            return None
-        name = text[:end.start()]
-        return name, bool(name) and end.group() == ">"
-
-    def _until_tag(self, text: str, tags: tuple[str, ...]) -> tuple[str, str, str]:
-        """(the text before the first of `tags`, that tag, the text after it). Without one, the
-        tag is "" and the end of `text` that may begin one is held back."""
-        found = [(at, tag) for tag in tags if (at := text.find(tag)) != -1]
-        if found:
-            at, tag = min(found)
-            return text[:at], tag, text[at + len(tag):]
-        keep = len(text) - max(_partial_tag_length(text, tag) for tag in tags)
-        self._held = text[keep:]
-        return text[:keep], "", ""
-
-
 class NamedFunctionParser(ToolCallParser):
     """The whole output is the arguments of one named function (a grammar forces them)."""
 
@@ -616,11 +354,3 @@ def make_tool_call_parser(name: str,
 def required_calls_parser() -> ToolCallParser:
     """The JSON array `tool_choice="required"` forces: `[{"name": ..., "parameters": ...}]`."""
     return CallSequenceParser(opening="[", separator=",", closing="]")
-
-
-def _partial_tag_length(text: str, tag: str) -> int:
-    """The length of the longest proper prefix of `tag` that `text` ends with."""
-    for length in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:length]):
-            return length
-    return 0
