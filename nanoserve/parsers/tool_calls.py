@@ -25,17 +25,17 @@ Formats (vLLM's parser names):
   looks for JSON anywhere in the text; its streaming one, like this one, only at the start.)
 - `qwen3_coder` (Qwen3-Coder, Qwen3.5/3.6; in `xml_tool_calls.py`): `<tool_call>` blocks, each
   holding a call `<function=NAME>`, one `<parameter=KEY>VALUE</parameter>` per argument,
-  `</function>`. Text outside the blocks is content as with `hermes`, and so is a block without
-  a call, tags included. Several functions in one block are several calls; other text in a block, or between
-  a call's parameters, is ignored. A closing tag also closes what is open inside it: a parameter
-  whose `</parameter>` is missing ends at `</function>` or `</tool_call>`, a call at
-  `</tool_call>`. A name holding whitespace, quotes, braces or `<` makes its tag no tag (vLLM's
-  rule for function names). The arguments are built: a VALUE loses one newline at each end
-  (the template's) and becomes JSON by its parameter's type in the request's tool schema
-  (`parameter_values.py`); streamed, a call sends `{` as it starts, one `"KEY": value` (after
-  `, `) as each parameter closes, and `}` at `</function>`. Held back while streaming: partial
-  tags, a block until its first call's name is known, and each parameter until it closes. (vLLM
-  reads well-formed calls the same; for malformed ones it has heuristics of its own: a missing
+  `</function>`. Text outside the blocks is content as with `hermes`, and so is a block without a
+  call, tags included. Several functions in one block are several calls; other text in a block, or
+  between a call's parameters, is ignored. A closing tag also closes what is open inside it: a
+  parameter whose `</parameter>` is missing ends at `</function>` or `</tool_call>`, a call at
+  `</tool_call>`. A name holding whitespace, quotes, braces or `<` makes its tag no tag (vLLM's rule
+  for function names). The arguments are built: a VALUE loses one newline at each end (the
+  template's) and becomes JSON by its parameter's type in the request's tool schema
+  (`parameter_values.py`); streamed, a call sends `{` as it starts, one `"KEY": value` (after `, `)
+  as each parameter closes, and `}` at `</function>`. Held back while streaming: partial tags, a
+  block until its first call's name is known, and each parameter until it closes. (vLLM reads
+  well-formed calls the same; for malformed ones it has heuristics of its own: a missing
   `</parameter>` also ends at the next `<parameter=` line, and its non-streamed parser takes a
   `<function=` outside any block where the text has no block at all, its streaming one not.)
 
