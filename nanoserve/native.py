@@ -56,9 +56,13 @@ TIERS: tuple[str, ...] = tuple(TIER_COMPILE_FLAGS)
 TIERED_KERNELS = frozenset({"quant_matmul", "decode_layers"})
 
 
+def user_cache_dir() -> Path:
+    """nanoserve's files in the user's cache (`$XDG_CACHE_HOME/nanoserve` or ~/.cache/...)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "nanoserve"
+
+
 def cache_dir() -> Path:
-    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return root / "nanoserve" / "ext"
+    return user_cache_dir() / "ext"
 
 
 class CpuTierError(ValueError):

@@ -276,18 +276,22 @@ void accumulate_heads(const float* p, const T* const* values, int64_t n, int64_t
   }
 }
 
-// Softmax bookkeeping for one tile: scores become exp(score - new max) in place; corr gets each
+// Softmax bookkeeping for one tile, its keys [lo, n) real (keys before lo lie outside a
+// sliding window): scores become exp(score - new max) in place, 0 outside; corr gets each
 // head's correction factor exp(old max - new max) for what was accumulated before.
-inline void softmax_tile(float* scores, int64_t n, int64_t group, float* max, float* sum, float* corr) {
+inline void softmax_tile(float* scores, int64_t lo, int64_t n, int64_t group, float* max,
+                         float* sum, float* corr) {
   const int64_t padded = (n + 7) / 8 * 8;
   for (int64_t g = 0; g < group; ++g) {
     float* s = scores + g * kTileTokens;
+    for (int64_t j = 0; j < lo; ++j) s[j] = kNegInf;  // outside the window
     for (int64_t j = n; j < padded; ++j) s[j] = kNegInf;  // pad to whole vectors
     __m256 vmax = _mm256_set1_ps(kNegInf);
     for (int64_t j = 0; j < padded; j += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s + j));
     const float new_max = std::max(max[g], hmax(vmax));
     corr[g] = max[g] == kNegInf ? 0.0f : std::exp(max[g] - new_max);
     max[g] = new_max;
+    // the window's first tile always holds a real key (lo < n), so new_max is finite
     const __m256 m = _mm256_set1_ps(new_max);
     __m256 vsum = _mm256_setzero_ps();
     for (int64_t j = 0; j < padded; j += 8) {
@@ -301,6 +305,7 @@ inline void softmax_tile(float* scores, int64_t n, int64_t group, float* max, fl
     // (measured: a copy inlined into run_attend.h's walk kept the two roundings), and every
     // copy must give the same bits.
     sum[g] = std::fma(sum[g], corr[g], hsum(vsum));
+    std::fill(s, s + lo, 0.0f);  // keys outside the window weigh exactly nothing in P·V
   }
 }
 

@@ -47,7 +47,7 @@ using RmsNormFn = T(T, T, double);
 using AddRmsNormFn = T(T, T, T, double);
 using SiluMulFn = T(T);
 using RopeStoreFn = T(T, OptT, OptT, OptT, double, T, T, T, T, T, T);
-using AttentionFn = void(T, T, T, T, T, double, T);
+using AttentionFn = void(T, T, T, T, T, double, T, int64_t);  // ..., out, window
 
 struct Ops {
   c10::TypedOperatorHandle<MatmulFn> matmul;
@@ -122,7 +122,8 @@ class LayerStack {
                                        cos_table, sin_table, positions, layer.k_cache,
                                        layer.v_cache, cache_index);
       at::Tensor attn = at::empty({tokens, num_heads_, head_dim_}, hidden.options());
-      f.attention.call(q, layer.k_cache, layer.v_cache, block_table, context_lens, scale, attn);
+      f.attention.call(q, layer.k_cache, layer.v_cache, block_table, context_lens, scale, attn,
+                       0);
       x = f.add_rms_norm.call(hidden, matmul(f, attn.view({tokens, num_heads_ * head_dim_}),
                                              layer.o),
                               layer.post_norm, eps_);

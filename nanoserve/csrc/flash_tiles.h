@@ -124,23 +124,27 @@ inline void score_rows(const float* q, int64_t q_stride, int64_t rows, const flo
   else if (rows - r == 1) score_rows_r<1>(q + r * q_stride, q_stride, kt, dim, s + r * kTileTokens);
 }
 
-// One row's softmax bookkeeping for the tile, its first n keys real (1 <= n <= 32): s becomes
-// exp(s - new max), 0 past n; corr = exp(old max - new max) for what was accumulated before;
-// sum = sum * corr + the tile's sum, rounded once.
-inline void softmax_row(float* s, int64_t n, float& max, float& sum, float& corr) {
+// One row's softmax bookkeeping for the tile, its keys [lo, n) real (0 <= lo, n <= 32; keys
+// before lo lie outside a sliding window): s becomes exp(s - new max), 0 outside [lo, n);
+// corr = exp(old max - new max) for what was accumulated before; sum = sum * corr + the
+// tile's sum, rounded once. A row with no real key yet keeps max -inf, sum 0 and adds 0.
+inline void softmax_row(float* s, int64_t lo, int64_t n, float& max, float& sum, float& corr) {
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   __m256 p[kVectors], real[kVectors];
   __m256 vmax = _mm256_set1_ps(kNegInf);
   NANOSERVE_FLASH_UNROLL
   for (int v = 0; v < kVectors; ++v) {
     const __m256i index = _mm256_add_epi32(lane, _mm256_set1_epi32(8 * v));
-    real[v] = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(int32_t(n)), index));
+    const __m256i below_end = _mm256_cmpgt_epi32(_mm256_set1_epi32(int32_t(n)), index);
+    const __m256i from_lo = _mm256_cmpgt_epi32(index, _mm256_set1_epi32(int32_t(lo) - 1));
+    real[v] = _mm256_castsi256_ps(_mm256_and_si256(below_end, from_lo));
     p[v] = _mm256_blendv_ps(_mm256_set1_ps(kNegInf), _mm256_loadu_ps(s + 8 * v), real[v]);
     vmax = _mm256_max_ps(vmax, p[v]);
   }
   const float new_max = std::max(max, simd::hmax(vmax));
   corr = max == kNegInf ? 0.0f : std::exp(max - new_max);
   max = new_max;
+  // every key masked and nothing before: exp(-inf - -inf) is NaN, masked to 0 below
   const __m256 m = _mm256_set1_ps(new_max);
   NANOSERVE_FLASH_UNROLL
   for (int v = 0; v < kVectors; ++v) {

@@ -34,7 +34,22 @@ struct Problem {
   const int32_t* context_lens;  // [B]
   int64_t num_heads, num_kv_heads, dim, num_blocks, block_size, max_blocks;
   float scale;
+  int64_t window = 0;  // a sliding window's keys (0: the whole context)
 };
+
+// The first key row b attends: the whole context's first, or its sliding window's (the last
+// `window` keys, as transformers' sliding masks keep them).
+template <typename T>
+inline int64_t window_start(const Problem<T>& pb, int64_t b) {
+  return pb.window > 0 ? std::max<int64_t>(0, pb.context_lens[b] - pb.window) : 0;
+}
+
+// The tile a walk over keys [begin, ...) starts at when the row's first key is `start`: tiles
+// stay on multiples of kTileTokens (begin is one), so a row's tiles, and its bits, are the
+// same in every path and batch.
+inline int64_t first_tile(int64_t begin, int64_t start) {
+  return std::max(begin, start / kTileTokens * kTileTokens);
+}
 
 // One thread's working memory: the scaled queries, a tile's keys transposed, its scores and
 // its rows' addresses.
@@ -95,9 +110,12 @@ void attend_range(const Problem<T>& pb, int64_t b, int64_t kv_head, int64_t begi
   const int64_t plane = kv_head * pb.num_blocks * pb.block_size;  // this head's first row
   const T** keys = sc.keys.data();  // [this tile | next tile]
   const T** values = sc.values.data();
-  locate_rows(pb, table, plane, begin, std::min(kTileTokens, end - begin), keys, values);
-  for (int64_t t0 = begin; t0 < end; t0 += kTileTokens) {
+  const int64_t start = window_start(pb, b), walk = first_tile(begin, start);
+  if (walk < end)
+    locate_rows(pb, table, plane, walk, std::min(kTileTokens, end - walk), keys, values);
+  for (int64_t t0 = walk; t0 < end; t0 += kTileTokens) {
     const int64_t n = std::min(kTileTokens, end - t0);
+    const int64_t lo = std::clamp<int64_t>(start - t0, 0, n);  // keys before it: outside
     // the next tile's rows load while this one computes
     const int64_t num_next = std::clamp<int64_t>(end - t0 - n, 0, kTileTokens);
     locate_rows(pb, table, plane, t0 + n, num_next, keys + kTileTokens, values + kTileTokens);
@@ -107,7 +125,7 @@ void attend_range(const Problem<T>& pb, int64_t b, int64_t kv_head, int64_t begi
         score_heads_int8(sc.q8.data(), keys, n, dim, group, next, sc.scores.data());
       else
         score_heads<T>(sc.q.data(), keys, n, dim, group, next, sc.scores.data());
-      softmax_tile(sc.scores.data(), n, group, max, sum, sc.corr.data());
+      softmax_tile(sc.scores.data(), lo, n, group, max, sum, sc.corr.data());
       for (int64_t j = 0; j < n; ++j) {  // each value row's scale, once per weight
         const float scale = row_scale(values[j], dim);
         for (int64_t g = 0; g < group; ++g) sc.scores[g * kTileTokens + j] *= scale;
@@ -117,7 +135,7 @@ void attend_range(const Problem<T>& pb, int64_t b, int64_t kv_head, int64_t begi
       flash_tiles::transpose_keys(keys, n, dim, sc.kt.data(), next);
       flash_tiles::score_rows(sc.q.data(), dim, group, sc.kt.data(), dim, sc.scores.data());
       for (int64_t g = 0; g < group; ++g)
-        flash_tiles::softmax_row(sc.scores.data() + g * kTileTokens, n, max[g], sum[g],
+        flash_tiles::softmax_row(sc.scores.data() + g * kTileTokens, lo, n, max[g], sum[g],
                                  sc.corr[g]);
       flash_tiles::accumulate_rows(sc.scores.data(), values, n, group, dim, sc.corr.data(), acc);
     }
@@ -219,7 +237,10 @@ inline void merge_parts(int64_t parts, int64_t group, int64_t dim, const float* 
 // id out of range would read outside the cache.
 inline void check_inputs(const torch::Tensor& q, const torch::Tensor& k_cache,
                   const torch::Tensor& v_cache, const torch::Tensor& block_table,
-                  const torch::Tensor& context_lens, const torch::Tensor& out) {
+                  const torch::Tensor& context_lens, const torch::Tensor& out,
+                  int64_t window = 0) {
+  TORCH_CHECK(window >= 0, "window must be 0 (the whole context) or a positive key count, got ",
+              window);
   for (const auto* t : {&q, &k_cache, &v_cache, &out}) {
     TORCH_CHECK(t->device().is_cpu() && t->is_contiguous(),
                 "paged decode_attention takes contiguous CPU tensors");

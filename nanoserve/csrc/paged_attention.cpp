@@ -42,12 +42,13 @@ using namespace paged_attend;
 template <typename T>
 void attend_batch(const torch::Tensor& q, const torch::Tensor& k_cache,
                   const torch::Tensor& v_cache, const torch::Tensor& block_table,
-                  const torch::Tensor& context_lens, double scale, torch::Tensor& out) {
+                  const torch::Tensor& context_lens, double scale, int64_t window,
+                  torch::Tensor& out) {
   const Problem<T> pb{q.data_ptr<float>(), static_cast<const T*>(k_cache.data_ptr()),
                       static_cast<const T*>(v_cache.data_ptr()), block_table.data_ptr<int32_t>(),
                       context_lens.data_ptr<int32_t>(), q.size(1), k_cache.size(0), q.size(2),
                       k_cache.size(1), k_cache.size(2), block_table.size(1),
-                      static_cast<float>(scale)};
+                      static_cast<float>(scale), window};
   float* out_ptr = out.data_ptr<float>();
   const int64_t batch = q.size(0), group = pb.num_heads / pb.num_kv_heads, dim = pb.dim;
   const int64_t items = batch * pb.num_kv_heads;
@@ -84,17 +85,18 @@ void attend_batch(const torch::Tensor& q, const torch::Tensor& k_cache,
 }  // namespace
 
 // out [B, H, D] = softmax(q · K^T * scale) · V per request, over its context_lens[b] cached
-// tokens, for a float32, float16 or int8 cache. Writes `out` and returns it.
+// tokens (the last `window` of them where window > 0: a sliding-window layer), for a float32,
+// float16 or int8 cache. Writes `out` and returns it.
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                torch::Tensor block_table, torch::Tensor context_lens,
-                               double scale, torch::Tensor out) {
-  check_inputs(q, k_cache, v_cache, block_table, context_lens, out);
+                               double scale, torch::Tensor out, int64_t window) {
+  check_inputs(q, k_cache, v_cache, block_table, context_lens, out, window);
   if (k_cache.scalar_type() == torch::kFloat16)
-    attend_batch<Half>(q, k_cache, v_cache, block_table, context_lens, scale, out);
+    attend_batch<Half>(q, k_cache, v_cache, block_table, context_lens, scale, window, out);
   else if (k_cache.scalar_type() == torch::kChar)
-    attend_batch<int8_t>(q, k_cache, v_cache, block_table, context_lens, scale, out);
+    attend_batch<int8_t>(q, k_cache, v_cache, block_table, context_lens, scale, window, out);
   else
-    attend_batch<float>(q, k_cache, v_cache, block_table, context_lens, scale, out);
+    attend_batch<float>(q, k_cache, v_cache, block_table, context_lens, scale, window, out);
   return out;
 }
 
@@ -103,19 +105,21 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
 // torch.compile runs, rejects a custom op whose output aliases an input (`out`).
 TORCH_LIBRARY_FRAGMENT(nanoserve, m) {
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
-        "Tensor context_lens, float scale, Tensor(a!) out) -> ()");
+        "Tensor context_lens, float scale, Tensor(a!) out, int window=0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(nanoserve, CPU, m) {
   m.impl("decode_attention", [](torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                 torch::Tensor block_table, torch::Tensor context_lens,
-                                double scale, torch::Tensor out) {
-    decode_attention(q, k_cache, v_cache, block_table, context_lens, scale, out);
+                                double scale, torch::Tensor out, int64_t window) {
+    decode_attention(q, k_cache, v_cache, block_table, context_lens, scale, out, window);
   });
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attention", &decode_attention,
+  m.def("decode_attention", &decode_attention, py::arg("q"), py::arg("k_cache"),
+        py::arg("v_cache"), py::arg("block_table"), py::arg("context_lens"), py::arg("scale"),
+        py::arg("out"), py::arg("window") = 0,
         "Decode attention over a paged float32, float16 or int8 KV cache, read in place "
         "(CPU, AVX2)");
 }

@@ -106,11 +106,14 @@ void attend_partition(const Problem<T>& pb, const Block& blk, int64_t kv_head, i
                       int64_t parts, BlockScratch<T>& sc) {
   const int64_t group = pb.num_heads / pb.num_kv_heads, dim = pb.dim;
   const int64_t tokens = blk.last - blk.first, begin = part * kPartitionTokens;
-  int64_t ends[kBlockRows];
-  for (int64_t r = 0; r < tokens; ++r)
+  int64_t starts[kBlockRows], ends[kBlockRows];  // each row's keys [start, end) here
+  for (int64_t r = 0; r < tokens; ++r) {
+    starts[r] = window_start(pb, blk.first + r);
     ends[r] = std::clamp<int64_t>(pb.context_lens[blk.first + r], begin,
                                   begin + kPartitionTokens);
-  const int64_t max_end = ends[tokens - 1];  // contexts grow along the block
+  }
+  const int64_t max_end = ends[tokens - 1];  // contexts (and windows) grow along the block
+  const int64_t walk = first_tile(begin, starts[0]);
   std::fill_n(sc.acc.data(), tokens * group * dim, 0.0f);
   std::fill_n(sc.max.data(), tokens * group, kNegInf);
   std::fill_n(sc.sum.data(), tokens * group, 0.0f);
@@ -118,9 +121,10 @@ void attend_partition(const Problem<T>& pb, const Block& blk, int64_t kv_head, i
   const int64_t plane = kv_head * pb.num_blocks * pb.block_size;
   const T** keys = sc.cache_keys.data();
   const T** values = sc.cache_values.data();
-  locate_rows(pb, table, plane, begin, std::min(kTileTokens, max_end - begin), keys, values);
-  int64_t first = 0;  // the first token whose context reaches the tile
-  for (int64_t t0 = begin; t0 < max_end; t0 += kTileTokens) {
+  if (walk < max_end)
+    locate_rows(pb, table, plane, walk, std::min(kTileTokens, max_end - walk), keys, values);
+  int64_t first = 0, last = 0;  // the tokens [first, last) whose keys reach into the tile
+  for (int64_t t0 = walk; t0 < max_end; t0 += kTileTokens) {
     const int64_t n_max = std::min(kTileTokens, max_end - t0);
     flash_tiles::transpose_keys(keys, n_max, dim, sc.kt.data(), NextRows<T>{nullptr, nullptr, 0});
     widen_tile(values, n_max, dim, sc.values.data(), sc.value_rows.data());
@@ -131,12 +135,15 @@ void attend_partition(const Problem<T>& pb, const Block& blk, int64_t kv_head, i
       prefetch_row(values[j], dim);
     }
     while (ends[first] <= t0) ++first;
-    const int64_t row0 = first * group, rows = (tokens - first) * group;
+    while (last < tokens && starts[last] < t0 + kTileTokens) ++last;
+    const int64_t row0 = first * group, rows = (last - first) * group;
     flash_tiles::score_rows(sc.q.data() + row0 * dim, dim, rows, sc.kt.data(), dim,
                             sc.scores.data());
     for (int64_t i = 0; i < rows; ++i) {
-      const int64_t n = std::min(kTileTokens, ends[first + i / group] - t0);
-      flash_tiles::softmax_row(sc.scores.data() + i * kTileTokens, n, sc.max[row0 + i],
+      const int64_t r = first + i / group;
+      const int64_t n = std::min(kTileTokens, ends[r] - t0);
+      const int64_t lo = std::clamp<int64_t>(starts[r] - t0, 0, n);
+      flash_tiles::softmax_row(sc.scores.data() + i * kTileTokens, lo, n, sc.max[row0 + i],
                                sc.sum[row0 + i], sc.corr[i]);
     }
     flash_tiles::accumulate_rows(sc.scores.data(), sc.value_rows.data(), n_max, rows, dim,

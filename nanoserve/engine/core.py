@@ -113,9 +113,7 @@ class EngineCore:
     def _max_model_len(self, cache_tokens: int) -> int:
         arch = self.loaded.arch
         wanted = self.config.model.max_model_len
-        limit = arch.max_position_embeddings
-        if arch.sliding_window:
-            limit = min(limit, arch.sliding_window)  # beyond it, full attention would differ
+        limit = arch.max_position_embeddings  # a sliding window is attended as it is, no cap
         if wanted is not None:
             if wanted > limit and not allow_long_max_model_len():
                 raise ValueError(

@@ -6,14 +6,19 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-# Hugging Face `model_type` -> our family. Mistral is Llama without qkv bias; we run it without
-# a sliding window (max_model_len is capped at the window so that stays exact).
+# Hugging Face `model_type` -> our family. Mistral is Llama without qkv bias, every layer in
+# its sliding window; Gemma 3's layers alternate windowed and global attention.
 SUPPORTED_MODEL_TYPES = {
     "llama": "llama",
     "mistral": "llama",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
+    "gemma3_text": "gemma3",
+    "gemma3": "gemma3",  # a multimodal config whose text model runs alone (text_config)
 }
+SLIDING, FULL = "sliding_attention", "full_attention"  # transformers' `layer_types` values
+# Gemma 3's layers without `layer_types`: five windowed, then one global, repeating
+GEMMA3_SLIDING_PATTERN = 6
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # GGUF `rope.scaling.type` -> ours (llama.cpp's names); anything else is refused by name
 GGUF_ROPE_TYPES = {"none": "default", "linear": "linear", "yarn": "yarn"}
@@ -44,7 +49,8 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ArchConfig:
-    """Hyperparameters of a Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2)."""
+    """Hyperparameters of a decoder: the Llama family (Llama 2/3, Mistral, SmolLM2), Qwen2,
+    Qwen3 and Gemma 3, with per-layer properties (`layer_window`) where layers differ."""
 
     family: str  # "llama" | "qwen2" | "qwen3"
     vocab_size: int
@@ -64,6 +70,17 @@ class ArchConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # per layer, SLIDING or FULL; () is every layer FULL, or every layer SLIDING where a
+    # sliding_window is given (Mistral)
+    layer_types: tuple[str, ...] = ()
+    # Gemma 3: the windowed layers' own RoPE base (unscaled), norms after the attention and
+    # the MLP too ("sandwich"), GELU-tanh gating, the embedding scaled by sqrt(hidden_size),
+    # and the query scale 1 / sqrt(query_pre_attn_scalar)
+    rope_local_theta: float | None = None
+    has_sandwich_norms: bool = False
+    hidden_act: str = "silu"  # "silu" | "gelu_tanh"
+    scales_embedding: bool = False
+    query_pre_attn_scalar: float | None = None
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -77,10 +94,29 @@ class ArchConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    def layer_window(self, layer: int) -> int:
+        """The keys layer `layer` attends: its sliding window, or 0 for the whole context."""
+        if not self.sliding_window:
+            return 0
+        is_sliding = not self.layer_types or self.layer_types[layer] == SLIDING
+        return self.sliding_window if is_sliding else 0
+
+    @property
+    def has_windows(self) -> bool:
+        return any(self.layer_window(i) for i in range(self.num_layers))
+
+    @property
+    def attention_scale(self) -> float:
+        """What q · k is multiplied by: 1 / sqrt(head_dim), or Gemma's query_pre_attn_scalar."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> ArchConfig:
         """Read a Hugging Face `config.json` dict; refuse what we cannot run, saying why."""
         model_type = cfg.get("model_type", "")
+        if model_type == "gemma3" and "text_config" in cfg:  # the text half of a Gemma 3 VLM
+            return cls.from_hf_config({**cfg["text_config"], "model_type": "gemma3_text",
+                                       "architectures": cfg.get("architectures")})
         if model_type not in SUPPORTED_MODEL_TYPES:
             archs = cfg.get("architectures") or [model_type]
             raise UnsupportedModelError(
@@ -99,6 +135,8 @@ class ArchConfig:
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+        if family == "gemma3":
+            return _gemma3_from_hf(cfg, num_heads, head_dim, eos_ids)
         return cls(
             family=family,
             vocab_size=cfg["vocab_size"],
@@ -124,7 +162,7 @@ class ArchConfig:
     def from_gguf_metadata(cls, meta: dict[str, Any], has_output_weight: bool) -> ArchConfig:
         """Read the `{arch}.*` keys of a GGUF file (llama.cpp's names for the same numbers)."""
         arch = meta.get("general.architecture", "")
-        families = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+        families = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3"}
         if arch not in families:
             raise UnsupportedModelError(
                 f"unsupported GGUF architecture {arch!r}; nanoserve runs {sorted(families)}"
@@ -138,6 +176,7 @@ class ArchConfig:
         vocab = get("vocab_size") or len(meta.get("tokenizer.ggml.tokens", ()))
         scaling = _gguf_rope_scaling(get)
         eos = meta.get("tokenizer.ggml.eos_token_id")
+        gemma = _gemma3_from_gguf(get) if arch == "gemma3" else {}
         return cls(
             family=families[arch],
             vocab_size=int(vocab),
@@ -152,11 +191,66 @@ class ArchConfig:
             max_position_embeddings=get("context_length", 4096),
             tie_word_embeddings=not has_output_weight,
             has_qkv_bias=families[arch] == "qwen2",
-            has_qk_norm=families[arch] == "qwen3",
+            has_qk_norm=families[arch] in ("qwen3", "gemma3"),
             rope_scaling=scaling,
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=() if eos is None else (int(eos),),
+            **gemma,
         )
+
+
+def _gemma3_from_hf(cfg: dict[str, Any], num_heads: int, head_dim: int,
+                    eos_ids: tuple[int, ...]) -> ArchConfig:
+    """Gemma 3's text model from its config.json (transformers' Gemma3TextConfig defaults)."""
+    num_layers = cfg["num_hidden_layers"]
+    pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") \
+        or GEMMA3_SLIDING_PATTERN
+    layer_types = tuple(cfg.get("layer_types") or gemma3_layer_types(num_layers, pattern))
+    params = cfg.get("rope_parameters") or {}
+    full = params.get(FULL) if isinstance(params.get(FULL), dict) else None
+    local = params.get(SLIDING) if isinstance(params.get(SLIDING), dict) else None
+    global_cfg = {**cfg, "rope_parameters": full} if full else cfg
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise UnsupportedModelError(f"unsupported Gemma 3 activation {act!r}; nanoserve runs "
+                                    "'gelu_pytorch_tanh'")
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if cfg.get(key):
+            raise UnsupportedModelError(f"Gemma 3 with {key}={cfg[key]} is not supported")
+    return ArchConfig(
+        family="gemma3", vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"], num_layers=num_layers,
+        num_heads=num_heads, num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+        head_dim=head_dim, rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=float((full or {}).get("rope_theta") or cfg.get("rope_theta") or 1e6),
+        max_position_embeddings=cfg.get("max_position_embeddings", 131072),
+        tie_word_embeddings=cfg.get("tie_word_embeddings", True), has_qkv_bias=bool(
+            cfg.get("attention_bias", False)), has_qk_norm=True,
+        rope_scaling=_rope_scaling(global_cfg), sliding_window=cfg.get("sliding_window", 4096),
+        bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids, layer_types=layer_types,
+        rope_local_theta=float((local or {}).get("rope_theta")
+                               or cfg.get("rope_local_base_freq") or 10000.0),
+        has_sandwich_norms=True, hidden_act="gelu_tanh", scales_embedding=True,
+        query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar") or 256))
+
+
+def _gemma3_from_gguf(get: Any) -> dict[str, Any]:
+    """The ArchConfig fields llama.cpp's gemma3 keys give, or its built-in values where the
+    file has no key (a window on five layers of six, local RoPE base 10k, query scale by the
+    key length)."""
+    num_layers = int(get("block_count"))
+    window = get("attention.sliding_window")
+    return {"layer_types": gemma3_layer_types(num_layers, GEMMA3_SLIDING_PATTERN),
+            "sliding_window": None if window is None else int(window),
+            "rope_local_theta": 10000.0, "has_sandwich_norms": True, "hidden_act": "gelu_tanh",
+            "scales_embedding": True, "query_pre_attn_scalar": float(
+                get("attention.key_length") or get("embedding_length")
+                // get("attention.head_count"))}
+
+
+def gemma3_layer_types(num_layers: int, pattern: int) -> list[str]:
+    """Every `pattern`-th layer global, the others windowed (transformers' default)."""
+    return [FULL if (i + 1) % pattern == 0 else SLIDING for i in range(num_layers)]
 
 
 def _rope_theta(cfg: dict[str, Any]) -> float:

@@ -49,6 +49,8 @@ class ForwardPlan:
         assert model.rotary is not None, "weights not loaded: use nanoserve.model.loader"
         table, layers = self._bind_layers()
         cos, sin = table.rope_tables(model.rotary, positions)
+        rope_local = (None if model.rotary_local is None
+                      else table.rope_tables(model.rotary_local, positions))
         stack = self._native_stack(kv_caches, attention) if table.is_fused else None
         if stack is not None:
             hidden = model.embed(input_ids)
@@ -57,7 +59,7 @@ class ForwardPlan:
             with scope("nanoserve.layers"):
                 return attention.run_layer_stack(stack, hidden, cos, sin, positions, meta)
         return model.forward(input_ids, positions, kv_caches, attention, meta, table, layers,
-                             cos, sin)
+                             cos, sin, rope_local)
 
     def _bind_layers(self) -> tuple[OpTable, list[BoundDecoderLayer]]:
         """This forward's op table and the layers bound to it (bound at its first use)."""
@@ -69,8 +71,8 @@ class ForwardPlan:
         if bound is None:
             table = fused_table(key[1]) if key[0] else EXACT_OPS
             bound = self._bound_layers[key] = (table, [
-                BoundDecoderLayer(layer, table, self.model.group)
-                for layer in self.model.decoder_layers])
+                BoundDecoderLayer(layer, table, self.model.group, index)
+                for index, layer in enumerate(self.model.decoder_layers)])
         return bound
 
     def _native_stack(self, kv_caches: KVCaches, attention: AttentionBackend[Any]) -> Any | None:

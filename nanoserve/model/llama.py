@@ -28,6 +28,7 @@ the identity.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -57,9 +58,12 @@ class DecoderLayer(nn.Module):
         self.o_proj = _param(arch.hidden_size, arch.q_size)
         self.q_norm = _param(arch.head_dim) if arch.has_qk_norm else None
         self.k_norm = _param(arch.head_dim) if arch.has_qk_norm else None
-        self.post_attention_layernorm = _param(arch.hidden_size)
+        self.post_attention_layernorm = _param(arch.hidden_size)  # before the MLP
         self.gate_up_proj = _param(2 * arch.intermediate_size, arch.hidden_size)
         self.down_proj = _param(arch.hidden_size, arch.intermediate_size)
+        # Gemma's sandwich: norms of the attention's and the MLP's outputs too
+        self.attn_output_norm = _param(arch.hidden_size) if arch.has_sandwich_norms else None
+        self.mlp_output_norm = _param(arch.hidden_size) if arch.has_sandwich_norms else None
 
 
 class BoundDecoderLayer:
@@ -70,21 +74,32 @@ class BoundDecoderLayer:
     Weights and calls are plain attributes, read without nn.Module's `__getattr__`.
     """
 
-    __slots__ = ("add_rms_norm", "all_reduce", "down", "gate_up", "input_norm", "o",
-                 "post_norm", "qkv", "rms_norm", "rope_store", "silu_mul")
+    __slots__ = ("add_rms_norm", "all_reduce", "attn_output_norm", "down", "forward", "gate_up",
+                 "input_norm", "is_local", "mlp_output_norm", "o", "post_norm", "q_scale", "qkv",
+                 "rms_norm", "rope_store", "silu_mul", "window")
 
-    def __init__(self, layer: DecoderLayer, table: OpTable, group: TensorParallelGroup) -> None:
+    def __init__(self, layer: DecoderLayer, table: OpTable, group: TensorParallelGroup,
+                 index: int = 0) -> None:
         calls = table.bind(layer)
+        arch = layer.arch
         self.rms_norm, self.add_rms_norm = table.rms_norm, table.add_rms_norm
-        self.silu_mul = table.silu_mul
+        self.silu_mul = table.gelu_tanh_mul if arch.hidden_act == "gelu_tanh" else table.silu_mul
         self.input_norm = layer.input_layernorm
         self.post_norm = layer.post_attention_layernorm
+        self.attn_output_norm, self.mlp_output_norm = layer.attn_output_norm, layer.mlp_output_norm
         self.qkv, self.rope_store, self.o = calls.qkv, calls.rope_store, calls.o
         self.gate_up, self.down = calls.gate_up, calls.down
         self.all_reduce = group.all_reduce
+        # a windowed layer attends its window, with the local RoPE base where there is one
+        self.window = arch.layer_window(index)
+        self.is_local = bool(self.window) and arch.rope_local_theta is not None
+        # the backends scale q · k by 1 / sqrt(head_dim); Gemma's query_pre_attn_scalar may
+        # differ (1.0 where it does not: q is left as it is)
+        self.q_scale = arch.attention_scale * arch.head_dim ** 0.5
+        self.forward = self._forward_sandwich if arch.has_sandwich_norms else self._forward
 
-    def forward(self, hidden: torch.Tensor, delta: torch.Tensor | None, step: StepContext,
-                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    def _forward(self, hidden: torch.Tensor, delta: torch.Tensor | None, step: StepContext,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         """hidden [T, hidden_size] += delta (the previous layer's output; None before the
         first layer), in place; returns this layer's output [T, hidden_size], not yet added."""
         eps = step.eps
@@ -93,12 +108,33 @@ class BoundDecoderLayer:
              else self.add_rms_norm(hidden, delta, self.input_norm, eps))
         # q [T, H, D]; k, v [T, Hkv, D] are in the cache now (and None where not read again)
         q, k, v = self.rope_store(self.qkv(x), step, k_cache, v_cache)
-        attn = step.attend(q, k, v, k_cache, v_cache, step.meta, stored=True)  # [T, H * D]
+        attn = step.attend(q, k, v, k_cache, v_cache, step.meta, stored=True,
+                           window=self.window)  # [T, H * D]
         # 2) MLP, its norm taking the attention block's residual add. Under tensor
         # parallelism o's output is this rank's partial sum: all-reduced before it is added.
         x = self.add_rms_norm(hidden, self.all_reduce(self.o(attn)), self.post_norm, eps)
         # down's output too: all-reduced here, added by the next norm
         return self.all_reduce(self.down(self.silu_mul(self.gate_up(x))))
+
+    def _forward_sandwich(self, hidden: torch.Tensor, delta: torch.Tensor | None,
+                          step: StepContext, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor) -> torch.Tensor:
+        """Gemma's layer, the same contract as `_forward`: the attention's and the MLP's
+        outputs are normed before they join the residual stream (so after the all-reduce)."""
+        eps = step.eps
+        attn_output_norm, mlp_output_norm = self.attn_output_norm, self.mlp_output_norm
+        assert attn_output_norm is not None and mlp_output_norm is not None, "a sandwich layer"
+        x = (self.rms_norm(hidden, self.input_norm, eps) if delta is None
+             else self.add_rms_norm(hidden, delta, self.input_norm, eps))
+        q, k, v = self.rope_store(self.qkv(x), step, k_cache, v_cache)
+        if self.q_scale != 1.0:
+            q = q * self.q_scale
+        attn = step.attend(q, k, v, k_cache, v_cache, step.meta, stored=True,
+                           window=self.window)  # [T, H * D]
+        attn = self.rms_norm(self.all_reduce(self.o(attn)), attn_output_norm, eps)
+        x = self.add_rms_norm(hidden, attn, self.post_norm, eps)
+        mlp = self.all_reduce(self.down(self.silu_mul(self.gate_up(x))))
+        return self.rms_norm(mlp, mlp_output_norm, eps)
 
 
 class CausalLM(nn.Module):
@@ -119,6 +155,7 @@ class CausalLM(nn.Module):
         # Tied models reuse the embedding matrix: the loader points `lm_head` at the same tensor.
         self.lm_head = _param(num_rows, arch.hidden_size)
         self.rotary: RotaryEmbedding | None = None
+        self.rotary_local: RotaryEmbedding | None = None  # windowed layers' own base (Gemma)
 
     @property
     def decoder_layers(self) -> list[DecoderLayer]:
@@ -127,18 +164,22 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 attention: AttentionBackend[Any], meta: AttentionMetadata, table: OpTable,
-                layers: list[BoundDecoderLayer], cos: torch.Tensor,
-                sin: torch.Tensor) -> torch.Tensor:
+                layers: list[BoundDecoderLayer], cos: torch.Tensor, sin: torch.Tensor,
+                rope_local: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> final hidden states [num_tokens, hidden_size],
         through `layers` (this model's, bound to `table`; the runner's `ForwardPlan` chooses
-        both, and `cos`, `sin` are `table.rope_tables` at `positions`). `meta` is
-        `attention`'s own, from `attention.build_metadata` for this step."""
+        both, and `cos`, `sin` are `table.rope_tables` at `positions`, `rope_local` the same
+        of `rotary_local` where the model has one). `meta` is `attention`'s own, from
+        `attention.build_metadata` for this step."""
         step = StepContext(positions, cos, sin, attention.forward, meta, meta.cache_index,
                            meta.reads_new_kv, self.arch.rms_norm_eps)
+        local = step if rope_local is None else replace(step, cos=rope_local[0],
+                                                        sin=rope_local[1])
         hidden = self.embed(input_ids)  # [T, hidden], a fresh tensor: updated in place
         delta = None
         for layer, (k_cache, v_cache) in zip(layers, kv_caches, strict=True):
-            delta = layer.forward(hidden, delta, step, k_cache, v_cache)
+            delta = layer.forward(hidden, delta, local if layer.is_local else step, k_cache,
+                                  v_cache)
         assert delta is not None, "a model has at least one layer"
         return table.add_rms_norm(hidden, delta, self.norm, self.arch.rms_norm_eps)
 
@@ -147,10 +188,18 @@ class CausalLM(nn.Module):
         in its vocabulary rows and zeroes the others; the all-reduce then gives every id its
         own row exactly (the other ranks add zeros), as nano-vllm's VocabParallelEmbedding."""
         if self.group.world_size == 1:
-            return self._lookup(input_ids)
+            return self._scaled(self._lookup(input_ids))
         is_local = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
         hidden = self._lookup(torch.where(is_local, input_ids - self.vocab_start, 0))
-        return self.group.all_reduce(hidden.masked_fill_(~is_local.unsqueeze(-1), 0.0))
+        return self._scaled(self.group.all_reduce(
+            hidden.masked_fill_(~is_local.unsqueeze(-1), 0.0)))
+
+    def _scaled(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Gemma multiplies the embedding by sqrt(hidden_size), rounded to its dtype first
+        (transformers' Gemma3TextScaledWordEmbedding); in place, the lookup is a fresh tensor."""
+        if not self.arch.scales_embedding:
+            return hidden
+        return hidden.mul_(torch.tensor(self.arch.hidden_size ** 0.5, dtype=hidden.dtype))
 
     def _lookup(self, input_ids: torch.Tensor) -> torch.Tensor:
         table = self.embed_tokens

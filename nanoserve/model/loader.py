@@ -10,14 +10,14 @@ from __future__ import annotations
 import importlib.metadata
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from nanoserve.config import DEFAULT_MODEL_NAME
-from nanoserve.model.arch import ArchConfig
+from nanoserve.model.arch import ArchConfig, RopeScaling
 from nanoserve.model.gguf_file import GGUFFile
 from nanoserve.model.llama import CausalLM
 from nanoserve.model.parallel import TensorParallelGroup
@@ -31,6 +31,7 @@ from nanoserve.model.tokenizer import (
 )
 from nanoserve.model.weights import (
     ReadTensor,
+    gemma_norms_as_weights,
     gguf_rope_factors,
     load_into,
     read_gguf_tensors,
@@ -147,6 +148,8 @@ def load_model(model: str | None, device: torch.device, dtype: torch.dtype,
         gen_file = path / "generation_config.json"
         if gen_file.exists():
             generation_config = json.loads(gen_file.read_text())
+        if arch.has_sandwich_norms:  # a GGUF file holds them as weights already
+            tensors = gemma_norms_as_weights(tensors)
     else:
         gguf = GGUFFile(path)
         arch = ArchConfig.from_gguf_metadata(gguf.metadata, "output.weight" in gguf.tensors)
@@ -156,12 +159,14 @@ def load_model(model: str | None, device: torch.device, dtype: torch.dtype,
         tokenizer = (load_engine_tokenizer_from_gguf if engine_tokenizer
                      else load_tokenizer_from_gguf)(gguf)
         generation_config = gguf_sampling_defaults(gguf.metadata)
-
     net = CausalLM(arch, group)
     load_into(net, tensors, dtype, device, mode)
     positions = max_positions or arch.max_position_embeddings
     net.rotary = RotaryEmbedding(inverse_frequencies(arch, rope_factors), positions, dtype, device,
                                  attention_scaling(arch))
+    if arch.rope_local_theta is not None:  # Gemma's windowed layers: their own base, unscaled
+        local = replace(arch, rope_theta=arch.rope_local_theta, rope_scaling=RopeScaling())
+        net.rotary_local = RotaryEmbedding(inverse_frequencies(local), positions, dtype, device)
     net.eval()
     name = DEFAULT_MODEL_NAME if model in _DEFAULT_MODEL_ALIASES else str(model)
     return LoadedModel(net, net.arch, tokenizer, path, name,

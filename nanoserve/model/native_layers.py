@@ -54,10 +54,13 @@ def build_layer_stack(model: StackedModel,
     # one rank of the plain group: a group of several (or any other) reduces between layers
     if not (isinstance(model.group, TensorParallelGroup) and model.group.is_single):
         return None
+    arch = model.arch
+    # the stack is Llama's layer: no sliding windows, Gemma's sandwich norms or GELU gate
+    if arch.has_windows or arch.has_sandwich_norms or arch.hidden_act != "silu":
+        return None
     native = native_module()
     if native is None:
         return None
-    arch = model.arch
     stack = native.LayerStack(arch.num_heads, arch.head_dim, arch.rms_norm_eps, model.norm)
     for layer, (k_cache, v_cache) in zip(model.decoder_layers, kv_caches, strict=True):
         matmuls = [_packed(w) for w in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj,

@@ -45,6 +45,13 @@ _GGUF_LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma 3's four norms a layer: llama.cpp's `ffn_norm` is the one before the MLP, which Gemma
+# names pre_feedforward_layernorm (Llama's post_attention_layernorm); the two after
+_GGUF_GEMMA3_NAMES = {
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 _GGUF_GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -97,11 +104,12 @@ def read_gguf_tensors(gguf: GGUFFile, arch: ArchConfig, keep_blocks: bool = Fals
     undo it (on whole rows, so raw blocks too; head by head, so after the rank's heads are
     cut) so the same RoPE code serves both sources. Qwen files are written without it.
     """
-    is_permuted = gguf.metadata.get("general.architecture") == "llama"
+    gguf_arch = gguf.metadata.get("general.architecture")
+    is_permuted = gguf_arch == "llama"
     for name in gguf.tensors:
         if name == "rope_freqs.weight":
             continue  # read by the loader as RoPE scaling factors
-        hf_name = gguf_to_hf_name(name)
+        hf_name = gguf_to_hf_name(name, gguf_arch)
         tensor = gguf.tensors[name]
         value: ReadTensor | None = None
         if keep_blocks and len(tensor.shape) == 2:
@@ -119,13 +127,26 @@ def read_gguf_tensors(gguf: GGUFFile, arch: ArchConfig, keep_blocks: bool = Fals
         yield hf_name, value
 
 
-def gguf_to_hf_name(name: str) -> str:
+def gemma_norms_as_weights(tensors: Iterator[tuple[str, ReadTensor]]
+                           ) -> Iterator[tuple[str, ReadTensor]]:
+    """Gemma's checkpoints store each RMSNorm's weight w and multiply by 1 + w (in float32);
+    the layers here multiply by the weight, so it becomes 1 + w (llama.cpp's converter does the
+    same, so a GGUF file holds 1 + w already)."""
+    for name, value in tensors:
+        if name.endswith("norm.weight") and isinstance(value, torch.Tensor):
+            value = 1.0 + value.float()
+        yield name, value
+
+
+def gguf_to_hf_name(name: str, gguf_arch: str | None = None) -> str:
     if name in _GGUF_GLOBAL_NAMES:
         return _GGUF_GLOBAL_NAMES[name]
+    names = {**_GGUF_LAYER_NAMES, **_GGUF_GEMMA3_NAMES} if gguf_arch == "gemma3" \
+        else _GGUF_LAYER_NAMES
     parts = name.split(".")
-    if parts[0] != "blk" or parts[2] not in _GGUF_LAYER_NAMES:
+    if parts[0] != "blk" or parts[2] not in names:
         raise ValueError(f"unexpected GGUF tensor {name!r}")
-    return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    return f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
 
 
 def unpermute_rope_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -156,8 +177,16 @@ def load_into(model: CausalLM, tensors: Iterator[tuple[str, ReadTensor]], dtype:
         p = f"model.layers.{i}."
         attn = p + "self_attn."
         fused[f"layers.{i}.input_layernorm"] = state.pop(p + "input_layernorm.weight")
-        fused[f"layers.{i}.post_attention_layernorm"] = state.pop(
-            p + "post_attention_layernorm.weight")
+        if arch.has_sandwich_norms:  # Gemma: a norm before and after the attention and the MLP
+            fused[f"layers.{i}.attn_output_norm"] = state.pop(
+                p + "post_attention_layernorm.weight")
+            fused[f"layers.{i}.post_attention_layernorm"] = state.pop(
+                p + "pre_feedforward_layernorm.weight")
+            fused[f"layers.{i}.mlp_output_norm"] = state.pop(
+                p + "post_feedforward_layernorm.weight")
+        else:
+            fused[f"layers.{i}.post_attention_layernorm"] = state.pop(
+                p + "post_attention_layernorm.weight")
         fused[f"layers.{i}.qkv_proj"] = fuse_rows(
             [state.pop(f"{attn}{n}_proj.weight") for n in "qkv"])
         if arch.has_qkv_bias:

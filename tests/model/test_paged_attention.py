@@ -68,7 +68,7 @@ def sdpa_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     num_kv_heads, num_blocks, block_size = k_cache.shape[:3]
     rows = head_block_rows(table.numpy().astype(np.int64), num_kv_heads, num_blocks)
     mask = torch.arange(table.shape[1] * block_size)[None, :] < lens[:, None].long()
-    decodes = GatheredDecodes(torch.from_numpy(rows), mask[:, None, None, :])
+    decodes = GatheredDecodes(torch.from_numpy(rows), mask[:, None, None, :], lens.long())
     return gather_decode_attention(q, k_cache, v_cache, decodes)
 
 

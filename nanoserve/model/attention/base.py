@@ -59,12 +59,14 @@ class AttentionBackend(ABC, Generic[MetadataT]):
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: MetadataT,
-                stored: bool = False) -> torch.Tensor:
+                stored: bool = False, window: int = 0) -> torch.Tensor:
         """Write this step's keys and values into the cache, then attend: q [T, H, D], k and v
         [T, Hkv, D], caches [Hkv, num_blocks, block_size, D] -> [T, H * D].
 
         `stored`: the caller wrote them already (both op tables do, in rope_store); k and v
-        are then read only where `meta.reads_new_kv`, and may be None elsewhere."""
+        are then read only where `meta.reads_new_kv`, and may be None elsewhere. `window` > 0:
+        each token attends only the last `window` keys up to its own (a sliding-window
+        layer: key j for the token at position p when p - window < j <= p)."""
 
     def layer_stack(self, model: StackedModel,
                     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> Any | None:

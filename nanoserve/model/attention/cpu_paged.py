@@ -95,7 +95,7 @@ class CpuPagedBackend(AttentionBackend[CpuPagedMetadata]):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: CpuPagedMetadata,
-                stored: bool = False) -> torch.Tensor:
+                stored: bool = False, window: int = 0) -> torch.Tensor:
         if not stored:
             assert k is not None and v is not None, "forward stores k and v unless stored"
             write_kv_cache(k, v, k_cache, v_cache, meta.cache_index)
@@ -104,7 +104,7 @@ class CpuPagedBackend(AttentionBackend[CpuPagedMetadata]):
         q_f32 = q.to(torch.float32).contiguous()  # the kernel computes in float32 (q is tiny)
         out = q_f32.new_empty(batch, num_heads, head_dim)
         args = (q_f32, k_cache, v_cache, meta.block_table, meta.context_lens,
-                1.0 / math.sqrt(head_dim), out)
+                1.0 / math.sqrt(head_dim), out, window)
         if torch.autograd._profiler_enabled():  # lets `bench step` see the kernel (~40 ns)
             with record_function("nanoserve::decode_attention"):
                 self._kernel(*args)
@@ -114,16 +114,19 @@ class CpuPagedBackend(AttentionBackend[CpuPagedMetadata]):
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     block_table: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
+                     block_table: torch.Tensor, context_lens: torch.Tensor,
+                     window: int = 0) -> torch.Tensor:
     """q [B, H, D], caches [Hkv, num_blocks, block_size, D] (float32 or float16; int8 rows
     are D + 4 bytes), block_table [B, max_blocks] int32, context_lens [B] int32 -> [B, H * D]
-    in q's dtype: the kernel on its own (the backend's forward makes the same call)."""
+    in q's dtype, each row over its last `window` keys where window > 0: the kernel on its
+    own (the backend's forward makes the same call)."""
     kernels = load_kernels("paged_attention")
     assert kernels is not None, "check can_read_cache_in_place before choosing this backend"
     batch, num_heads, head_dim = q.shape
     q_f32 = q.to(torch.float32).contiguous()  # the kernel computes in float32 (q is tiny)
     out = q_f32.new_empty(batch, num_heads, head_dim)
-    args = (q_f32, k_cache, v_cache, block_table, context_lens, 1.0 / math.sqrt(head_dim), out)
+    args = (q_f32, k_cache, v_cache, block_table, context_lens, 1.0 / math.sqrt(head_dim), out,
+            window)
     if torch.autograd._profiler_enabled():  # lets `bench step` see the kernel (~40 ns)
         with record_function("nanoserve::decode_attention"):
             kernels.decode_attention(*args)

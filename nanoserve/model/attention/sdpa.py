@@ -52,6 +52,15 @@ class GatheredDecodes:
     # [num_kv_heads * num_decodes * max_blocks] int64 block rows (`head_block_rows`)
     block_rows: torch.Tensor
     key_mask: torch.Tensor  # [num_decodes, 1, 1, max_blocks * block_size] bool
+    context_lens: torch.Tensor  # [num_decodes] int64
+
+    def window_mask(self, window: int) -> torch.Tensor:
+        """key_mask, less the keys before each request's last `window` (0: key_mask)."""
+        if not window:
+            return self.key_mask
+        keys = torch.arange(self.key_mask.shape[-1], device=self.key_mask.device)
+        in_window = keys[None, :] >= (self.context_lens - window)[:, None]
+        return self.key_mask & in_window[:, None, None, :]
 
     @property
     def num_decodes(self) -> int:
@@ -85,7 +94,7 @@ class SdpaBackend(AttentionBackend[SdpaMetadata]):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: SdpaMetadata,
-                stored: bool = False) -> torch.Tensor:
+                stored: bool = False, window: int = 0) -> torch.Tensor:
         num_tokens, num_heads, head_dim = q.shape  # q: [T, H, D]; k, v: [T, Hkv, D]
         # 1) store the new keys and values in their cache rows
         if not stored:
@@ -94,18 +103,19 @@ class SdpaBackend(AttentionBackend[SdpaMetadata]):
         decodes = meta.decodes
         if not meta.prefills:
             assert decodes is not None, "a step computes at least one token"
-            return gather_decode_attention(q, k_cache, v_cache, decodes)
+            return gather_decode_attention(q, k_cache, v_cache, decodes, window)
         out = q.new_empty(num_tokens, num_heads * head_dim)
         # 2) all decodes at once
         if decodes is not None:
             num_decodes = decodes.num_decodes
             out[:num_decodes] = gather_decode_attention(q[:num_decodes], k_cache, v_cache,
-                                                        decodes)
+                                                        decodes, window)
         # 3) each prefill chunk on its own
         assert k is not None and v is not None, "prefill chunks read this step's k and v"
         for chunk in meta.prefills:
             rows = slice(chunk.start, chunk.start + chunk.num_tokens)
-            out[rows] = prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, chunk)
+            out[rows] = prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, chunk,
+                                          window)
         return out
 
     def _gathered_decodes(self, table: np.ndarray, context_lens: np.ndarray
@@ -118,7 +128,8 @@ class SdpaBackend(AttentionBackend[SdpaMetadata]):
         padded = np.ascontiguousarray(table[:, :max_blocks])  # [B, max_blocks]
         mask = np.arange(max_blocks * size)[None, :] < context_lens[:, None]
         rows = head_block_rows(padded.astype(np.int64), self.num_kv_heads, self.num_blocks)
-        return GatheredDecodes(self._tensor(rows), self._tensor(mask[:, None, None, :]))
+        return GatheredDecodes(self._tensor(rows), self._tensor(mask[:, None, None, :]),
+                               self._tensor(context_lens.astype(np.int64)))
 
     def _prefill_chunk(self, first_row: int, num_tokens: int, context_len: int,
                        blocks: np.ndarray) -> PrefillChunk:
@@ -139,8 +150,9 @@ def _gather_blocks(cache: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 
 def gather_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            decodes: GatheredDecodes) -> torch.Tensor:
-    """One query per request against its gathered blocks. q: [B, H, D] -> [B, H * D]."""
+                            decodes: GatheredDecodes, window: int = 0) -> torch.Tensor:
+    """One query per request against its gathered blocks (its last `window` of them where
+    window > 0). q: [B, H, D] -> [B, H * D]."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[0]
     num_keys = decodes.key_mask.shape[-1]
@@ -156,13 +168,15 @@ def gather_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     # head act as that head's queries. [Hkv, B, H / Hkv, D]
     grouped_q = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim).transpose(0, 1)
     out = F.scaled_dot_product_attention(grouped_q, keys, values,
-                                         attn_mask=decodes.key_mask.transpose(0, 1))
+                                         attn_mask=decodes.window_mask(window).transpose(0, 1))
     return out.transpose(0, 1).reshape(batch, num_heads * head_dim)
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                      v_cache: torch.Tensor, chunk: PrefillChunk) -> torch.Tensor:
-    """Causal attention of one chunk. q: [n, H, D], k/v: [n, Hkv, D] -> [n, H * D]."""
+                      v_cache: torch.Tensor, chunk: PrefillChunk,
+                      window: int = 0) -> torch.Tensor:
+    """Causal attention of one chunk (each token over its last `window` keys where window >
+    0). q: [n, H, D], k/v: [n, Hkv, D] -> [n, H * D]."""
     num_tokens, num_heads, head_dim = q.shape
     if chunk.block_ids is None:  # the chunk is the whole context
         if k_cache.dtype != k.dtype:
@@ -180,6 +194,11 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
         keys = keys[:, : chunk.context_len].to(q.dtype)
         values = values[:, : chunk.context_len].to(q.dtype)
         mask, is_causal = chunk.mask, False
+    if window:  # the causal mask, less the keys before each token's window
+        query_pos = torch.arange(chunk.context_len - num_tokens, chunk.context_len,
+                                 device=q.device)[:, None]
+        key_pos = torch.arange(keys.shape[1], device=q.device)[None, :]
+        mask, is_causal = (key_pos <= query_pos) & (key_pos > query_pos - window), False
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0),  # [1, H, n, D]
         keys.unsqueeze(0), values.unsqueeze(0),  # [1, Hkv, ctx, D]
