@@ -204,11 +204,11 @@ def test_wide_form_gives_the_same_products(native, ggml_type: int, num_x_rows: i
                        native.packed_matmul(x, weight.data, ggml_type, *shape))
 
 
-def test_only_4_bit_weights_widen(native) -> None:
+def test_only_4_and_5_bit_weights_widen(native) -> None:
     shape = shape_for(GGML_Q8_0, 8)
     weight = QuantizedWeight.from_gguf(make_raw(GGML_Q8_0, *shape), GGML_Q8_0, shape)
     assert not weight.can_widen and weight.widened() is weight
-    with pytest.raises(RuntimeError, match="only 4-bit formats"):
+    with pytest.raises(RuntimeError, match="only 4- and 5-bit formats"):
         native.widen(weight.data, GGML_Q8_0, *shape)
     q4 = QuantizedWeight.from_gguf(make_raw(GGML_Q4_1, *shape), GGML_Q4_1, shape)
     with pytest.raises(RuntimeError, match=r"must be this packed weight's `widen` form"):
