@@ -17,11 +17,13 @@
 // Q4_0 keeps its offset -8d as f32 (exact, and the f16 form would need an overflow check), and
 // Q5_0 its offset -16d likewise: d*q + (-16d) is d*(q-16) exactly.
 //
-// Why the 5-bit types keep 5 bits (a nibble and a bit) and not a byte a value: below 16 rows
-// the kernel waits on memory, and a byte a value (Q5_0 as S8H: 272 bytes a block) reads 1.2x
-// the nibbles and bits' 224 and 1.55x the file's 176, for no fewer instructions at one row.
-// From 16 rows on, where it is bound by arithmetic, the wide form (a byte a value) is used as
-// for the 4-bit types. Figures: docs/benchmarks.md, "The 5-bit types in the kernel".
+// Why the 5-bit types keep a nibble and a bit, not a byte a value (Q5_0 fits S8H exactly):
+// one row streams the weights from memory, and S8H reads 272 bytes a block against U5F's 224.
+// Measured one thread, one row over 73-89 MB of weights: Q5_0 as U5F 12-18 GMAC/s, Q8_0 (S8H)
+// 12.4-12.5; in cache S8H wins at one row (35 against 28: ~24 more instructions a block for
+// the 5th bits) and loses from 4 rows on (45 against 54). From 16 rows the wide form (a byte a
+// value) is used: 1.45x the nibbles and bits at 64 rows on avx2, 1.17x on avx512.
+// Figures: docs/benchmarks.md, "The 5-bit types in the kernel".
 #pragma once
 
 #include <immintrin.h>

@@ -15,10 +15,11 @@ Why not dequantize to float32 at load (`linear.py`'s oneDNN path): at one row th
 many rows its integer dot products still beat float FMAs (~85 GMAC/s a thread for Q4_1 against
 ~50), so prefill needs no dequantized copy either. The wide form of a 4-bit weight (`widened`,
 a byte per value: no unpacking, the same products) is used from 16 rows on, where it is 3-6%
-faster; below that the kernel waits on memory, and twice the bytes would cost more (the 5-bit
-types have one too: their nibbles and 5th bits cost more to unpack). The loader
-keeps it when all of a model's wide forms fit in 1 GiB (weights.py). Figures:
-docs/benchmarks.md, "Quantized matmuls against float32" and "Latest: wide 4-bit weights".
+faster; below that the kernel waits on memory, and twice the bytes would cost more. The 5-bit
+types (nibbles plus 5th bits, which cost more to unpack) have one too: 1.17-1.45x at 64 rows.
+The loader keeps it when all of a model's wide forms fit in 1 GiB (weights.py). Figures:
+docs/benchmarks.md, "Quantized matmuls against float32", "Latest: wide 4-bit weights" and
+"The 5-bit types in the kernel".
 """
 
 from __future__ import annotations
