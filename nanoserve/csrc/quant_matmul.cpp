@@ -1,4 +1,5 @@
-// Matmuls straight from GGUF quantized weights (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K), AVX2 + FMA + F16C;
+// Matmuls straight from GGUF quantized weights (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K),
+// AVX2 + FMA + F16C;
 // built a second time for the avx512 tier (native.py), whose tiles (matmul_pairs_avx512.h) give
 // the same bits from the same packed layout.
 //
@@ -8,15 +9,16 @@
 // products (no horizontal sums), then one int32 -> float conversion and one FMA with the
 // 8 row scales times the activation scale. The activations are quantized once per call, per row
 // into int8 blocks of 32 with a scale d_a and a scaled sum s_a = d_a * sum(q_a) (Q8_1-like);
-// `w = d*q + m` formats (Q4_0, Q4_1, Q4_K) add their offset term as m * s_a.
+// `w = d*q + m` formats (Q4_0, Q4_1, Q4_K and the 5-bit ones) add their offset term as m * s_a.
 // Each unpacked weight block serves up to 4 activation rows (TILE_M); threads split the
 // output rows (at::parallel_for over 8-row groups).
 //
 // Packed block layouts: gguf_blocks.h.
 //
-// The 4-bit layouts also have a wide form (`widen`): the same block with its 128 nibble bytes
-// spread to 256 bytes, one 4-bit value per byte in the order the kernel unpacks them (wq[0..7]
-// below), so a block is 8 loads instead of 4 loads and 12 shifts and masks. Twice the bytes,
+// The 4- and 5-bit layouts also have a wide form (`widen`): the same block with its 128 nibble
+// bytes (and 32 bytes of 5th bits) spread to 256 bytes, one value per byte in the order the
+// kernel unpacks them (wq[0..7] in matmul_tiles.h), so a block is 8 loads instead of 4 loads
+// and 12 shifts and masks (and 23 more for the 5th bits). Twice the bytes,
 // for ~8% more multiply-adds per second where the kernel is bound by arithmetic, not memory:
 // many activation rows (figures in quant_linear.py, which decides when a weight keeps one).
 // The figures that chose this design are in nanoserve/model/quant_linear.py.
@@ -95,12 +97,13 @@ at::Tensor repack(const at::Tensor& raw, int64_t ggml_type, int64_t N, int64_t K
   return packed;
 }
 
-// The wide form of a 4-bit packed weight (see the top of this file): the same blocks, each
-// value in a byte of its own.
+// The wide form of a 4- or 5-bit packed weight (see the top of this file): the same blocks,
+// each value in a byte of its own.
 at::Tensor widen(const at::Tensor& packed, int64_t ggml_type, int64_t N, int64_t K) {
   check_packed(packed, ggml_type, N, K);
   const Layout layout = type_info(ggml_type).layout;
-  TORCH_CHECK(is_u4(layout), "quant_matmul: only 4-bit formats (Q4_0, Q4_1, Q4_K) widen");
+  TORCH_CHECK(is_unsigned(layout),
+              "quant_matmul: only 4- and 5-bit formats (Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K) widen");
   const int64_t blocks = (N + TILE_N - 1) / TILE_N * (K / QK);
   const int64_t head = qs_offset(layout), bpb = packed_block_bytes(layout);
   at::Tensor wide = at::empty({blocks, head + 256}, at::kByte);
@@ -112,8 +115,10 @@ at::Tensor widen(const at::Tensor& packed, int64_t ggml_type, int64_t N, int64_t
       uint8_t* out = dst + b * (head + 256);
       std::memcpy(out, in, head);
       for (int64_t i = 0; i < 128; ++i) {  // as u4_group unpacks: low nibbles, then high
-        out[head + i] = in[head + i] & 0xF;
-        out[head + 128 + i] = in[head + i] >> 4;
+        const int t = int(i / 32);  // byte i holds inputs 4t+c (low) and 16+4t+c (high)
+        const uint8_t high = is_u5(layout) ? in[high_bits_offset(layout) + i % 32] : 0;
+        out[head + i] = uint8_t((in[head + i] & 0xF) | (((high >> t) & 1) << 4));
+        out[head + 128 + i] = uint8_t((in[head + i] >> 4) | (((high >> (t + 4)) & 1) << 4));
       }
     }
   });
@@ -133,20 +138,26 @@ at::Tensor packed_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t 
   const uint8_t* w = packed.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   const Layout layout = type_info(ggml_type).layout;
-  if (wide && M >= kWideMinRows && is_u4(layout)) {
+  if (wide && M >= kWideMinRows && is_unsigned(layout)) {
     TORCH_CHECK(wide->device().is_cpu() && wide->scalar_type() == at::kByte &&
                     wide->is_contiguous() &&
                     wide->numel() == packed.numel() / packed_block_bytes(layout) *
                                          (qs_offset(layout) + 256),
                 "quant_matmul: `wide` must be this packed weight's `widen` form");
     const uint8_t* ww = wide->data_ptr<uint8_t>();
-    if (layout == Layout::U4H) matmul_layout<Layout::U4H, true>(ww, acts, M, N, K, yp);
-    else matmul_layout<Layout::U4F, true>(ww, acts, M, N, K, yp);
+    switch (layout) {
+      case Layout::U4H: matmul_layout<Layout::U4H, true>(ww, acts, M, N, K, yp); break;
+      case Layout::U4F: matmul_layout<Layout::U4F, true>(ww, acts, M, N, K, yp); break;
+      case Layout::U5H: matmul_layout<Layout::U5H, true>(ww, acts, M, N, K, yp); break;
+      default: matmul_layout<Layout::U5F, true>(ww, acts, M, N, K, yp); break;
+    }
     return y;
   }
   switch (layout) {
     case Layout::U4H: matmul_layout<Layout::U4H>(w, acts, M, N, K, yp); break;
     case Layout::U4F: matmul_layout<Layout::U4F>(w, acts, M, N, K, yp); break;
+    case Layout::U5H: matmul_layout<Layout::U5H>(w, acts, M, N, K, yp); break;
+    case Layout::U5F: matmul_layout<Layout::U5F>(w, acts, M, N, K, yp); break;
     case Layout::S8H: matmul_layout<Layout::S8H>(w, acts, M, N, K, yp); break;
     case Layout::S8F2: matmul_layout<Layout::S8F2>(w, acts, M, N, K, yp); break;
   }
@@ -235,7 +246,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x [M, K] f32 @ packed weight [N, K]^T -> [M, N]; `wide` (optional): its widen form",
         py::arg("x"), py::arg("packed"), py::arg("ggml_type"), py::arg("N"), py::arg("K"),
         py::arg("wide") = py::none(), nogil);
-  m.def("widen", &widen, "a 4-bit packed weight with each value in a byte (the wide form)",
+  m.def("widen", &widen, "a 4- or 5-bit packed weight with each value in a byte (the wide form)",
         nogil);
   m.def("packed_rows", &packed_rows, "rows ids of the packed weight, dequantized -> [len, K]", nogil);
   m.def("quant_matmul", &quant_matmul, "x [M, K] f32 @ raw GGUF weight [N, K]^T -> [M, N]", nogil);

@@ -92,6 +92,8 @@ inline void matmul_share(const PackedMatmul& w, const Acts& a, int64_t M, float*
   switch (gguf_blocks::type_info(std::get<1>(w)).layout) {
     case Layout::U4H: matmul_range<Layout::U4H>(w, a, M, y, g0, g1); break;
     case Layout::U4F: matmul_range<Layout::U4F>(w, a, M, y, g0, g1); break;
+    case Layout::U5H: matmul_range<Layout::U5H>(w, a, M, y, g0, g1); break;
+    case Layout::U5F: matmul_range<Layout::U5F>(w, a, M, y, g0, g1); break;
     case Layout::S8H: matmul_range<Layout::S8H>(w, a, M, y, g0, g1); break;
     case Layout::S8F2: matmul_range<Layout::S8F2>(w, a, M, y, g0, g1); break;
   }

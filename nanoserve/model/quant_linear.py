@@ -1,23 +1,25 @@
 """Weights kept in their GGUF block formats, multiplied without dequantizing them first.
 
 `QuantizedWeight.matmul(x)` computes x @ W.T for a weight W [N, K] stored as Q8_0, Q4_0, Q4_1,
-Q4_K or Q6_K blocks. The C++ kernel (`csrc/quant_matmul.cpp`, llama.cpp's scheme in our own
-code) repacks the blocks once, at load, into tiles of 8 output rows; each call quantizes every
-row of x into int8 blocks of 32 with one float scale (and the block's scaled sum, for the
-formats with an offset), multiplies them with AVX2 integer dot products and applies the two
-scales once per block. So the result is exactly W @ x8, where x8 is x rounded to 8 bits per
-block: it differs from dequantize-then-matmul by ~5e-3 of the output's norm. `rows(ids)`
-dequantizes single rows exactly (the token embedding, tied with lm_head). Without a C++
-compiler the weight is dequantized once, at first use, and runs through the float32 path.
+Q5_0, Q5_1, Q4_K, Q5_K or Q6_K blocks. The C++ kernel (`csrc/quant_matmul.cpp`, llama.cpp's
+scheme in our own code) repacks the blocks once, at load, into tiles of 8 output rows; each
+call quantizes every row of x into int8 blocks of 32 with one float scale (and the block's
+scaled sum, for the formats with an offset), multiplies them with AVX2 integer dot products and
+applies the two scales once per block. So the result is exactly W @ x8, where x8 is x rounded
+to 8 bits per block: it differs from dequantize-then-matmul by ~5e-3 of the output's norm.
+`rows(ids)` dequantizes single rows exactly (the token embedding, tied with lm_head). Without a
+C++ compiler the weight is dequantized once, at first use, and runs through the float32 path.
 
 Why not dequantize to float32 at load (`linear.py`'s oneDNN path): at one row the kernel reads
 96 MB a step instead of 540 MB (3.3 ms against 25 ms for the default model's matmuls), and at
 many rows its integer dot products still beat float FMAs (~85 GMAC/s a thread for Q4_1 against
 ~50), so prefill needs no dequantized copy either. The wide form of a 4-bit weight (`widened`,
 a byte per value: no unpacking, the same products) is used from 16 rows on, where it is 3-6%
-faster; below that the kernel waits on memory, and twice the bytes would cost more. The loader
-keeps it when all of a model's wide forms fit in 1 GiB (weights.py). Figures:
-docs/benchmarks.md, "Quantized matmuls against float32" and "Latest: wide 4-bit weights".
+faster; below that the kernel waits on memory, and twice the bytes would cost more. The 5-bit
+types (nibbles plus 5th bits, which cost more to unpack) have one too: 1.17-1.45x at 64 rows.
+The loader keeps it when all of a model's wide forms fit in 1 GiB (weights.py). Figures:
+docs/benchmarks.md, "Quantized matmuls against float32", "Latest: wide 4-bit weights" and
+"The 5-bit types in the kernel".
 """
 
 from __future__ import annotations
@@ -33,13 +35,17 @@ from nanoserve.model.dequant import dequantize_fast
 from nanoserve.model.linear import linear, pack_weight
 from nanoserve.native import load_kernels
 
-GGML_Q4_0, GGML_Q4_1, GGML_Q8_0, GGML_Q4_K, GGML_Q6_K = 2, 3, 8, 12, 14
-# The 4-bit formats, which have a wide form (a byte instead of a nibble per value).
-WIDE_TYPES = frozenset({GGML_Q4_0, GGML_Q4_1, GGML_Q4_K})
+GGML_Q4_0, GGML_Q4_1, GGML_Q5_0, GGML_Q5_1, GGML_Q8_0 = 2, 3, 6, 7, 8
+GGML_Q4_K, GGML_Q5_K, GGML_Q6_K = 12, 13, 14
+# The 5-bit formats (packed as nibbles plus a plane of 5th bits: csrc/gguf_blocks.h).
+FIVE_BIT_TYPES = frozenset({GGML_Q5_0, GGML_Q5_1, GGML_Q5_K})
+# The 4- and 5-bit formats, which have a wide form (a byte instead of a nibble per value).
+WIDE_TYPES = frozenset({GGML_Q4_0, GGML_Q4_1, GGML_Q4_K}) | FIVE_BIT_TYPES
 # ggml type -> (inputs per block, bytes per block)
 BLOCK_FORMATS: dict[int, tuple[int, int]] = {
     GGML_Q8_0: (32, 34), GGML_Q4_0: (32, 18), GGML_Q4_1: (32, 20),
-    GGML_Q4_K: (256, 144), GGML_Q6_K: (256, 210),
+    GGML_Q5_0: (32, 22), GGML_Q5_1: (32, 24),
+    GGML_Q4_K: (256, 144), GGML_Q5_K: (256, 176), GGML_Q6_K: (256, 210),
 }
 
 
@@ -52,7 +58,8 @@ def row_bytes(ggml_type: int, in_features: int) -> int:
     """Bytes of one weight row of `in_features` inputs in the block format `ggml_type`."""
     if ggml_type not in BLOCK_FORMATS:
         raise ValueError(f"ggml type {ggml_type} has no quantized kernel; supported: "
-                         f"{sorted(BLOCK_FORMATS)} (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K)")
+                         f"{sorted(BLOCK_FORMATS)} (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, "
+                         "Q6_K)")
     block, size = BLOCK_FORMATS[ggml_type]
     if in_features % block:
         raise ValueError(f"in_features={in_features} is not a multiple of {block}, the block "
@@ -106,7 +113,7 @@ class QuantizedWeight:
     ggml_type: int
     shape: tuple[int, int]  # (N out features, K in features)
     is_packed: bool
-    # A 4-bit packed weight's wide form (csrc/quant_matmul.cpp: a byte per value), used from
+    # A 4- or 5-bit packed weight's wide form (csrc/quant_matmul.cpp: a byte per value), used from
     # 16 activation rows on; None unless the loader kept one (see `widened`).
     wide: torch.Tensor | None = None
 
@@ -163,14 +170,17 @@ class QuantizedWeight:
 
     @property
     def wide_extra_bytes(self) -> int:
-        """The memory a wide form adds to this (4-bit, packed) weight."""
+        """The memory a wide form adds to this (4- or 5-bit, packed) weight."""
         num_rows, in_features = self.shape
-        padded_rows = -(-num_rows // 8) * 8  # the kernel packs rows 8 at a time
-        return padded_rows * in_features // 2  # half a byte more per value
+        padded_values = -(-num_rows // 8) * 8 * in_features  # the kernel packs rows 8 at a time
+        if self.ggml_type in FIVE_BIT_TYPES:
+            return padded_values * 3 // 8  # a byte for a nibble and a bit per value
+        return padded_values // 2  # a byte for a nibble per value
 
     def widened(self) -> QuantizedWeight:
-        """The same weight with its wide form kept beside the packed one: ~0.5 more bytes per
-        weight, for the same products ~3-7% sooner at 64-512 rows (figures at the top)."""
+        """The same weight with its wide form kept beside the packed one: ~0.5 (5-bit: 0.375)
+        more bytes per weight, for the same products sooner from 16 rows on (figures at the
+        top)."""
         if not self.can_widen or self.wide is not None:
             return self
         wide = self._native.widen(self.data, self.ggml_type, *self.shape)

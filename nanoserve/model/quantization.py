@@ -1,7 +1,8 @@
 """How a model's matmul weights are held: `--quantization {auto, gguf, int8, fp16, none}`.
 
-  gguf  a GGUF file's own blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K), multiplied by the int8 kernel
-        of quant_linear.py: activations rounded to 8 bits per block of 32, as llama.cpp does.
+  gguf  a GGUF file's own blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), multiplied
+        by the int8 kernel of quant_linear.py: activations rounded to 8 bits per block of 32,
+        as llama.cpp does.
         Tensors of other types in the file are dequantized to float. The default for GGUF.
   int8  every matmul weight quantized at load to Q8_0 (int8 per block of 32 with an f16 scale),
         then the same kernel: for safetensors models (or to requantize a GGUF file).

@@ -231,13 +231,13 @@ def load_into(model: CausalLM, tensors: Iterator[tuple[str, ReadTensor]], dtype:
         gather_packed_weights(model)  # one huge-page buffer, in the order a step reads them
 
 
-# The 4-bit weights' wide forms (quant_linear.py) are kept when all of them together take at
-# most this much more memory: a model up to ~2B parameters (+0.5 byte per weight).
+# The 4- and 5-bit weights' wide forms (quant_linear.py) are kept when all of them together
+# take at most this much more memory: a model up to ~2B parameters (+0.5 byte per weight).
 WIDE_FORMS_BUDGET = 1 << 30
 
 
 def _keep_wide_forms(model: torch.nn.Module) -> None:
-    """Give every 4-bit matmul weight its wide form, if they all fit WIDE_FORMS_BUDGET. The
+    """Give every 4- and 5-bit matmul weight its wide form, if they all fit WIDE_FORMS_BUDGET. The
     embedding is looked up row by row, never multiplied (a tied head is `lm_head` too)."""
     targets = [(f"{name}.{attr}", weight) for name, layer in model.named_modules()
                for attr, weight in vars(layer).items()

@@ -1,8 +1,9 @@
 """The quantized matmul's instruction-set tiers (native.py): every tier this CPU has gives
 `torch.equal` products to the avx2 tier's, for every weight layout, row counts around the
 kernels' tile edges (4 rows, 16 for the wide form), output counts that leave a pair of 8-row
-groups incomplete, and extreme blocks; the one-region decode stack and the whole model give the
-same bits; and NANOSERVE_CPU_ISA chooses a tier or fails at start-up naming what is missing.
+groups incomplete, extreme blocks, and a real file's blocks; the one-region decode stack and the
+whole model give the same bits; and NANOSERVE_CPU_ISA chooses a tier or fails at start-up
+naming what is missing.
 
 A tier the CPU lacks is skipped with its missing flags in the reason: such a module must never
 be loaded here."""
@@ -17,10 +18,20 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from test_quant_kernels import ALL_TYPES, TYPE_IDS, make_raw
+from test_quant_kernels import ALL_TYPES, REAL_TENSORS, TYPE_IDS, make_raw
 
 from nanoserve import native
-from nanoserve.model.quant_linear import BLOCK_FORMATS, GGML_Q4_0, GGML_Q4_1, GGML_Q4_K, GGML_Q8_0
+from nanoserve.model.gguf_file import GGUFFile
+from nanoserve.model.quant_linear import (
+    BLOCK_FORMATS,
+    FIVE_BIT_TYPES,
+    GGML_Q4_0,
+    GGML_Q4_1,
+    GGML_Q4_K,
+    GGML_Q5_K,
+    GGML_Q8_0,
+    WIDE_TYPES,
+)
 
 WIDER_TIERS = [tier for tier in native.TIERS if tier != "avx2"]
 ROW_COUNTS = [1, 2, 3, 4, 5, 15, 16, 17, 31, 32, 33, 128]
@@ -40,8 +51,8 @@ def tier_modules(tier: str, kernel: str = "quant_matmul") -> tuple[Any, Any]:
 
 
 def extreme_raw(ggml_type: int, num_rows: int, in_features: int) -> np.ndarray:
-    """Blocks at the integer sums' limits: every 4-bit value 15; every int8 -128 or 127, and
-    every 6-bit value 31 or -32, alternating by row."""
+    """Blocks at the integer sums' limits: every 4-bit value 15; every 5-bit value 31 or 0,
+    every int8 -128 or 127, and every 6-bit value 31 or -32, alternating by row."""
     raw = make_raw(ggml_type, num_rows, in_features, seed=1)
     block, size = BLOCK_FORMATS[ggml_type]
     blocks = raw.reshape(num_rows, in_features // block, size)
@@ -49,6 +60,10 @@ def extreme_raw(ggml_type: int, num_rows: int, in_features: int) -> np.ndarray:
         blocks[..., size - 16:] = 0xFF
     elif ggml_type == GGML_Q4_K:
         blocks[..., 16:] = 0xFF
+    elif ggml_type in FIVE_BIT_TYPES:  # qh and qs, after the scales (Q5_K: and 6-bit scales)
+        values = size - (160 if ggml_type == GGML_Q5_K else 20)
+        blocks[0::2, :, values:] = 0xFF
+        blocks[1::2, :, values:] = 0x00
     elif ggml_type == GGML_Q8_0:
         blocks[0::2, :, 2:] = 0x80  # -128
         blocks[1::2, :, 2:] = 0x7F
@@ -76,19 +91,40 @@ def test_every_tier_gives_the_avx2_tiers_bits(tier: str, ggml_type: int, num_out
     packed = reference.repack(raw, ggml_type, num_outputs, in_features)
     assert torch.equal(module.repack(raw, ggml_type, num_outputs, in_features), packed)
     wide = reference.widen(packed, ggml_type, num_outputs, in_features) \
-        if ggml_type in (GGML_Q4_0, GGML_Q4_1, GGML_Q4_K) else None
+        if ggml_type in WIDE_TYPES else None
     generator = torch.Generator().manual_seed(num_outputs)
     for num_rows in ROW_COUNTS:
         x = torch.randn(num_rows, in_features, generator=generator)
-        if extreme:  # every activation block at +-127 after rounding, one row all zero
-            x = torch.sign(x) * 3.0
+        if extreme:  # every activation block at +-127 after rounding, one row all zero,
+            x = torch.sign(x) * 3.0  # one all +127 and one all -127 (the largest sums)
             x[0] = 0.0
+            x[1:2] = 3.0
+            x[2:3] = -3.0
         args = (packed, ggml_type, num_outputs, in_features)
         expected = reference.packed_matmul(x, *args)
         assert torch.equal(module.packed_matmul(x, *args), expected), num_rows
         if wide is not None:
             assert torch.equal(module.packed_matmul(x, *args, wide),
                                reference.packed_matmul(x, *args, wide)), num_rows
+
+
+@pytest.mark.parametrize("tier", WIDER_TIERS)
+def test_a_real_files_blocks_give_the_avx2_tiers_bits(tier: str, gemma_270m_gguf) -> None:
+    """Gemma 3 270M's Q5_0, Q4_K, Q6_K and Q8_0 weights, packed and (4- and 5-bit) wide."""
+    module, reference = tier_modules(tier)
+    tensors = GGUFFile(gemma_270m_gguf).tensors
+    generator = torch.Generator().manual_seed(0)
+    for name in REAL_TENSORS:
+        tensor = tensors[name]
+        num_outputs, in_features = tensor.shape
+        raw = torch.from_numpy(np.array(tensor.data, dtype=np.uint8))
+        args = (reference.repack(raw, tensor.ggml_type, num_outputs, in_features),
+                tensor.ggml_type, num_outputs, in_features)
+        wide = reference.widen(*args) if tensor.ggml_type in WIDE_TYPES else None
+        for num_rows in (1, 5, 17):
+            x = torch.randn(num_rows, in_features, generator=generator)
+            assert torch.equal(module.packed_matmul(x, *args, wide),
+                               reference.packed_matmul(x, *args, wide)), (name, num_rows)
 
 
 @pytest.mark.parametrize("tier", WIDER_TIERS)

@@ -13,8 +13,10 @@ from typing import Any
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType
 from helpers import run_to_completion
 from test_fused_model import GREEDY, TwoPaths, prompts, small_engine
+from test_loading import write_gguf
 
 from nanoserve.model.native_layers import native_module
 
@@ -53,6 +55,23 @@ def test_the_native_stack_equals_the_python_loop_bit_for_bit(family: str,
     both = NativeAndPython(engine.runner.plan)
     run_to_completion(engine, prompts(2), GREEDY)
     assert both.num_mixed_steps > 0, "some steps should mix decodes with prefill chunks"
+    assert both.identical and all(both.identical)
+
+
+@needs_native
+@pytest.mark.parametrize("qtype", ["Q5_0", "Q5_1"])
+def test_the_native_stack_runs_5_bit_weights_as_the_python_loop(qtype: str, tiny_model_dir: Any,
+                                                                 tmp_path: Path) -> None:
+    """A GGUF file's own 5-bit blocks (`--quantization gguf`): the one-region stack and the
+    dispatcher path take them as they take the other types, bit for bit."""
+    ggml_type = GGMLQuantizationType[qtype]
+    path = write_gguf(tiny_model_dir("llama"), tmp_path / "q5.gguf", ggml_type,
+                      with_rope_factors=False)
+    engine = small_engine(path, "gguf")
+    assert engine.loaded.model.decoder_layers[0].down_proj.ggml_type == ggml_type
+    both = NativeAndPython(engine.runner.plan)
+    run_to_completion(engine, prompts(2), GREEDY)
+    assert both.num_mixed_steps > 0
     assert both.identical and all(both.identical)
 
 

@@ -23,6 +23,7 @@ from nanoserve.model.quant_linear import QuantizedWeight, kernels
 from nanoserve.model.quantization import ConcatWeight, Fp16Weight, resolve_mode
 
 Q8_0, Q4_0 = gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0
+Q5_0, Q5_1 = gguf.GGMLQuantizationType.Q5_0, gguf.GGMLQuantizationType.Q5_1
 
 
 def relative_error(ours: torch.Tensor, exact: torch.Tensor) -> float:
@@ -62,6 +63,24 @@ def test_q_k_v_in_different_types_stay_quantized(tiny_model_dir, tmp_path: Path)
     if kernels() is not None:
         assert isinstance(qkv, ConcatWeight)
         assert [p.ggml_type for p in qkv.parts] == [8, 2]  # q+k fused, v on its own
+    assert relative_error(ours, exact) < 5e-2
+
+
+def test_5_bit_weights_stay_quantized_up_to_the_lm_head(tiny_model_dir, tmp_path: Path) -> None:
+    path = write_gguf(tiny_model_dir("llama"), tmp_path / "q5.gguf", Q5_0,
+                      with_rope_factors=False, qtype_of={"attn_v": Q5_1})
+    exact, _ = logits(path, "none")
+    ours, model = logits(path, "gguf")
+    if kernels() is not None:
+        layer = model.layers[0]
+        assert isinstance(layer.qkv_proj, ConcatWeight)
+        assert [p.ggml_type for p in layer.qkv_proj.parts] == [6, 7]  # Q5_0 q+k, Q5_1 v
+        for weight in (layer.o_proj, layer.gate_up_proj, layer.down_proj, model.lm_head):
+            assert isinstance(weight, QuantizedWeight) and weight.is_packed
+            assert weight.ggml_type == 6
+        # tied: the head multiplies the embedding's blocks, beside a wide form of its own
+        assert torch.equal(model.lm_head.data, model.embed_tokens.data)
+        assert model.lm_head.wide is not None and model.embed_tokens.wide is None
     assert relative_error(ours, exact) < 5e-2
 
 
