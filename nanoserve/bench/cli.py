@@ -78,6 +78,14 @@ def add_bench_commands(bench: argparse.ArgumentParser, build_llm: LLMFactory) ->
                          help="tokens of the text to score (default: %(default)s)")
     quality.add_argument("--max-tokens", type=int, default=32,
                          help="greedy tokens per prompt (default: %(default)s)")
+    quality.add_argument("--vs-llama-cpp", action="store_true",
+                         help="perplexity counted as llama.cpp's llama-perplexity counts it "
+                              "(chunks of --ctx-size, second halves scored), beside that "
+                              "tool's own on the same GGUF file (built on first use)")
+    quality.add_argument("--ctx-size", type=int, default=512,
+                         help="--vs-llama-cpp's chunk length (default: %(default)s)")
+    quality.add_argument("--threads", type=int, default=2,
+                         help="llama-perplexity's threads (default: %(default)s)")
     EngineArgs.add_cli_args(quality)
     quality.set_defaults(func=partial(_run_quality, build_llm=build_llm))
 

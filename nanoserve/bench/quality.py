@@ -168,6 +168,8 @@ def run_quality_bench(args: argparse.Namespace, build_llm: LLMFactory) -> int:
               f"{', '.join(QUANTIZATION_MODES)}", file=sys.stderr)
         return 2
     engine_args = EngineArgs.from_cli_args(args)
+    if args.vs_llama_cpp:
+        return _run_vs_llama_cpp(args, build_llm, engine_args, modes, text)
     results = []
     for mode in modes:  # one model loaded at a time; only the tokens are kept
         results.append(measure_mode(build_llm, engine_args, mode, text, args.num_tokens,
@@ -177,4 +179,23 @@ def run_quality_bench(args: argparse.Namespace, build_llm: LLMFactory) -> int:
     print(f"\nperplexity on the first {args.num_tokens} tokens of {text}; greedy agreement with "
           f"none over {len(PROMPTS)} prompts x {args.max_tokens} tokens\n")
     print(format_table(results, args.max_tokens))
+    return 0
+
+
+def _run_vs_llama_cpp(args: argparse.Namespace, build_llm: LLMFactory, engine_args: EngineArgs,
+                      modes: list[str], text: Path) -> int:
+    """Each mode's perplexity counted as llama.cpp's llama-perplexity counts it, beside the
+    tool's own on the same file and text (quality_peer.py)."""
+    from nanoserve.bench.quality_peer import run_vs_llama_cpp
+
+    rows = ["| mode | nanoserve | llama-perplexity | difference | tokens scored |",
+            "|---|---:|---:|---:|---:|"]
+    for mode in modes:
+        llm = build_llm(replace(engine_args, quantization=mode))
+        rows.append(run_vs_llama_cpp(llm, mode, text, args.ctx_size, args.threads))
+        print(rows[-1], flush=True)
+        del llm
+    print(f"\nperplexity of {text} in chunks of {args.ctx_size} tokens, each chunk's second "
+          "half scored (llama-perplexity's count)\n")
+    print("\n".join(rows))
     return 0

