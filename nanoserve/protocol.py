@@ -195,6 +195,10 @@ class StepInput(msgspec.Struct, tag=True, array_like=True):
     new_sequences: list[NewSequence]
     released_slots: list[int]  # slots freed since the last step, cleared before new ones
     pooling: list[PoolingRows] = []  # prefill-only requests' rows to pool
+    # models with several KV layer groups (model/kv_groups.py): groups 1.. have block tables
+    # and cache rows of their own (block_table and cache_index above are group 0's)
+    group_block_tables: list[np.ndarray] = []  # per group, [R, max_blocks] int32
+    group_cache_index: list[np.ndarray] = []  # per group, [T] int64
 
     @property
     def num_requests(self) -> int:

@@ -38,6 +38,7 @@ from nanoserve.engine.request import Request, RequestStatus
 from nanoserve.engine.scheduler import ScheduledRequest, Scheduler
 from nanoserve.engine.step_input import build_step_input
 from nanoserve.engine.zero_cost_runner import ZeroCostRunner
+from nanoserve.model.kv_groups import kv_layer_groups
 from nanoserve.model.loader import LoadedModel
 from nanoserve.pooling_params import PoolingParams
 from nanoserve.profiling import scope
@@ -74,14 +75,18 @@ class EngineCore:
         self.executor = executor
         self.loaded = loaded
         block_size = config.cache.block_size
-        self.max_model_len = self._max_model_len(num_blocks * block_size)
+        groups = kv_layer_groups(loaded.arch)
+        self.max_model_len = self._max_model_len(groups.tokens_held(num_blocks, block_size))
         self.kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching,
-                                       record_events=config.kv_events.enable_kv_cache_events)
+                                       record_events=config.kv_events.enable_kv_cache_events,
+                                       group_windows=groups.windows)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len,
                                    self._pacer(config, loaded))
         # every running request's blocks by slot; a step's block table is read from it
         num_slots = config.scheduler.max_num_seqs
-        self.block_table = BlockTable(num_slots, -(-self.max_model_len // block_size))
+        self.block_tables = [BlockTable(num_slots, -(-self.max_model_len // block_size))
+                             for _ in groups.windows]  # one per KV layer group
+        self.block_table = self.block_tables[0]
         self.proposer = load_draft_proposer(config.scheduler.draft_proposer)
         # the sampler lives in the worker; the core reads it only to validate requests
         self.sampler = executor.local_worker.sampler
@@ -211,17 +216,19 @@ class EngineCore:
         released = list(self.scheduler.released_slots)
         self.scheduler.released_slots.clear()
         for slot in released:
-            self.block_table.clear(slot)
+            for table in self.block_tables:
+                table.clear(slot)
         for s in sched.scheduled:
             assert s.request.slot is not None, "a scheduled request holds a slot"
-            self.block_table.sync(s.request.slot, self.kv_cache.block_ids(s.request.request_id))
+            for group, table in enumerate(self.block_tables):
+                table.sync(s.request.slot, self.kv_cache.block_ids(s.request.request_id, group))
         sampling = [s for s in sched.scheduled if s.samples]
         step = build_step_input(
             sched.scheduled, self.block_table, self.kv_cache.block_size,
             [NewSequence(r.slot, r.params, r.prompt_token_ids, list(r.output_token_ids),
                          r.sampling_seed) for r in sched.admitted
              if r.slot is not None and not r.is_pooling],
-            released, self._fill_grammars(sampling))
+            released, self._fill_grammars(sampling), self.block_tables[1:])
         # 3) run the model and sample, on the workers
         started = time.perf_counter()
         out = self.executor.execute_step(step)

@@ -102,26 +102,39 @@ class BlockPool:
 
 
 class KVCacheManager:
-    """Block tables per request, allocation with prefix-cache reuse, and the cache's counters."""
+    """Block tables per request, allocation with prefix-cache reuse, and the cache's counters.
+
+    With several layer groups (model/kv_groups.py) a request has a block table per group, all
+    drawn from the one pool; a windowed group gives back the blocks that fell out of its window
+    (their table entries stay, stale, never read again: the kernels start at the window). A
+    prefix is found only where every group still holds all of its blocks. One group (every
+    model without mixed windows) is the plain paged cache."""
 
     def __init__(self, num_blocks: int, block_size: int,
-                 enable_prefix_caching: bool = True, record_events: bool = False) -> None:
+                 enable_prefix_caching: bool = True, record_events: bool = False,
+                 group_windows: Sequence[int] = (0,)) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.group_windows = tuple(group_windows)
         self.pool = BlockPool(num_blocks)
         # stored runs, in the order they became findable (evictions: the pool's list)
         self.stored: list[BlockStored] | None = [] if record_events else None
         if record_events:
             self.pool.evicted = []
-        self.req_blocks: dict[str, list[KVBlock]] = {}
+        # per request, per group: its blocks (None where a window gave one back)
+        self.req_blocks: dict[str, list[list[KVBlock | None]]] = {}
         # The same blocks' ids, appended to alongside: the runner copies only their new tail
         # into its per-slot table each step (block_table.py), never rebuilding a list.
-        self.req_block_ids: dict[str, list[int]] = {}
+        self.req_block_ids: dict[str, list[list[int]]] = {}
         self.req_num_registered: dict[str, int] = {}
         # Prefix-cache counters, in tokens (vLLM's meaning): looked up, and found cached.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.group_windows)
 
     @property
     def num_free_blocks(self) -> int:
@@ -132,12 +145,15 @@ class KVCacheManager:
         """Fraction of blocks held by requests (cached-but-free blocks count as free)."""
         return 1.0 - self.pool.num_free_blocks / self.num_blocks
 
-    def block_ids(self, request_id: str) -> list[int]:
-        """The request's block ids in order: the live list (read it, do not change it)."""
-        return self.req_block_ids.get(request_id, [])
+    def block_ids(self, request_id: str, group: int = 0) -> list[int]:
+        """The request's block ids in order for one group: the live list (read it, do not
+        change it)."""
+        ids = self.req_block_ids.get(request_id)
+        return ids[group] if ids else []
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
-        """The longest run of the request's full blocks already in the cache, and its token count.
+    def get_computed_blocks(self, request: Request) -> tuple[list[list[KVBlock]], int]:
+        """Per group, the longest run of the request's full blocks already in the cache (the
+        same length in every group), and its token count.
 
         At least one token is always left to compute, so the step that finishes the prompt
         produces logits to sample from.
@@ -146,34 +162,55 @@ class KVCacheManager:
             return [], 0  # prompt logprobs and mean pooling need every position computed
         hashes = self._block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
-        hits: list[KVBlock] = []
-        for block_hash in hashes[:max_blocks]:
-            block = self.pool.cached.get(block_hash)
-            if block is None:
-                break
-            hits.append(block)
+        hits: list[list[KVBlock]] = []
+        for group in range(self.num_groups):
+            found: list[KVBlock] = []
+            for block_hash in hashes[: min([max_blocks, *map(len, hits)])]:
+                block = self.pool.cached.get(_group_key(block_hash, group))
+                if block is None:
+                    break
+                found.append(block)
+            hits.append(found)
+        num_hits = min(len(found) for found in hits)
         self.prefix_cache_queries += request.num_tokens
-        self.prefix_cache_hits += len(hits) * self.block_size
-        return hits, len(hits) * self.block_size
+        self.prefix_cache_hits += num_hits * self.block_size
+        return [found[:num_hits] for found in hits], num_hits * self.block_size
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       computed_blocks: Sequence[KVBlock] = ()) -> bool:
-        """Give the request room for `num_new_tokens` more tokens; False (and no change) if the
-        free blocks do not suffice."""
-        blocks = self.req_blocks.setdefault(request.request_id, [])
-        num_tokens = (request.num_computed_tokens + len(computed_blocks) * self.block_size
-                      + num_new_tokens)
-        num_needed = -(-num_tokens // self.block_size) - len(blocks) - len(computed_blocks)
-        num_reclaimed = sum(1 for b in computed_blocks if b.ref_count == 0)
-        if num_needed > self.pool.num_free_blocks - num_reclaimed:
+                       computed_blocks: Sequence[Sequence[KVBlock]] = ()) -> bool:
+        """Give the request room for `num_new_tokens` more tokens in every group (a windowed
+        group first gives back what fell out of its window); False (and no change but what
+        was given back) if the free blocks do not suffice."""
+        groups = self.req_blocks.setdefault(request.request_id,
+                                            [[] for _ in self.group_windows])
+        ids = self.req_block_ids.setdefault(request.request_id,
+                                            [[] for _ in self.group_windows])
+        computed = list(computed_blocks) or [[] for _ in self.group_windows]
+        num_cached = request.num_computed_tokens + len(computed[0]) * self.block_size
+        for window, blocks in zip(self.group_windows, groups, strict=True):
+            if window:
+                self._give_back_outside(blocks, num_cached - window + 1)
+        num_total = -(-(num_cached + num_new_tokens) // self.block_size)
+        needed = [num_total - len(blocks) - len(hit) for blocks, hit in zip(groups, computed,
+                                                                            strict=True)]
+        num_reclaimed = sum(1 for hit in computed for b in hit if b.ref_count == 0)
+        if sum(max(n, 0) for n in needed) > self.pool.num_free_blocks - num_reclaimed:
             return False
-        self.pool.touch(computed_blocks)
-        new_blocks = [*computed_blocks, *(self.pool.allocate(num_needed) if num_needed > 0
-                                          else ())]
-        blocks.extend(new_blocks)
-        self.req_block_ids.setdefault(request.request_id, []).extend(
-            b.block_id for b in new_blocks)
+        for blocks, block_ids, hit, num_needed in zip(groups, ids, computed, needed,
+                                                      strict=True):
+            self.pool.touch(hit)
+            new_blocks = [*hit, *(self.pool.allocate(num_needed) if num_needed > 0 else ())]
+            blocks.extend(new_blocks)
+            block_ids.extend(b.block_id for b in new_blocks)
         return True
+
+    def _give_back_outside(self, blocks: list[KVBlock | None], first_key: int) -> None:
+        """Release the blocks wholly before key `first_key` (no later query reads them)."""
+        for i in range(min(len(blocks), max(first_key, 0) // self.block_size)):
+            block = blocks[i]
+            if block is not None:
+                self.pool.release((block,))
+                blocks[i] = None
 
     def cache_blocks(self, request: Request) -> None:
         """Register the request's blocks that became full and computed in this step."""
@@ -184,33 +221,37 @@ class KVCacheManager:
         if num_full <= start:
             return
         hashes = self._block_hashes(request)
-        blocks = self.req_blocks[request.request_id]
-        run: list[int] = []  # this step's consecutive newly findable blocks, by index
-        for i in range(start, num_full):
-            if self.pool.register(blocks[i], hashes[i]):
-                run.append(i)
-            elif run:
-                self._record_stored(request, hashes, run)
-                run = []
-        if run:
-            self._record_stored(request, hashes, run)
+        for group, blocks in enumerate(self.req_blocks[request.request_id]):
+            run: list[int] = []  # this step's consecutive newly findable blocks, by index
+            for i in range(start, num_full):
+                block = blocks[i]
+                if block is not None and self.pool.register(block, _group_key(hashes[i], group)):
+                    run.append(i)
+                elif run:
+                    self._record_stored(request, hashes, run, group)
+                    run = []
+            if run:
+                self._record_stored(request, hashes, run, group)
         self.req_num_registered[request.request_id] = num_full
 
     def take_events(self) -> list[KVEvent]:
         """The events since the last call, evictions first (a block evicted and stored again
-        in one step must end up stored); empty when not recording."""
+        in one step must end up stored); empty when not recording. A router sees the first
+        group's blocks (a prefix cached there is cached in every group it fits)."""
         if self.stored is None or self.pool.evicted is None:
             return []
         events: list[KVEvent] = []
-        if self.pool.evicted:
-            events.append(BlockRemoved([wire_hash(h) for h in self.pool.evicted]))
-            self.pool.evicted.clear()
+        evicted = [h for h in self.pool.evicted if len(h) == _HASH_BYTES]
+        if evicted:
+            events.append(BlockRemoved([wire_hash(h) for h in evicted]))
+        self.pool.evicted.clear()
         events.extend(self.stored)
         self.stored.clear()
         return events
 
-    def _record_stored(self, request: Request, hashes: list[BlockHash], run: list[int]) -> None:
-        if self.stored is None:
+    def _record_stored(self, request: Request, hashes: list[BlockHash], run: list[int],
+                       group: int) -> None:
+        if self.stored is None or group:
             return
         first, size = run[0], self.block_size
         parent = wire_hash(hashes[first - 1]) if first > 0 else None
@@ -220,9 +261,10 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         """Drop the request's hold on its blocks; the tail goes first so prefixes live longer."""
-        blocks = self.req_blocks.pop(request.request_id, [])
+        groups = self.req_blocks.pop(request.request_id, [])
         self.req_block_ids.pop(request.request_id, None)
-        self.pool.release(reversed(blocks))
+        for blocks in groups:
+            self.pool.release(b for b in reversed(blocks) if b is not None)
         self.req_num_registered.pop(request.request_id, None)
 
     def _block_hashes(self, request: Request) -> list[BlockHash]:
@@ -234,3 +276,12 @@ class KVCacheManager:
             hashes.append(hash_block(hashes[-1] if hashes else None,
                                      tokens[i * size : (i + 1) * size]))
         return hashes
+
+
+_HASH_BYTES = 16  # hash_block's digest
+
+
+def _group_key(block_hash: BlockHash, group: int) -> BlockHash:
+    """The pool's key for a block of `group`: the hash itself for the first group (what a
+    router is told), the hash and the group's number after it for the others."""
+    return block_hash if group == 0 else block_hash + bytes((group,))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 
+import msgspec
 import numpy as np
 import torch
 
@@ -29,6 +30,7 @@ from nanoserve.model.attention import (
     select_attention_backend,
 )
 from nanoserve.model.forward_plan import ForwardPlan
+from nanoserve.model.kv_groups import kv_layer_groups
 from nanoserve.model.llama import CausalLM
 from nanoserve.model.weight_arena import hugepage_buffer
 from nanoserve.protocol import StepInput
@@ -69,23 +71,26 @@ def kv_cache_num_blocks(budget: int | None, arch: ArchConfig, block_size: int,
                         context_len: int) -> int:
     """The blocks a cache of `dtype` gets from `budget` bytes (None: on the CPU 1 GiB, or the
     blocks `max_num_seqs` sequences of `context_len` tokens fill if fewer; on a GPU 90 % of
-    its free memory)."""
+    its free memory). A block holds one KV layer group's layers (model/kv_groups.py)."""
     block_bytes = kv_bytes_per_block(arch, block_size, dtype)
     if budget is None:
         if device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
             budget = int(free * GPU_MEMORY_FRACTION)
         else:
-            needed = max_num_seqs * -(-context_len // block_size)
+            groups = kv_layer_groups(arch).num_groups
+            needed = max_num_seqs * -(-context_len // block_size) * groups
             return max(1, min(DEFAULT_CPU_KV_CACHE_BYTES // block_bytes, needed))
     return max(1, budget // block_bytes)
 
 
 def kv_bytes_per_block(arch: ArchConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one block's keys and values over all layers, in a cache of `dtype`."""
+    """Bytes of one block's keys and values over a KV layer group's layers (every layer,
+    for a model of one group), in a cache of `dtype`."""
     element_size = torch.empty((), dtype=dtype).element_size()
     row = cache_row_elements(arch.head_dim, dtype)
-    return 2 * arch.num_layers * block_size * arch.num_kv_heads * row * element_size
+    num_layers = kv_layer_groups(arch).group_size
+    return 2 * num_layers * block_size * arch.num_kv_heads * row * element_size
 
 
 class ModelRunner:
@@ -108,8 +113,12 @@ class ModelRunner:
         # touched now, at start-up: a first write to a page during a step costs a page fault.
         shape = (arch.num_kv_heads, num_blocks, block_size,  # see model/attention/kv_rows.py
                  cache_row_elements(arch.head_dim, dtype))
-        self.kv_caches = [(_zeros(shape, dtype, device), _zeros(shape, dtype, device))
-                          for _ in range(arch.num_layers)]
+        # a tensor pair per layer of a KV layer group, shared by the groups (each block
+        # belongs to one group at a time): layer l uses its slot's pair
+        self.kv_groups = kv_layer_groups(arch)
+        slots = [(_zeros(shape, dtype, device), _zeros(shape, dtype, device))
+                 for _ in range(self.kv_groups.group_size)]
+        self.kv_caches = [slots[j] for j in self.kv_groups.slot_of_layer]
         # the C++ kernel where it reads this cache in place, else gather + SDPA
         self.attention = select_attention_backend(device, dtype, block_size=block_size,
                                                   num_kv_heads=arch.num_kv_heads,
@@ -128,8 +137,13 @@ class ModelRunner:
         """`execute`'s two results, and the final normed hidden states [T, hidden] that
         pooling requests are pooled from (the worker's Pooler)."""
         meta = self.attention.build_metadata(step)
+        group_metas = [self.attention.build_metadata(msgspec.structs.replace(
+            step, block_table=table, cache_index=rows))
+            for table, rows in zip(step.group_block_tables, step.group_cache_index, strict=True)]
+        # (asked for only where there are groups: wrappers of the plan take the plain call)
+        groups = {"group_metas": group_metas} if group_metas else {}
         hidden = self.plan.forward(self._tensor(step.token_ids), self._tensor(step.positions),
-                                   self.kv_caches, self.attention, meta)  # [T, hidden]
+                                   self.kv_caches, self.attention, meta, **groups)  # [T, hidden]
         prompt_logits = [
             self.model.compute_logits(
                 hidden[entry.first_row : entry.first_row + len(entry.target_token_ids)])

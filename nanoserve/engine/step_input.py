@@ -11,6 +11,8 @@ rows are named in `pooling` for the worker to pool.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from nanoserve.engine.block_table import BlockTable
@@ -21,9 +23,11 @@ from nanoserve.protocol import NewSequence, PoolingRows, PromptLogprobsRows, Ste
 def build_step_input(scheduled: list[ScheduledRequest], block_table: BlockTable,
                      block_size: int, new_sequences: list[NewSequence],
                      released_slots: list[int],
-                     grammar: tuple[np.ndarray, np.ndarray]) -> StepInput:
-    """The step input for `scheduled` (their blocks already synced into `block_table`);
-    `grammar` is the core's filled bitmask: (sampled rows with a grammar, their rows)."""
+                     grammar: tuple[np.ndarray, np.ndarray],
+                     group_tables: Sequence[BlockTable] = ()) -> StepInput:
+    """The step input for `scheduled` (their blocks already synced into `block_table`, and
+    into `group_tables` for the KV layer groups after the first); `grammar` is the core's
+    filled bitmask: (sampled rows with a grammar, their rows)."""
     order = sorted(range(len(scheduled)), key=lambda i: scheduled[i].num_new_tokens > 1)
     num_decodes = sum(1 for s in scheduled if s.num_new_tokens == 1)
     first_row = [0] * len(scheduled)
@@ -47,11 +51,16 @@ def build_step_input(scheduled: list[ScheduledRequest], block_table: BlockTable,
     context_lens = positions[0] + 1 if len(flat) == num_decodes else \
         np.fromiter((s.start + s.num_new_tokens for s in flat), dtype=np.int64, count=len(flat))
     all_positions = np.concatenate(positions)
-    table = block_table.table
     token_slots = slots if len(flat) == num_decodes else np.repeat(slots, num_new)
-    cache_index = (table[token_slots, all_positions // block_size].astype(np.int64) * block_size
-                   + all_positions % block_size)
     max_blocks = int(-(-context_lens.max() // block_size)) if len(flat) else 0
+
+    def rows_of(table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """A group's cache row per token, and its block table's rows for this step."""
+        block_ids = table[token_slots, all_positions // block_size].astype(np.int64)
+        return block_ids * block_size + all_positions % block_size, table[slots, :max_blocks]
+
+    cache_index, step_table = rows_of(block_table.table)
+    groups = [rows_of(t.table) for t in group_tables]
     query_start_loc = np.zeros(len(flat) + 1, dtype=np.int64)
     np.cumsum(num_new, out=query_start_loc[1:])
     rows = _sample_rows(scheduled, first_row)
@@ -60,12 +69,13 @@ def build_step_input(scheduled: list[ScheduledRequest], block_table: BlockTable,
         token_ids=np.asarray(token_ids, dtype=np.int64), positions=all_positions,
         cache_index=cache_index, query_start_loc=query_start_loc,
         context_lens=context_lens.astype(np.int32),
-        block_table=table[slots, :max_blocks],  # [R, max_blocks], a fresh copy
+        block_table=step_table,  # [R, max_blocks], a fresh copy
         num_decodes=num_decodes, **rows, grammar_rows=grammar_rows,
         grammar_bitmask=grammar_bitmask,
         prompt_logprobs=_prompt_logprobs_rows(scheduled, first_row),
         new_sequences=new_sequences, released_slots=released_slots,
-        pooling=_pooling_rows(scheduled, first_row))
+        pooling=_pooling_rows(scheduled, first_row),
+        group_block_tables=[t for _, t in groups], group_cache_index=[c for c, _ in groups])
 
 
 def _sample_rows(scheduled: list[ScheduledRequest], first_row: list[int]

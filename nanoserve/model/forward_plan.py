@@ -22,6 +22,7 @@ import torch
 
 from nanoserve.model.attention import AttentionBackend, AttentionMetadata
 from nanoserve.model.fused_ops import kernels
+from nanoserve.model.kv_groups import kv_layer_groups
 from nanoserve.model.layer_ops import EXACT_OPS, OpTable, fused_table
 from nanoserve.model.llama import BoundDecoderLayer, CausalLM
 from nanoserve.profiling import scope
@@ -42,9 +43,11 @@ class ForwardPlan:
         self._layer_stack: tuple[tuple[object, object], Any] | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: KVCaches,
-                attention: AttentionBackend[Any], meta: AttentionMetadata) -> torch.Tensor:
+                attention: AttentionBackend[Any], meta: AttentionMetadata,
+                group_metas: list[AttentionMetadata] | None = None) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> final hidden states [num_tokens, hidden_size].
-        `meta` is `attention`'s own, from `attention.build_metadata` for this step."""
+        `meta` is `attention`'s own, from `attention.build_metadata` for this step (and
+        `group_metas` the same for KV layer groups 1.., model/kv_groups.py)."""
         model = self.model
         assert model.rotary is not None, "weights not loaded: use nanoserve.model.loader"
         table, layers = self._bind_layers()
@@ -59,7 +62,7 @@ class ForwardPlan:
             with scope("nanoserve.layers"):
                 return attention.run_layer_stack(stack, hidden, cos, sin, positions, meta)
         return model.forward(input_ids, positions, kv_caches, attention, meta, table, layers,
-                             cos, sin, rope_local)
+                             cos, sin, rope_local, group_metas)
 
     def _bind_layers(self) -> tuple[OpTable, list[BoundDecoderLayer]]:
         """This forward's op table and the layers bound to it (bound at its first use)."""
@@ -71,8 +74,10 @@ class ForwardPlan:
         if bound is None:
             table = fused_table(key[1]) if key[0] else EXACT_OPS
             bound = self._bound_layers[key] = (table, [
-                BoundDecoderLayer(layer, table, self.model.group, index)
-                for index, layer in enumerate(self.model.decoder_layers)])
+                BoundDecoderLayer(layer, table, self.model.group, index, kv_group)
+                for index, (layer, kv_group) in enumerate(zip(
+                    self.model.decoder_layers, kv_layer_groups(self.model.arch).group_of_layer,
+                    strict=True))])
         return bound
 
     def _native_stack(self, kv_caches: KVCaches, attention: AttentionBackend[Any]) -> Any | None:

@@ -75,11 +75,13 @@ class BoundDecoderLayer:
     """
 
     __slots__ = ("add_rms_norm", "all_reduce", "attn_output_norm", "down", "forward", "gate_up",
-                 "input_norm", "is_local", "mlp_output_norm", "o", "post_norm", "q_scale", "qkv",
-                 "rms_norm", "rope_store", "silu_mul", "window")
+                 "input_norm", "is_local", "kv_group", "mlp_output_norm", "o", "post_norm",
+                 "q_scale", "qkv", "rms_norm", "rope_store", "silu_mul", "window")
 
     def __init__(self, layer: DecoderLayer, table: OpTable, group: TensorParallelGroup,
-                 index: int = 0) -> None:
+                 index: int = 0, kv_group: int = 0) -> None:
+        """Layer `index` of its model, its cache rows through KV layer group `kv_group`'s
+        block tables (model/kv_groups.py)."""
         calls = table.bind(layer)
         arch = layer.arch
         self.rms_norm, self.add_rms_norm = table.rms_norm, table.add_rms_norm
@@ -92,6 +94,7 @@ class BoundDecoderLayer:
         self.all_reduce = group.all_reduce
         # a windowed layer attends its window, with the local RoPE base where there is one
         self.window = arch.layer_window(index)
+        self.kv_group = kv_group
         self.is_local = bool(self.window) and arch.rope_local_theta is not None
         # the backends scale q · k by 1 / sqrt(head_dim); Gemma's query_pre_attn_scalar may
         # differ (1.0 where it does not: q is left as it is)
@@ -165,21 +168,27 @@ class CausalLM(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 attention: AttentionBackend[Any], meta: AttentionMetadata, table: OpTable,
                 layers: list[BoundDecoderLayer], cos: torch.Tensor, sin: torch.Tensor,
-                rope_local: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                rope_local: tuple[torch.Tensor, torch.Tensor] | None = None,
+                group_metas: list[AttentionMetadata] | None = None) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> final hidden states [num_tokens, hidden_size],
         through `layers` (this model's, bound to `table`; the runner's `ForwardPlan` chooses
         both, and `cos`, `sin` are `table.rope_tables` at `positions`, `rope_local` the same
         of `rotary_local` where the model has one). `meta` is `attention`'s own, from
-        `attention.build_metadata` for this step."""
-        step = StepContext(positions, cos, sin, attention.forward, meta, meta.cache_index,
-                           meta.reads_new_kv, self.arch.rms_norm_eps)
-        local = step if rope_local is None else replace(step, cos=rope_local[0],
-                                                        sin=rope_local[1])
+        `attention.build_metadata` for this step, and `group_metas` the same for KV layer
+        groups 1.. (their own block tables and cache rows)."""
+        steps = [StepContext(positions, cos, sin, attention.forward, m, m.cache_index,
+                             m.reads_new_kv, self.arch.rms_norm_eps)
+                 for m in (meta, *(group_metas or ()))]  # per KV layer group
+        local = steps if rope_local is None else [
+            replace(step, cos=rope_local[0], sin=rope_local[1]) for step in steps]
         hidden = self.embed(input_ids)  # [T, hidden], a fresh tensor: updated in place
         delta = None
         for layer, (k_cache, v_cache) in zip(layers, kv_caches, strict=True):
-            delta = layer.forward(hidden, delta, local if layer.is_local else step, k_cache,
-                                  v_cache)
+            # a forward given one metadata (a whole prompt at once, as tests and benchmarks
+            # run it) uses it for every group
+            group = layer.kv_group if layer.kv_group < len(steps) else 0
+            step = (local if layer.is_local else steps)[group]
+            delta = layer.forward(hidden, delta, step, k_cache, v_cache)
         assert delta is not None, "a model has at least one layer"
         return table.add_rms_norm(hidden, delta, self.norm, self.arch.rms_norm_eps)
 

@@ -182,7 +182,13 @@ def _eos_token_ids(arch: ArchConfig, tokenizer: Any,
     ids += gen_eos if isinstance(gen_eos, list) else [] if gen_eos is None else [gen_eos]
     if tokenizer.eos_token_id is not None:
         ids.append(tokenizer.eos_token_id)
+    if arch.family == "gemma3":  # a chat turn ends with <end_of_turn> (Gemma's own
+        turn_end = tokenizer.get_vocab().get(GEMMA_END_OF_TURN)  # generation_config has it)
+        ids += [] if turn_end is None else [turn_end]
     return tuple(dict.fromkeys(ids))
+
+
+GEMMA_END_OF_TURN = "<end_of_turn>"
 
 
 # GGUF's recommended-sampling keys -> generation_config.json names

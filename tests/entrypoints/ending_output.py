@@ -17,6 +17,8 @@ END_OF_TURN_ID = 2  # <|im_end|>: the SmolLM2 tokenizer's end of turn, the tiny 
 class EndsSoon(LogitsProcessor):
     """After NUM_FREE_TOKENS sampled freely, the end of the turn."""
 
+    end_of_turn_id = END_OF_TURN_ID
+
     def add_request(self, seq: SequenceData) -> bool:
         return True
 
@@ -24,4 +26,10 @@ class EndsSoon(LogitsProcessor):
         for row, seq in zip(batch.rows, batch.seqs, strict=True):
             if len(seq.output_token_ids) >= NUM_FREE_TOKENS:
                 logits[row] = float("-inf")
-                logits[row, END_OF_TURN_ID] = 0.0
+                logits[row, self.end_of_turn_id] = 0.0
+
+
+class EndsSoonGemma(EndsSoon):
+    """The same for Gemma 3, whose turn ends with <end_of_turn>."""
+
+    end_of_turn_id = 106

@@ -12,7 +12,8 @@ Its whole default request does not fit the default model's 8,192-token context: 
 definitions the server writes into the system prompt (the SmolLM2 template has no tool format
 of its own) make 12.7k prompt tokens. So the default model gets Claude Code with one tool
 (`--tools Read`: 2.6k tokens), twice, the second session reading most of its prompt from the
-prefix cache; the full default request goes to a tiny random-weight Llama with a 32k context.
+prefix cache; the full default request goes to a tiny random-weight Llama with a 32k context,
+and to the real Gemma 3 270M (32k context) with the Gemma chat format of examples/.
 """
 
 from __future__ import annotations
@@ -130,3 +131,18 @@ def test_the_whole_default_request_on_a_long_context(tmp_path: Path, long_contex
     sent = json.loads(result.requests[-1].body)
     assert len(sent["tools"]) > 5 and "system" in {m["role"] for m in sent["messages"]}
     assert prompt_size(answer["usage"]) > 8192  # more than the default model holds
+
+
+def test_the_whole_default_request_on_gemma3(tmp_path: Path, gemma_270m_gguf: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Gemma 3 270M (its 32k context holds the whole default request, its windowed layers
+    attend 512 keys) with the Gemma chat format from examples/."""
+    monkeypatch.setenv("PYTHONPATH", str(HERE))
+    template = HERE.parents[1] / "examples" / "template_gemma3.jinja"
+    result, (answer,) = run_claude(
+        tmp_path, "gemma3", TASKS[:1], [],
+        [str(gemma_270m_gguf), "--served-model-name", "gemma3", "--chat-template",
+         str(template), "--logits-processors", "ending_output:EndsSoonGemma"])
+    sent = json.loads(result.requests[-1].body)
+    assert len(sent["tools"]) > 5 and "system" in {m["role"] for m in sent["messages"]}
+    assert prompt_size(answer["usage"]) > 8192

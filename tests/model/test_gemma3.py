@@ -96,3 +96,39 @@ def test_gemma3_270m_greedy_equals_transformers(gemma_270m_gguf: Path) -> None:
     for rid, ids in prompts.items():
         assert run_to_completion(engine, {rid: ids}, greedy)[rid] == expected[rid], rid
     assert run_to_completion(engine, prompts, greedy) == expected
+
+
+def test_a_long_context_holds_the_global_layers_blocks_and_a_window(
+        tmp_path: Path, default_tokenizer: Any) -> None:
+    """Gemma's five windowed layers of six give back the blocks that fall out of their window
+    (KV layer groups, model/kv_groups.py): a 1,500-token context, while it decodes, holds at
+    most a quarter of the blocks it would without windows (measured from the KV-cache
+    manager), and its greedy tokens still equal transformers'."""
+    import transformers
+
+    config = tiny_gemma3_config()
+    config.layer_types = [SLIDING] * 5 + [FULL]
+    config.max_position_embeddings = 2048
+    torch.manual_seed(99)
+    model = transformers.Gemma3ForCausalLM(config)
+    _spread_norm_weights(model)
+    model.save_pretrained(tmp_path)
+    default_tokenizer.save_pretrained(tmp_path)
+    prompt = [(13 * i) % 40000 + 5 for i in range(1500)]
+    expected = hf_greedy(hf_model(tmp_path), prompt, 5)
+
+    engine = make_engine(tmp_path, max_num_batched_tokens=256)
+    kv = engine.kv_cache
+    assert kv.group_windows == (TINY_WINDOW,) * 5 + (0,)  # a block holds one layer
+    engine.add_request("long", prompt, SamplingParams(temperature=0.0, max_tokens=5,
+                                                      ignore_eos=True))
+    tokens: list[int] = []
+    held = 0  # the most blocks held while the context decodes (a prefill chunk's step holds
+    while engine.has_unfinished():  # its window plus the chunk in each windowed group)
+        for out in engine.step():
+            tokens.extend(out.new_token_ids)
+        if len(tokens) > 1:  # a decode step after the prompt's last chunk
+            held = max(held, kv.num_blocks - kv.num_free_blocks)
+    assert tokens == expected
+    without_windows = -(-(len(prompt) + 5) // kv.block_size) * 6  # every layer, every block
+    assert held <= 0.25 * without_windows, (held, without_windows)

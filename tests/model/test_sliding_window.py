@@ -159,4 +159,5 @@ def test_mistral_window_runs_past_it_and_equals_transformers(
     model.save_pretrained(tmp_path)
     default_tokenizer.save_pretrained(tmp_path)
     assert ArchConfig.from_hf_config(config.to_dict()).layer_window(1) == 24
-    assert_tokens_match(str(tmp_path), hf_model(tmp_path), 49152)
+    # the window's blocks are given back: 10 blocks (not 36) still make the batch preempt
+    assert_tokens_match(str(tmp_path), hf_model(tmp_path), 49152, num_blocks=10)
