@@ -5,10 +5,11 @@ The router is transformers' (`Qwen3MoeTopKRouter`), op for op: logits = x @ rout
 softmax over the experts, the top k, divided by their sum when `norm_topk_prob`. Then, per step,
 each expert that any token chose runs once, over all the rows routed to it, through the same
 matmul calls a dense MLP makes (the op table's `bind_matmul`: oneDNN on the exact path, the
-quantized kernel on the fused one) and the table's `silu_mul`; its rows are weighted and added
-back into their tokens in expert order, as transformers' eager experts do (`index_add_` into
-zeros), so the exact path sums each token's k terms in the same order. Qwen2-MoE adds a shared
-expert that every token runs, scaled by sigmoid(x @ shared_expert_gate.T).
+quantized kernel on the fused one) and the table's `silu_mul`; each row's output is weighted,
+and a token's k terms are added in expert order, the order in which transformers' eager experts
+add them (`index_add_` into zeros), so the exact path sums them as it does. Qwen2-MoE adds a
+shared expert that every token runs, scaled by sigmoid(x @ shared_expert_gate.T). The routing's
+small ops run on one thread (`_one_thread`).
 
 Under tensor parallelism each rank holds every expert's slice of the intermediate rows (and of
 the shared expert's) and the whole router: every rank routes the same tokens the same way, its
@@ -21,7 +22,9 @@ where a per-token loop makes T k one-row calls; a decode step (T = 1) runs k exp
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -103,36 +106,83 @@ class BoundMoe:
         self.shared_gate = block.shared_expert_gate
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(x, self.router, self.top_k, self.norm_topk_prob)
-        out = run_experts(x, weights, ids, self.experts)
-        if self.shared is not None and self.shared_gate is not None:
-            shared = self.shared(x)
-            out = out + torch.sigmoid(F.linear(x, self.shared_gate)) * shared
+        # 1) route, and group the (token, expert) pairs by expert
+        with _one_thread(x):
+            weights, ids = route(x, self.router, self.top_k, self.norm_topk_prob)
+            groups = group_by_expert(ids, weights, len(self.experts))
+            shared_scale = (None if self.shared_gate is None  # [T, 1]
+                            else torch.sigmoid(F.linear(x, self.shared_gate)))
+        # 2) each chosen expert once, over its rows
+        out = run_experts(x, groups, self.experts)
+        # 3) Qwen2-MoE's shared expert, which every token runs
+        if self.shared is not None and shared_scale is not None:
+            out = out + shared_scale * self.shared(x)
         return out
 
 
-def run_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                experts: list[Matmul]) -> torch.Tensor:
-    """sum_j weights[t, j] * experts[ids[t, j]](x[t]) for every token t: x [T, hidden],
-    weights and ids [T, k] -> [T, hidden]. Each chosen expert runs once, on its rows (tokens
-    ascending), and they are added into zeros in expert order."""
-    top_k = ids.shape[1]
-    flat_ids = ids.reshape(-1)  # [T k], token by token
-    order = torch.argsort(flat_ids, stable=True)  # the (token, slot) pairs grouped by expert
+@dataclass(frozen=True, slots=True)
+class ExpertGroups:
+    """A step's (token, slot) pairs grouped by expert. Pair p is token p // k and that
+    token's (p % k)-th expert in ascending expert order."""
+
+    order: torch.Tensor  # [T k] the pairs, expert by expert (tokens ascending within one)
+    counts: list[int]  # [E] pairs per expert, on the host
+    scales: torch.Tensor  # [T k, 1] each pair's routing weight
+    top_k: int
+
+
+def group_by_expert(ids: torch.Tensor, weights: torch.Tensor, num_experts: int
+                    ) -> ExpertGroups:
+    """ids, weights [T, k] (route's) -> the pairs grouped by expert; each token's experts
+    sorted first, so that its terms are summed in expert order, as transformers' eager loop
+    over the experts adds them."""
+    ids, slots = ids.sort(dim=1)
+    flat_ids = ids.reshape(-1)  # [T k]
+    order = torch.argsort(flat_ids, stable=True)
     # the one read back to the host a MoE layer makes: slicing the groups needs their sizes
     # (a sync per layer on a GPU, as transformers' own loop over the experts hit)
-    counts = torch.bincount(flat_ids, minlength=len(experts)).tolist()
-    tokens = order // top_k  # [T k] the token of each pair, grouped by expert
-    scales = weights.reshape(-1, 1)[order]  # [T k, 1]
-    out = torch.zeros_like(x)
+    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
+    return ExpertGroups(order, counts, weights.gather(1, slots).reshape(-1, 1), ids.shape[1])
+
+
+def run_experts(x: torch.Tensor, groups: ExpertGroups, experts: list[Matmul]) -> torch.Tensor:
+    """sum over each token t's pairs of scale * expert(x[t]): x [T, hidden] -> [T, hidden].
+    Each expert runs once, on all its rows; a token's k terms are then added in expert order
+    ((t0 + t1) + t2: transformers' index_add_ into zeros, whose 0 + t0 is t0)."""
+    num_tokens, top_k = x.shape[0], groups.top_k
+    terms = x.new_empty(num_tokens * top_k, x.shape[1])  # [T k, hidden], pair by pair
     start = 0
-    for expert, count in zip(experts, counts, strict=True):
+    for expert, count in zip(experts, groups.counts, strict=True):
         if count == 0:
             continue
-        rows = tokens[start : start + count]
-        out.index_add_(0, rows, expert(x.index_select(0, rows)) * scales[start : start + count])
+        pairs = groups.order[start : start + count]
+        rows = x.index_select(0, pairs // top_k)
+        # index_copy_, not index_add_ into the output: each pair is written once, and CPU
+        # index_add_ forks threads even for a few rows (0.48 ms against 5 us, measured)
+        terms.index_copy_(0, pairs, expert(rows) * groups.scales.index_select(0, pairs))
         start += count
+    per_token = terms.view(num_tokens, top_k, -1)
+    out = per_token[:, 0]
+    for slot in range(1, top_k):
+        out = out + per_token[:, slot]
     return out
+
+
+@contextlib.contextmanager
+def _one_thread(x: torch.Tensor) -> Iterator[None]:
+    """torch's CPU ops on one thread inside: the router's and the grouping's ops are a few
+    microseconds of work on a few rows, and each forks both threads where it runs on two
+    (measured on 2 busy cores: the router's matmul at 8 rows 3.4 us on one thread against
+    ~140 us on two, its softmax 2 us against 65; switching costs 0.4 us)."""
+    if x.device.type != "cpu":
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _param(*shape: int) -> nn.Parameter:

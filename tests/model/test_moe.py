@@ -22,7 +22,7 @@ from test_equivalence import assert_logits_match, assert_tokens_match, random_pr
 from nanoserve.model.fused_ops import kernels
 from nanoserve.model.layer_ops import EXACT_OPS
 from nanoserve.model.loader import load_arch, load_model
-from nanoserve.model.moe import BoundMoe, route, run_experts
+from nanoserve.model.moe import BoundMoe, group_by_expert, route, run_experts
 from nanoserve.model.parallel import TensorParallelGroup
 from nanoserve.sampling_params import SamplingParams
 
@@ -84,7 +84,7 @@ def test_grouped_experts_equal_transformers_eager_loop() -> None:
         mlps = [lambda rows, e=e: F.linear(  # type: ignore[misc]
             EXACT_OPS.silu_mul(F.linear(rows, experts.gate_up_proj[e])), experts.down_proj[e])
             for e in range(config.num_experts)]
-        ours = run_experts(x, weights, ids, mlps)
+        ours = run_experts(x, group_by_expert(ids, weights, config.num_experts), mlps)
     assert len(ids.unique()) == config.num_experts  # every expert ran on some rows
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
 

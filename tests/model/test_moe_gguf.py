@@ -110,15 +110,15 @@ def test_upcycled_default_model_equals_the_dense_one_token_for_token(
     exactly 1 and 0)."""
     chosen: list[torch.Tensor] = []
     weights_seen: list[torch.Tensor] = []
-    run_experts = moe_module.run_experts
+    route = moe_module.route
 
-    def recording(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                  experts: list[Any]) -> torch.Tensor:
+    def recording(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        weights, ids = route(*args)
         chosen.append(ids[:, 0])
         weights_seen.append(weights)
-        return run_experts(x, weights, ids, experts)
+        return weights, ids
 
-    monkeypatch.setattr(moe_module, "run_experts", recording)
+    monkeypatch.setattr(moe_module, "route", recording)
     texts = ["The capital of France is", "def fibonacci(n):",
              "Once upon a time, in a land far away,", "1, 2, 3, 4,",
              "Water boils at a temperature of"]
