@@ -70,8 +70,6 @@ def moe_from_gguf(meta: dict[str, Any], num_layers: int,
                   tensor_shapes: Mapping[str, tuple[int, ...]] | None) -> MoeConfig | None:
     """The MoE fields of a `qwen2moe` / `qwen3moe` GGUF file (None for another architecture).
     Sizes the metadata leaves out are read from the tensors' shapes where those are given."""
-    from nanoserve.model.arch import UnsupportedModelError
-
     arch = meta.get("general.architecture", "")
     if arch not in GGUF_NORM_TOPK_DEFAULT:
         return None
@@ -82,7 +80,7 @@ def moe_from_gguf(meta: dict[str, Any], num_layers: int,
     shapes = tensor_shapes or {}
     gating = get("expert_gating_func", _GGUF_SOFTMAX_GATING)
     if gating != _GGUF_SOFTMAX_GATING:
-        raise UnsupportedModelError(
+        raise ValueError(
             f"{arch}.expert_gating_func={gating}: nanoserve's router is a softmax "
             f"(gating function {_GGUF_SOFTMAX_GATING})")
     sparse = (tuple(range(num_layers)) if tensor_shapes is None else
