@@ -106,14 +106,16 @@ class BoundMoe:
         self.shared_gate = block.shared_expert_gate
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        # 1) route, and group the (token, expert) pairs by expert
+        # 1) route, and group the (token, expert) pairs by expert (not one token's)
         with _one_thread(x):
             weights, ids = route(x, self.router, self.top_k, self.norm_topk_prob)
-            groups = group_by_expert(ids, weights, len(self.experts))
+            groups = None if x.shape[0] == 1 else group_by_expert(ids, weights,
+                                                                   len(self.experts))
             shared_scale = (None if self.shared_gate is None  # [T, 1]
                             else torch.sigmoid(F.linear(x, self.shared_gate)))
         # 2) each chosen expert once, over its rows
-        out = run_experts(x, groups, self.experts)
+        out = (run_experts(x, groups, self.experts) if groups is not None
+               else run_token(x, weights, ids, self.experts))
         # 3) Qwen2-MoE's shared expert, which every token runs
         if self.shared is not None and shared_scale is not None:
             out = out + shared_scale * self.shared(x)
@@ -165,6 +167,20 @@ def run_experts(x: torch.Tensor, groups: ExpertGroups, experts: list[Matmul]) ->
     out = per_token[:, 0]
     for slot in range(1, top_k):
         out = out + per_token[:, slot]
+    return out
+
+
+def run_token(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+              experts: list[Matmul]) -> torch.Tensor:
+    """`run_experts` for one token, x [1, hidden] (a decode step of one request): its k
+    experts in expert order: the same products and sums, without the grouping's ops (an
+    upcycled SmolLM2 layer at one row, 2 of 4 experts: 108 us against 188, measured)."""
+    expert_ids = ids[0].tolist()  # the host read, as the grouping's
+    out: torch.Tensor | None = None
+    for slot in sorted(range(len(expert_ids)), key=expert_ids.__getitem__):
+        term = experts[expert_ids[slot]](x) * weights[:, slot : slot + 1]
+        out = term if out is None else out + term
+    assert out is not None, "a token has at least one expert"
     return out
 
 
