@@ -160,7 +160,7 @@ def run_experts(x: torch.Tensor, groups: ExpertGroups, experts: list[Matmul]) ->
         pairs = groups.order[start : start + count]
         rows = x.index_select(0, pairs // top_k)
         # index_copy_, not index_add_ into the output: each pair is written once, and CPU
-        # index_add_ forks threads even for a few rows (0.48 ms against 5 us, measured)
+        # index_add_ forks threads even for a few rows (~0.5 ms against 5 us, measured)
         terms.index_copy_(0, pairs, expert(rows) * groups.scales.index_select(0, pairs))
         start += count
     per_token = terms.view(num_tokens, top_k, -1)
@@ -174,7 +174,7 @@ def run_token(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
               experts: list[Matmul]) -> torch.Tensor:
     """`run_experts` for one token, x [1, hidden] (a decode step of one request): its k
     experts in expert order: the same products and sums, without the grouping's ops (an
-    upcycled SmolLM2 layer at one row, 2 of 4 experts: 108 us against 188, measured)."""
+    upcycled SmolLM2 layer at one row: 108 us against 188; docs/benchmarks.md)."""
     expert_ids = ids[0].tolist()  # the host read, as the grouping's
     out: torch.Tensor | None = None
     for slot in sorted(range(len(expert_ids)), key=expert_ids.__getitem__):
@@ -188,8 +188,8 @@ def run_token(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
 def _one_thread(x: torch.Tensor) -> Iterator[None]:
     """torch's CPU ops on one thread inside: the router's and the grouping's ops are a few
     microseconds of work on a few rows, and each forks both threads where it runs on two
-    (measured on 2 busy cores: the router's matmul at 8 rows 3.4 us on one thread against
-    ~140 us on two, its softmax 2 us against 65; switching costs 0.4 us)."""
+    (on 2 busy cores the router's matmul at 8 rows took 3.4 us on one thread, ~140 us on two;
+    switching costs 0.4 us: docs/benchmarks.md, "Mixture of experts")."""
     if x.device.type != "cpu":
         yield
         return
