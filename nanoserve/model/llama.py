@@ -95,7 +95,7 @@ class BoundDecoderLayer:
         self.attn_output_norm, self.mlp_output_norm = layer.attn_output_norm, layer.mlp_output_norm
         self.qkv, self.rope_store, self.o = calls.qkv, calls.rope_store, calls.o
         self.gate_up, self.down = calls.gate_up, calls.down
-        self.moe = None if layer.moe is None else BoundMoe(layer.moe, table)
+        self.moe = None if layer.moe is None else BoundMoe(layer.moe, table, self.silu_mul)
         self.all_reduce = group.all_reduce
         # a windowed layer attends its window, with the local RoPE base where there is one
         self.window = arch.layer_window(index)

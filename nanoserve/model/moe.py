@@ -89,14 +89,16 @@ def _mlp(gate_up: Matmul, down: Matmul, silu_mul: Callable[[torch.Tensor], torch
 
 class BoundMoe:
     """A MoeBlock's weights bound to an op table: x [T, hidden] -> [T, hidden], the block's
-    output (a partial sum under tensor parallelism, reduced by the caller)."""
+    output (a partial sum under tensor parallelism, reduced by the caller). `act` is the
+    layer's gated activation, the table's `silu_mul` unless given."""
 
     __slots__ = ("experts", "norm_topk_prob", "router", "shared", "shared_gate", "top_k")
 
-    def __init__(self, block: MoeBlock, table: OpTable) -> None:
+    def __init__(self, block: MoeBlock, table: OpTable,
+                 act: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         def bind(weights: ExpertWeights) -> Matmul:
             return _mlp(table.bind_matmul(weights.gate_up_proj),
-                        table.bind_matmul(weights.down_proj), table.silu_mul)
+                        table.bind_matmul(weights.down_proj), act or table.silu_mul)
 
         self.router = block.gate
         self.top_k, self.norm_topk_prob = block.num_experts_per_tok, block.norm_topk_prob
