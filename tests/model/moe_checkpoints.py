@@ -233,9 +233,10 @@ def upcycle_default_model(out: Path, seed: int = 0) -> Path:
                               np.stack([rows] * UPCYCLED_EXPERTS), raw_dtype=qtype)
         router = rng.standard_normal((UPCYCLED_EXPERTS, hidden)) * ROUTER_SCALE
         writer.add_tensor(f"{blk}ffn_gate_inp.weight", router.astype(np.float32))
-        gate_up = rng.standard_normal((shared_size, hidden)).astype(np.float32)
-        writer.add_tensor(f"{blk}ffn_gate_shexp.weight", gate_up)
-        writer.add_tensor(f"{blk}ffn_up_shexp.weight", gate_up)
+        gate_up = gguf.quants.quantize(
+            rng.standard_normal((shared_size, hidden)).astype(np.float32), Q.Q4_1)
+        writer.add_tensor(f"{blk}ffn_gate_shexp.weight", gate_up, raw_dtype=Q.Q4_1)
+        writer.add_tensor(f"{blk}ffn_up_shexp.weight", gate_up, raw_dtype=Q.Q4_1)
         zeros = gguf.quants.quantize(np.zeros((hidden, shared_size), np.float32), Q.Q4_1)
         writer.add_tensor(f"{blk}ffn_down_shexp.weight", zeros, raw_dtype=Q.Q4_1)
         writer.add_tensor(f"{blk}ffn_gate_inp_shexp.weight",
