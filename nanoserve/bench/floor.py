@@ -3,14 +3,18 @@ takes at the rates measured here, whichever is longer.
 
   bytes  every matmul weight as the kernels hold it (packed blocks; a 4-bit weight's wide form
          where the kernel reads it, from 16 rows on), the LM head, and each request's KV cache
-         rows up to its context, read once per step
+         rows up to its context, read once per step. A MoE layer's experts count only as
+         many as the step's tokens choose: k at one token, and for B tokens the number of
+         distinct experts B tokens drawing k of E each would hit if the router spread them
+         evenly, E (1 - (1 - k/E)^B); its router and shared expert always
   read   the read bandwidth the step can have: a sum over a buffer the size of one
          request's step (its weights), repeated as the steps repeat, 2 threads (the best of a
          few). Where the caches hold the weights between steps (a server CPU's L3 of hundreds
          of MB), that is the caches' rate, not DRAM's: a floor at DRAM's rate would be one the
          step can beat
   MACs   the projections' and the LM head's multiply-adds for the step's rows (attention's are
-         counted as bytes: at these sizes it waits on the cache rows, not on arithmetic)
+         counted as bytes: at these sizes it waits on the cache rows, not on arithmetic); a
+         MoE layer's, each row's k experts, its router and shared expert
   rate   the int8 matmul kernel's multiply-adds per second on the model's largest projection
          at 256 rows (the best of a few), where the kernel is bound by arithmetic
 
@@ -60,9 +64,33 @@ class StepFloor:
 
 
 def _matmul_weights(model: CausalLM) -> list[Any]:
+    """Every weight a step reads whole: the projections and the LM head, not the experts."""
     weights = [w for layer in model.decoder_layers
-               for w in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
+               for w in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+               if w is not None]  # (a MoE layer has no gate_up nor down: `_expert_reads`)
     return [*weights, model.lm_head]
+
+
+def _expert_reads(model: CausalLM, batch: int) -> tuple[float, float]:
+    """(bytes, multiply-adds) of the MoE layers' routers and experts in a step of `batch`
+    rows: the experts they choose (see the top), and the shared expert."""
+    num_bytes = macs = 0.0
+    for layer in model.decoder_layers:
+        if layer.moe is None:
+            continue
+        router, experts = layer.moe.gate, layer.moe.experts
+        top_k, num_experts = layer.moe.num_experts_per_tok, len(experts)
+        hit = num_experts * (1 - (1 - top_k / num_experts) ** batch)
+        rows = round(batch * top_k / hit)  # an expert's rows, on average
+        expert = [experts[0].gate_up_proj, experts[0].down_proj]
+        num_bytes += hit * sum(_weight_bytes(w, rows) for w in expert) + _weight_bytes(router, 1)
+        macs += batch * (top_k * sum(n * k for n, k in map(_shape, expert))
+                         + router.shape[0] * router.shape[1])
+        if layer.moe.shared_expert is not None:
+            shared = [layer.moe.shared_expert.gate_up_proj, layer.moe.shared_expert.down_proj]
+            num_bytes += sum(_weight_bytes(w, batch) for w in shared)
+            macs += batch * sum(n * k for n, k in map(_shape, shared))
+    return num_bytes, macs
 
 
 def _shape(weight: Any) -> tuple[int, int]:
@@ -82,19 +110,23 @@ def step_floor(model: CausalLM, kv_cache: torch.Tensor, batch: int, context_len:
     """The floor of one decode step of `batch` requests at `context_len` tokens of context;
     `kv_cache` is one layer's key cache [Hkv, num_blocks, block_size, row] (its row bytes)."""
     weights = _matmul_weights(model)
-    weight_bytes = sum(_weight_bytes(w, batch) for w in weights)
+    expert_bytes, expert_macs = _expert_reads(model, batch)
+    weight_bytes = sum(_weight_bytes(w, batch) for w in weights) + expert_bytes
     row_bytes = kv_cache.shape[-1] * kv_cache.element_size()
     arch = model.arch
     cache_bytes = batch * context_len * arch.num_layers * 2 * arch.num_kv_heads * row_bytes
-    macs = batch * sum(n * k for n, k in map(_shape, weights))
+    macs = batch * sum(n * k for n, k in map(_shape, weights)) + expert_macs
     return StepFloor(weight_bytes + cache_bytes, macs, rates)
 
 
 def measure_rates(model: CausalLM, repeats: int = 5) -> MachineRates:
     """The read bandwidth and the matmul kernel's multiply-add rate, measured now."""
-    buffer_bytes = max(_MIN_READ_BYTES, sum(_weight_bytes(w, 1) for w in _matmul_weights(model)))
+    one_row = sum(_weight_bytes(w, 1) for w in _matmul_weights(model)) + _expert_reads(model, 1)[0]
+    buffer_bytes = max(_MIN_READ_BYTES, int(one_row))
     read = _read_seconds(buffer_bytes, repeats)
-    largest = model.decoder_layers[0].gate_up_proj
+    layer = model.decoder_layers[0]  # its MLP's gate/up, or its first expert's
+    largest: Any = (layer.gate_up_proj if layer.moe is None
+                    else layer.moe.experts[0].gate_up_proj)
     rows, (num_rows, in_features) = 256, _shape(largest)
     x = torch.randn(rows, in_features)
     matmul = largest.matmul if isinstance(largest, QuantizedWeight) else (lambda a: a @ largest.T)

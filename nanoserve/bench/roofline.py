@@ -1,23 +1,25 @@
 """A decode step beside its matmuls alone: how close the engine runs to the machine's floor.
 
 "The matmuls alone" are the step's matrix products, run back to back with nothing else: every
-layer's projections (qkv, o, gate/up, down) and the LM head on `batch` rows, with the model's
-own (packed) weights and kernels, plus attention's two products (QK^T and PV) over contiguous
-keys and values of the step's context length. Everything else in a real step (norms, RoPE,
-gathering KV blocks, softmax, sampling, Python) is overhead on top of that floor.
+layer's projections (qkv, o, gate/up, down; a MoE layer's k experts) and the LM head on `batch`
+rows, with the model's own (packed) weights and kernels, plus attention's two products (QK^T
+and PV) over contiguous keys and values of the step's context length. Everything else in a
+real step (norms, RoPE, gathering KV blocks, softmax, sampling, Python) is overhead on top of
+that floor.
 """
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from nanoserve.bench.timing import median_seconds
 from nanoserve.engine.core import EngineCore
 from nanoserve.model.linear import linear
-from nanoserve.model.llama import CausalLM
+from nanoserve.model.llama import CausalLM, DecoderLayer
 from nanoserve.sampling_params import SamplingParams
 
 
@@ -65,6 +67,18 @@ def measure_decode_step(engine: EngineCore, batch: int, context_len: int,
     return seconds
 
 
+def _step_mlps(layer: DecoderLayer) -> list[tuple[Any, Any]]:
+    """(gate_up, down) of each MLP a row runs through: the dense one, or a MoE layer's first
+    k experts (standing in for the k its router picks) and its shared expert."""
+    moe = layer.moe
+    if moe is None:
+        return [(layer.gate_up_proj, layer.down_proj)]
+    mlps = [*moe.experts[: moe.num_experts_per_tok]]
+    if moe.shared_expert is not None:
+        mlps.append(moe.shared_expert)
+    return [(mlp.gate_up_proj, mlp.down_proj) for mlp in mlps]
+
+
 @torch.inference_mode()
 def measure_matmuls(model: CausalLM, batch: int, context_len: int,
                     repeats: int = 10) -> MatmulTimes:
@@ -77,14 +91,16 @@ def measure_matmuls(model: CausalLM, batch: int, context_len: int,
 
     x = rand(batch, arch.hidden_size)
     attn_out = rand(batch, arch.q_size)
-    act = rand(batch, arch.intermediate_size)
+    mlps = [_step_mlps(layer) for layer in model.decoder_layers]
+    acts = {w.shape[1]: rand(batch, w.shape[1]) for layer in mlps for _, w in layer}
 
     def projections() -> None:
-        for layer in model.decoder_layers:
+        for layer, mlp in zip(model.decoder_layers, mlps, strict=True):
             linear(x, layer.qkv_proj, layer.qkv_bias)
             linear(attn_out, layer.o_proj)
-            linear(x, layer.gate_up_proj)
-            linear(act, layer.down_proj)
+            for gate_up, down in mlp:
+                linear(x, gate_up)
+                linear(acts[down.shape[1]], down)
         linear(x, model.lm_head)
 
     group = arch.num_heads // arch.num_kv_heads

@@ -104,7 +104,7 @@ class EngineCore:
             return None
         arch = loaded.arch
         return PrefillPacer(factor, tokens_per_unit_of_context(
-            arch.hidden_size, arch.intermediate_size, arch.num_layers, arch.num_heads,
+            arch.hidden_size, arch.active_intermediate_size, arch.num_layers, arch.num_heads,
             arch.num_kv_heads, arch.head_dim))
 
     @staticmethod

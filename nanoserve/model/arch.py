@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from nanoserve.model.moe_arch import MoeConfig, moe_from_gguf, moe_from_hf
 
 # Hugging Face `model_type` -> our family. Mistral is Llama without qkv bias, every layer in
 # its sliding window; Gemma 3's layers alternate windowed and global attention.
@@ -15,6 +18,9 @@ SUPPORTED_MODEL_TYPES = {
     "qwen3": "qwen3",
     "gemma3_text": "gemma3",
     "gemma3": "gemma3",  # a multimodal config whose text model runs alone (text_config)
+    # mixture of experts: the family's attention, the experts in `ArchConfig.moe`
+    "qwen2_moe": "qwen2",
+    "qwen3_moe": "qwen3",
 }
 SLIDING, FULL = "sliding_attention", "full_attention"  # transformers' `layer_types` values
 # Gemma 3's layers without `layer_types`: five windowed, then one global, repeating
@@ -81,6 +87,7 @@ class ArchConfig:
     hidden_act: str = "silu"  # "silu" | "gelu_tanh"
     scales_embedding: bool = False
     query_pre_attn_scalar: float | None = None
+    moe: MoeConfig | None = None  # a mixture-of-experts model's experts (moe_arch.py)
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -109,6 +116,14 @@ class ArchConfig:
     def attention_scale(self) -> float:
         """What q · k is multiplied by: 1 / sqrt(head_dim), or Gemma's query_pre_attn_scalar."""
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def active_intermediate_size(self) -> int:
+        """The MLP rows a token runs through, averaged over the layers (a MoE layer's k
+        experts and shared expert; `intermediate_size` in a dense model)."""
+        if self.moe is None:
+            return self.intermediate_size
+        return self.moe.active_intermediate_size(self.intermediate_size, self.num_layers)
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> ArchConfig:
@@ -150,19 +165,25 @@ class ArchConfig:
             rope_theta=_rope_theta(cfg),
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            has_qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
+            has_qkv_bias=(bool(family == "qwen2" and cfg.get("qkv_bias", True))
+                          or bool(cfg.get("attention_bias", False))),
             has_qk_norm=family == "qwen3",
             rope_scaling=_rope_scaling(cfg),
             sliding_window=window if family == "llama" else None,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            moe=moe_from_hf(cfg),
         )
 
     @classmethod
-    def from_gguf_metadata(cls, meta: dict[str, Any], has_output_weight: bool) -> ArchConfig:
-        """Read the `{arch}.*` keys of a GGUF file (llama.cpp's names for the same numbers)."""
+    def from_gguf_metadata(cls, meta: dict[str, Any], has_output_weight: bool,
+                           tensor_shapes: Mapping[str, tuple[int, ...]] | None = None
+                           ) -> ArchConfig:
+        """Read the `{arch}.*` keys of a GGUF file (llama.cpp's names for the same numbers);
+        `tensor_shapes` (the file's, by name) tell a MoE file's MoE layers (moe_arch.py)."""
         arch = meta.get("general.architecture", "")
-        families = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3"}
+        families = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3",
+                    "qwen2moe": "qwen2", "qwen3moe": "qwen3"}
         if arch not in families:
             raise UnsupportedModelError(
                 f"unsupported GGUF architecture {arch!r}; nanoserve runs {sorted(families)}"
@@ -196,6 +217,7 @@ class ArchConfig:
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=() if eos is None else (int(eos),),
             **gemma,
+            moe=moe_from_gguf(meta, get("block_count"), tensor_shapes),
         )
 
 

@@ -84,8 +84,8 @@ class ForwardPlan:
         """The layers as one native call over these caches (built at first use), or None."""
         # Under tensor parallelism the Python layer loop runs: the native stack chains every
         # layer in C++ with no all-reduce between them, so it is None for any group but the
-        # plain one of one rank.
-        if not self.use_native_layers:
+        # plain one of one rank. A MoE model's too: the stack's layers are dense MLPs.
+        if not self.use_native_layers or self.model.arch.moe is not None:
             return None
         built = self._layer_stack
         if built is None or built[0][0] is not kv_caches or built[0][1] is not attention:
@@ -112,7 +112,8 @@ class ForwardPlan:
         built: "none" stays the exact plain-PyTorch path."""
         model = self.model
         layer = model.decoder_layers[0]
-        weights = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+        weights = [w for w in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj,
+                               layer.down_proj) if w is not None]  # (none in a MoE layer)
         return (model.norm.device.type == "cpu" and model.norm.dtype == torch.float32
                 and model.rotary is not None and model.rotary.cos_table.dtype == torch.float32
                 and any(not isinstance(w, torch.Tensor) for w in weights)

@@ -78,6 +78,8 @@ def bind_matmul(weight: Any, profiled: bool = False) -> Matmul:
     quantized weight calls its kernel directly (no dispatch or shape checks in Python: the
     fused path's activations are always contiguous float32 [rows, in])."""
     call: Matmul
+    if weight is None:  # a MoE layer's dense projections: it has none (moe.py runs its experts)
+        return _absent_weight
     if isinstance(weight, QuantizedWeight) and weight.is_packed:
         native = load_kernels("quant_matmul")
         assert native is not None, "a packed QuantizedWeight exists only where the kernel loads"
@@ -95,6 +97,10 @@ def bind_matmul(weight: Any, profiled: bool = False) -> Matmul:
     if profiled and not isinstance(weight, torch.Tensor):  # a tensor's oneDNN op is seen anyway
         return _scoped("nanoserve::quant_matmul", call)
     return call
+
+
+def _absent_weight(x: torch.Tensor) -> torch.Tensor:
+    raise RuntimeError("this layer has no such projection (a MoE layer has no dense MLP)")
 
 
 def _scoped(name: str, call: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:

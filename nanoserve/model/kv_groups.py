@@ -21,7 +21,6 @@ from dataclasses import dataclass
 
 from nanoserve.model.arch import ArchConfig
 
-
 UNBOUNDED_TOKENS = 1 << 40  # a context of windowed layers only: its blocks are given back
 
 

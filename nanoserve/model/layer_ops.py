@@ -79,6 +79,8 @@ class OpTable:
     rope_tables: Callable[[RotaryEmbedding, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
     bind: Callable[[LayerWeights], LayerCalls]
     is_fused: bool
+    # one matmul weight -> its call, as `bind` makes them (a MoE layer's experts: moe.py)
+    bind_matmul: Callable[[Any], Matmul] = bind_matmul
 
 
 # -- exact: plain PyTorch ---------------------------------------------------------------------
@@ -145,9 +147,13 @@ def _exact_rope_tables(rotary: RotaryEmbedding, positions: torch.Tensor
     return rotary.lookup(positions)  # [T, 1, D] each, shared by all layers
 
 
+def _bind_exact_matmul(weight: Any) -> Matmul:
+    return functools.partial(linear, weight=weight)
+
+
 EXACT_OPS = OpTable(rms_norm=_rms_norm, add_rms_norm=_add_rms_norm, silu_mul=_silu_mul,
                     gelu_tanh_mul=_gelu_tanh_mul, rope_tables=_exact_rope_tables,
-                    bind=_bind_exact, is_fused=False)
+                    bind=_bind_exact, is_fused=False, bind_matmul=_bind_exact_matmul)
 
 
 # -- fused: the C++ kernels -------------------------------------------------------------------
@@ -194,4 +200,5 @@ def fused_table(profiled: bool = False) -> OpTable:
     return OpTable(rms_norm=kernels.rms_norm, add_rms_norm=kernels.add_rms_norm,
                    silu_mul=kernels.silu_mul, gelu_tanh_mul=_gelu_tanh_mul,
                    rope_tables=_fused_rope_tables,
-                   bind=functools.partial(_bind_fused, kernels=kernels), is_fused=True)
+                   bind=functools.partial(_bind_fused, kernels=kernels), is_fused=True,
+                   bind_matmul=functools.partial(bind_matmul, profiled=profiled))

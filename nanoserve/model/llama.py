@@ -39,6 +39,7 @@ from nanoserve.model.arch import ArchConfig
 from nanoserve.model.attention import AttentionBackend, AttentionMetadata
 from nanoserve.model.layer_ops import OpTable, StepContext
 from nanoserve.model.linear import linear
+from nanoserve.model.moe import BoundMoe, MoeBlock
 from nanoserve.model.parallel import TensorParallelGroup
 from nanoserve.model.rope import RotaryEmbedding
 from nanoserve.model.shard import local_arch, vocab_range
@@ -46,9 +47,10 @@ from nanoserve.model.shard import local_arch, vocab_range
 
 class DecoderLayer(nn.Module):
     """One layer's weights: pre-norm attention block, then pre-norm gated MLP, each with a
-    residual add. Its forward is `BoundDecoderLayer.forward`, over an op table."""
+    residual add. Its forward is `BoundDecoderLayer.forward`, over an op table. In a MoE
+    layer (layer `index` of a Qwen2/3-MoE) the MLP is moe.py's router and experts."""
 
-    def __init__(self, arch: ArchConfig) -> None:
+    def __init__(self, arch: ArchConfig, index: int = 0) -> None:
         super().__init__()
         self.arch = arch
         qkv_size = arch.q_size + 2 * arch.kv_size
@@ -59,8 +61,12 @@ class DecoderLayer(nn.Module):
         self.q_norm = _param(arch.head_dim) if arch.has_qk_norm else None
         self.k_norm = _param(arch.head_dim) if arch.has_qk_norm else None
         self.post_attention_layernorm = _param(arch.hidden_size)  # before the MLP
-        self.gate_up_proj = _param(2 * arch.intermediate_size, arch.hidden_size)
-        self.down_proj = _param(arch.hidden_size, arch.intermediate_size)
+        # a MoE layer's MLP is its router and experts (moe.py), in place of gate_up and down
+        self.moe = MoeBlock(arch) if arch.moe is not None and arch.moe.is_sparse(index) else None
+        self.gate_up_proj = (_param(2 * arch.intermediate_size, arch.hidden_size)
+                             if self.moe is None else None)
+        self.down_proj = (_param(arch.hidden_size, arch.intermediate_size)
+                          if self.moe is None else None)
         # Gemma's sandwich: norms of the attention's and the MLP's outputs too
         self.attn_output_norm = _param(arch.hidden_size) if arch.has_sandwich_norms else None
         self.mlp_output_norm = _param(arch.hidden_size) if arch.has_sandwich_norms else None
@@ -75,8 +81,8 @@ class BoundDecoderLayer:
     """
 
     __slots__ = ("add_rms_norm", "all_reduce", "attn_output_norm", "down", "forward", "gate_up",
-                 "input_norm", "is_local", "kv_group", "mlp_output_norm", "o", "post_norm",
-                 "q_scale", "qkv", "rms_norm", "rope_store", "silu_mul", "window")
+                 "input_norm", "is_local", "kv_group", "mlp_output_norm", "moe", "o",
+                 "post_norm", "q_scale", "qkv", "rms_norm", "rope_store", "silu_mul", "window")
 
     def __init__(self, layer: DecoderLayer, table: OpTable, group: TensorParallelGroup,
                  index: int = 0, kv_group: int = 0) -> None:
@@ -91,6 +97,7 @@ class BoundDecoderLayer:
         self.attn_output_norm, self.mlp_output_norm = layer.attn_output_norm, layer.mlp_output_norm
         self.qkv, self.rope_store, self.o = calls.qkv, calls.rope_store, calls.o
         self.gate_up, self.down = calls.gate_up, calls.down
+        self.moe = None if layer.moe is None else BoundMoe(layer.moe, table, self.silu_mul)
         self.all_reduce = group.all_reduce
         # a windowed layer attends its window, with the local RoPE base where there is one
         self.window = arch.layer_window(index)
@@ -116,7 +123,9 @@ class BoundDecoderLayer:
         # 2) MLP, its norm taking the attention block's residual add. Under tensor
         # parallelism o's output is this rank's partial sum: all-reduced before it is added.
         x = self.add_rms_norm(hidden, self.all_reduce(self.o(attn)), self.post_norm, eps)
-        # down's output too: all-reduced here, added by the next norm
+        # down's output too (or the experts'): all-reduced here, added by the next norm
+        if self.moe is not None:
+            return self.all_reduce(self.moe(x))
         return self.all_reduce(self.down(self.silu_mul(self.gate_up(x))))
 
     def _forward_sandwich(self, hidden: torch.Tensor, delta: torch.Tensor | None,
@@ -153,7 +162,7 @@ class CausalLM(nn.Module):
         self.vocab_start, self.vocab_end = vocab_range(arch, self.group)
         num_rows = self.vocab_end - self.vocab_start
         self.embed_tokens = _param(num_rows, arch.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(arch) for _ in range(arch.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_layers))
         self.norm = _param(arch.hidden_size)
         # Tied models reuse the embedding matrix: the loader points `lm_head` at the same tensor.
         self.lm_head = _param(num_rows, arch.hidden_size)

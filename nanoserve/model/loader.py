@@ -122,8 +122,14 @@ def load_arch(model: str | None) -> ArchConfig:
     path = resolve_model_path(model)
     if path.is_dir():
         return ArchConfig.from_hf_config(json.loads((path / "config.json").read_text()))
-    gguf = GGUFFile(path)
-    return ArchConfig.from_gguf_metadata(gguf.metadata, "output.weight" in gguf.tensors)
+    return gguf_arch(GGUFFile(path))
+
+
+def gguf_arch(gguf: GGUFFile) -> ArchConfig:
+    """A GGUF file's shape: its metadata, and its tensors' names and shapes (an untied head; a
+    MoE file's MoE layers)."""
+    shapes = {name: tensor.shape for name, tensor in gguf.tensors.items()}
+    return ArchConfig.from_gguf_metadata(gguf.metadata, "output.weight" in shapes, shapes)
 
 
 def load_model(model: str | None, device: torch.device, dtype: torch.dtype,
@@ -152,7 +158,7 @@ def load_model(model: str | None, device: torch.device, dtype: torch.dtype,
             tensors = gemma_norms_as_weights(tensors)
     else:
         gguf = GGUFFile(path)
-        arch = ArchConfig.from_gguf_metadata(gguf.metadata, "output.weight" in gguf.tensors)
+        arch = gguf_arch(gguf)
         tensors = read_gguf_tensors(gguf, arch, keep_blocks=mode == "gguf", group=group,
                                     block=block)
         rope_factors = gguf_rope_factors(gguf)

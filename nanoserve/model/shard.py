@@ -10,6 +10,8 @@ Megatron's layout, as nano-vllm and vLLM shard a Llama. With a weight W [N out, 
   embedding,    vocabulary rows [r V/tp, (r+1) V/tp)
   LM head
   norms, RoPE   whole on every rank
+  MoE experts   each expert's gate/up rows and down columns as the dense MLP's (every rank
+                holds every expert's slice); the router whole, so every rank routes alike
 
 A GGUF tensor (`RawBlocks`) is rows of quantized blocks (32 values for Q4_0/Q4_1/Q8_0, 256 for
 the K-quants, 1 for F16/F32/BF16). A row slice is whole raw rows; a column slice is the same
@@ -28,6 +30,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from nanoserve.model.arch import ArchConfig
+from nanoserve.model.moe_arch import MoeConfig
 from nanoserve.model.parallel import TensorParallelGroup
 from nanoserve.model.quantization import RawBlocks
 
@@ -113,16 +116,29 @@ def shard_heads(weight: Weight, num_heads: int, head_dim: int, group: TensorPara
 
 def local_arch(arch: ArchConfig, group: TensorParallelGroup) -> ArchConfig:
     """The shape of this rank's slice of the model: its query and KV heads (one replicated KV
-    head below the ranks) and its rows of the MLP. The vocabulary stays the model's (the
-    logits rank 0 gathers span it) and so does `head_dim`. Raises the named error of a shape
-    that does not split."""
+    head below the ranks) and its rows of the MLP and of every expert. The vocabulary stays the
+    model's (the logits rank 0 gathers span it) and so does `head_dim`. Raises the named error
+    of a shape that does not split."""
     if group.is_single:
         return arch
     first, last = head_range(arch.num_heads, group, "q_proj")
     kv_first, kv_last = head_range(arch.num_kv_heads, group, "k_proj", replicate=True)
     start, stop = split_range(arch.intermediate_size, group, "gate_proj", "rows")
     return replace(arch, num_heads=last - first, num_kv_heads=kv_last - kv_first,
-                   intermediate_size=stop - start)
+                   intermediate_size=stop - start, moe=_local_moe(arch.moe, group))
+
+
+def _local_moe(moe: MoeConfig | None, group: TensorParallelGroup) -> MoeConfig | None:
+    """A MoE model's experts on this rank: every expert, each with its share of the
+    intermediate rows (the shared expert's too), as the dense MLP's."""
+    if moe is None:
+        return None
+    start, stop = split_range(moe.moe_intermediate_size, group, "experts.gate_proj", "rows")
+    shared = moe.shared_expert_intermediate_size
+    if shared:
+        shared_start, shared_stop = split_range(shared, group, "shared_expert.gate_proj", "rows")
+        shared = shared_stop - shared_start
+    return replace(moe, moe_intermediate_size=stop - start, shared_expert_intermediate_size=shared)
 
 
 def vocab_range(arch: ArchConfig, group: TensorParallelGroup) -> tuple[int, int]:

@@ -48,6 +48,10 @@ def _read_order(model: CausalLM) -> Iterator[tuple[torch.nn.Module, str]]:
     for layer in model.decoder_layers:
         for attr in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
             yield layer, attr
+        if layer.moe is not None:  # a MoE layer's experts (its gate_up and down are None)
+            for mlp in layer.moe.gated_mlps():
+                yield mlp, "gate_up_proj"
+                yield mlp, "down_proj"
     yield model, "lm_head"
 
 

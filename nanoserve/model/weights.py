@@ -16,6 +16,7 @@ import torch
 from nanoserve.model.arch import ArchConfig
 from nanoserve.model.gguf_file import GGUFFile
 from nanoserve.model.llama import CausalLM
+from nanoserve.model.moe_weights import GGUF_MOE_LAYER_NAMES, pop_moe_weights, split_gguf_experts
 from nanoserve.model.parallel import TensorParallelGroup
 from nanoserve.model.quant_linear import QuantizedWeight
 from nanoserve.model.quantization import (
@@ -44,6 +45,7 @@ _GGUF_LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    **GGUF_MOE_LAYER_NAMES,
 }
 # Gemma 3's four norms a layer: llama.cpp's `ffn_norm` is the one before the MLP, which Gemma
 # names pre_feedforward_layernorm (Llama's post_attention_layernorm); the two after
@@ -111,6 +113,11 @@ def read_gguf_tensors(gguf: GGUFFile, arch: ArchConfig, keep_blocks: bool = Fals
             continue  # read by the loader as RoPE scaling factors
         hf_name = gguf_to_hf_name(name, gguf_arch)
         tensor = gguf.tensors[name]
+        if len(tensor.shape) == 3:  # a MoE layer's experts, stacked: a weight per expert
+            for expert_name, expert in split_gguf_experts(gguf, name, hf_name, keep_blocks):
+                yield expert_name, (expert if group is None
+                                    else shard_weight(expert_name, expert, arch, group, block))
+            continue
         value: ReadTensor | None = None
         if keep_blocks and len(tensor.shape) == 2:
             blocks = RawBlocks(tensor.data, tensor.ggml_type, (tensor.shape[0], tensor.shape[1]))
@@ -196,6 +203,9 @@ def load_into(model: CausalLM, tensors: Iterator[tuple[str, ReadTensor]], dtype:
         if arch.has_qk_norm:
             fused[f"layers.{i}.q_norm"] = state.pop(attn + "q_norm.weight")
             fused[f"layers.{i}.k_norm"] = state.pop(attn + "k_norm.weight")
+        if arch.moe is not None and arch.moe.is_sparse(i):  # its router and experts instead
+            fused.update(pop_moe_weights(state, p, f"layers.{i}.moe.", arch.moe))
+            continue
         fused[f"layers.{i}.gate_up_proj"] = fuse_rows(
             [state.pop(p + "mlp.gate_proj.weight"), state.pop(p + "mlp.up_proj.weight")])
         fused[f"layers.{i}.down_proj"] = state.pop(p + "mlp.down_proj.weight")
