@@ -80,6 +80,7 @@ def test_tiny_gemma3_quantized_path_stays_close(tiny_gemma3_dir: Path) -> None:
 
 
 # -- the real model (conftest's gemma_270m_gguf: skipped without its PyPI packages) ----------
+@pytest.mark.slow
 def test_gemma3_270m_greedy_equals_transformers(gemma_270m_gguf: Path) -> None:
     """--quantization none on the real GGUF: greedy tokens equal transformers' for prompts
     shorter and longer than the 512-token window, alone and batched (chunks of 256)."""
