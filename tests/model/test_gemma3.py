@@ -91,8 +91,9 @@ def test_gemma3_270m_greedy_equals_transformers(gemma_270m_gguf: Path) -> None:
     num_new = 6
     expected = {rid: hf_greedy(reference, ids, num_new) for rid, ids in prompts.items()}
     greedy = SamplingParams(temperature=0.0, max_tokens=num_new, ignore_eos=True)
-    # one engine (no prefix cache: the batched run computes every prompt again)
-    engine = make_engine(gemma_270m_gguf, max_model_len=2048, num_blocks=160,
+    # one engine (no prefix cache: the batched run computes every prompt again); a block holds
+    # 3 layers: 128 for the global group's 2,048 tokens, 5 x 33 for the windowed groups
+    engine = make_engine(gemma_270m_gguf, max_model_len=2048, num_blocks=400,
                          max_num_batched_tokens=256, enable_prefix_caching=False)
     for rid, ids in prompts.items():
         assert run_to_completion(engine, {rid: ids}, greedy)[rid] == expected[rid], rid
