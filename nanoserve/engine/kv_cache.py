@@ -128,6 +128,8 @@ class KVCacheManager:
         # into its per-slot table each step (block_table.py), never rebuilding a list.
         self.req_block_ids: dict[str, list[list[int]]] = {}
         self.req_num_registered: dict[str, int] = {}
+        # per request, per group: how many of its first blocks a window has given back
+        self.req_num_given_back: dict[str, list[int]] = {}
         # Prefix-cache counters, in tokens (vLLM's meaning): looked up, and found cached.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -187,9 +189,8 @@ class KVCacheManager:
                                             [[] for _ in self.group_windows])
         computed = list(computed_blocks) or [[] for _ in self.group_windows]
         num_cached = request.num_computed_tokens + len(computed[0]) * self.block_size
-        for window, blocks in zip(self.group_windows, groups, strict=True):
-            if window:
-                self._give_back_outside(blocks, num_cached - window + 1)
+        if any(self.group_windows):
+            self._give_back_outside(request.request_id, groups, num_cached)
         num_total = -(-(num_cached + num_new_tokens) // self.block_size)
         needed = [num_total - len(blocks) - len(hit) for blocks, hit in zip(groups, computed,
                                                                             strict=True)]
@@ -204,13 +205,22 @@ class KVCacheManager:
             block_ids.extend(b.block_id for b in new_blocks)
         return True
 
-    def _give_back_outside(self, blocks: list[KVBlock | None], first_key: int) -> None:
-        """Release the blocks wholly before key `first_key` (no later query reads them)."""
-        for i in range(min(len(blocks), max(first_key, 0) // self.block_size)):
-            block = blocks[i]
-            if block is not None:
-                self.pool.release((block,))
-                blocks[i] = None
+    def _give_back_outside(self, request_id: str, groups: list[list[KVBlock | None]],
+                           num_cached: int) -> None:
+        """In each windowed group, release the blocks wholly before the first key the next
+        query reads (num_cached - window + 1): no later query reads them. Each step looks only
+        at the blocks past those given back before."""
+        given = self.req_num_given_back.setdefault(request_id, [0] * len(groups))
+        for g, (window, blocks) in enumerate(zip(self.group_windows, groups, strict=True)):
+            if not window:
+                continue
+            end = min(len(blocks), max(num_cached - window + 1, 0) // self.block_size)
+            for i in range(given[g], end):
+                block = blocks[i]
+                if block is not None:  # a prefix hit's block, or one computed here
+                    self.pool.release((block,))
+                    blocks[i] = None
+            given[g] = max(given[g], end)
 
     def cache_blocks(self, request: Request) -> None:
         """Register the request's blocks that became full and computed in this step."""
@@ -266,6 +276,7 @@ class KVCacheManager:
         for blocks in groups:
             self.pool.release(b for b in reversed(blocks) if b is not None)
         self.req_num_registered.pop(request.request_id, None)
+        self.req_num_given_back.pop(request.request_id, None)
 
     def _block_hashes(self, request: Request) -> list[BlockHash]:
         """The chained hashes of the request's full blocks, extended as tokens arrive."""

@@ -74,15 +74,15 @@ def sdpa_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
 
 def plain_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     table: torch.Tensor, lens: torch.Tensor,
-                    scale: float | None = None) -> torch.Tensor:
+                    scale: float | None = None, window: int = 0) -> torch.Tensor:
     """softmax(q Kᵀ * scale) V per request (scale 1 / √D unless given), in float64, token by
-    token through the table."""
+    token through the table; over each request's last `window` keys where window > 0."""
     batch, num_heads, head_dim = q.shape
     scale = 1 / math.sqrt(head_dim) if scale is None else scale
     num_kv_heads, _, block_size = k_cache.shape[:3]
     out = torch.empty(batch, num_heads, head_dim, dtype=torch.float64)
     for b, n in enumerate(lens.tolist()):
-        t = torch.arange(n)
+        t = torch.arange(max(0, n - window) if window else 0, n)
         rows = table[b, t // block_size].long() * block_size + t % block_size
         keys = k_cache.view(num_kv_heads, -1, head_dim)[:, rows].double()  # [Hkv, n, D]
         values = v_cache.view(num_kv_heads, -1, head_dim)[:, rows].double()

@@ -16,6 +16,7 @@ import torch
 from step_inputs import make_step_input
 from test_paged_attention import (
     chunk_case,
+    plain_reference,
     random_case,
     relative_error,
     widened,
@@ -41,21 +42,10 @@ def windowed_reference(case: tuple[torch.Tensor, ...], window: int,
     cache's values widened); with `q_rounded`, q scaled and rounded to int8 per head as an int8
     cache's integer scores take it."""
     q, k_cache, v_cache, table, lens = widened(case)
-    batch, num_heads, head_dim = q.shape
-    scale = 1 / math.sqrt(head_dim)
+    scale = 1 / math.sqrt(q.shape[-1])
     if q_rounded:
         q, scale = dequantize_kv_rows(quantize_kv_rows(q * scale)), 1.0
-    num_kv_heads, _, block_size = k_cache.shape[:3]
-    out = torch.empty(batch, num_heads, head_dim, dtype=torch.float64)
-    for b, n in enumerate(lens.tolist()):
-        t = torch.arange(max(0, n - window), n)
-        rows = table[b, t // block_size].long() * block_size + t % block_size
-        keys = k_cache.view(num_kv_heads, -1, head_dim)[:, rows].double()  # [Hkv, W, D]
-        values = v_cache.view(num_kv_heads, -1, head_dim)[:, rows].double()
-        grouped = q[b].view(num_kv_heads, -1, head_dim).double()  # [Hkv, G, D]
-        probs = torch.softmax(grouped @ keys.transpose(1, 2) * scale, dim=-1)
-        out[b] = (probs @ values).reshape(num_heads, head_dim)
-    return out.view(batch, num_heads * head_dim)
+    return plain_reference(q, k_cache, v_cache, table, lens, scale, window)
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.int8])
