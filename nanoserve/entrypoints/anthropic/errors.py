@@ -4,11 +4,10 @@ with the status the error already has, for every error those paths can give.
 The server's errors are made in OpenAI's shape, by the exception handlers (`openai/errors.py`),
 the API-key check (`openai/auth.py`) and the body limit (`openai/limits.py`). Rather than teach
 each of them a second shape, one ASGI middleware, outside all of them, rewrites an error answer
-on a path under `/v1/messages` into Anthropic's: the status picks the type, as Anthropic's API
-does, and the OpenAI `param` is named in the message (in this API's words: `tools.0.input_schema`,
-not `tools.0.function.parameters`), since Anthropic's shape has no field for it. An exception
-no handler knows (a bug) would be answered by Starlette's outermost error middleware, past this
-one, so that one is answered here too (500, `api_error`) and then re-raised for the log.
+on a path under `/v1/messages` into Anthropic's (`openai/error_shape.py`): the status picks
+the type, as Anthropic's API does, and the OpenAI `param` is named in the message (in this
+API's words: `tools.0.input_schema`, not `tools.0.function.parameters`), since Anthropic's
+shape has no field for it. An exception no handler knows (a bug) is answered 500, `api_error`.
 """
 
 from __future__ import annotations
@@ -16,6 +15,8 @@ from __future__ import annotations
 import json
 import re
 from typing import Any
+
+from nanoserve.entrypoints.openai.error_shape import ErrorShape
 
 MESSAGES_PATH = "/v1/messages"
 
@@ -72,51 +73,10 @@ def reshape_error(body: bytes, status: int) -> bytes:
     return json.dumps(anthropic_error(status, message)).encode()
 
 
-class AnthropicErrorShape:
+class AnthropicErrorShape(ErrorShape):
     """ASGI middleware: on the Messages paths, every error answer in Anthropic's shape (see
     the module). Other paths pass straight through; so does any answer below status 400."""
 
     def __init__(self, app: Any) -> None:
-        self.app = app
-
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or not is_messages_path(scope["path"]):
-            await self.app(scope, receive, send)
-            return
-        held: dict[str, Any] | None = None  # an error's response start, until its body is read
-        chunks: list[bytes] = []
-        has_started = False
-
-        async def reshaping_send(message: dict[str, Any]) -> None:
-            nonlocal held, has_started
-            if message["type"] == "http.response.start":
-                has_started = True
-                if message["status"] >= 400:
-                    held = message
-                    return
-            elif message["type"] == "http.response.body" and held is not None:
-                chunks.append(message.get("body", b""))
-                if message.get("more_body", False):
-                    return
-                start, held = held, None
-                await _send_json(send, start, reshape_error(b"".join(chunks), start["status"]))
-                return
-            await send(message)
-
-        try:
-            await self.app(scope, receive, reshaping_send)
-        except Exception as e:
-            if not has_started:
-                body = anthropic_error(500, f"internal error: {type(e).__name__}")
-                await _send_json(send, {"status": 500, "headers": []},
-                                 json.dumps(body).encode())
-            raise
-
-
-async def _send_json(send: Any, start: dict[str, Any], body: bytes) -> None:
-    headers = [(name, value) for name, value in start.get("headers", [])
-               if name.lower() not in (b"content-length", b"content-type")]
-    headers += [(b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode())]
-    await send({"type": "http.response.start", "status": start["status"], "headers": headers})
-    await send({"type": "http.response.body", "body": body})
+        super().__init__(app, is_messages_path, reshape_error,
+                         lambda message: json.dumps(anthropic_error(500, message)).encode())
