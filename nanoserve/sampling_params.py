@@ -181,6 +181,9 @@ class SamplingParams:
                    "a non-empty list (omit it to allow every token)")
         for stop in self.stop or ():
             _check(isinstance(stop, str) and stop != "", "stop", stop, "non-empty strings")
+        if self.extra_args:  # they cross to the engine as msgpack, whose integers are 64-bit
+            wide = _wide_int(self.extra_args)
+            _check(wide is None, "extra_args", wide, "JSON whose integers fit in 64 bits")
 
     # -- derived ------------------------------------------------------------------------------
     @property
@@ -232,6 +235,19 @@ class SamplingParams:
         known = {f.name for f in fields(cls)}
         values.update({k: v for k, v in overrides.items() if k in known and v is not None})
         return cls(**values)
+
+
+def _wide_int(value: Any) -> int | None:
+    """The first integer in `value` (nested lists and dicts) that msgpack cannot hold."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return None if -(2**63) <= value < 2**64 else value
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, list) \
+        else ()
+    for item in items:
+        wide = _wide_int(item)
+        if wide is not None:
+            return wide
+    return None
 
 
 def _check(ok: bool, name: str, value: Any, allowed: str) -> None:
