@@ -80,10 +80,13 @@ async def render_chat(ctx: ServerContext, req: ChatCompletionRequest) -> list[in
     return ids
 
 
-async def prepare_chat(ctx: ServerContext, chat: ChatInput, admit: bool = True
-                   ) -> tuple[str, list[int], SamplingParams, ToolPlan]:
+async def prepare_chat(ctx: ServerContext, chat: ChatInput, admit: bool = True,
+                       raw_prompt: str | None = None
+                       ) -> tuple[str, list[int], SamplingParams, ToolPlan]:
     """The checks, in the order their errors take, then the prompt, its ids and the params;
-    `admit=False` (a render) skips the checks of what is in flight (429, 503)."""
+    `admit=False` (a render) skips the checks of what is in flight (429, 503). A `raw_prompt`
+    (Ollama's `raw` generate) goes to the model as it is, tokenized as /v1/completions
+    tokenizes a prompt, in place of the chat template's."""
     plan = plan_tools(chat, ctx.tool_call_parser)
     structured = await structured_outputs(chat.response_format,
                                           has_tool_grammar=plan.structured is not None,
@@ -92,8 +95,11 @@ async def prepare_chat(ctx: ServerContext, chat: ChatInput, admit: bool = True
         ctx.check_capacity(n=chat.sampling.n)
     else:
         ctx.check_request_size(n=chat.sampling.n)
-    prompt = render_prompt(ctx, chat)
-    ids = ctx.tokenizer.encode(prompt, add_special_tokens=False)
+    if raw_prompt is None:
+        prompt = render_prompt(ctx, chat)
+        ids = ctx.tokenizer.encode(prompt, add_special_tokens=False)
+    else:
+        prompt, ids = raw_prompt, ctx.tokenizer.encode(raw_prompt, add_special_tokens=True)
     max_tokens = resolve_max_tokens(ctx, len(ids), chat.sampling.max_tokens)
     kind = RequestOutputKind.DELTA if chat.sampling.stream else RequestOutputKind.FINAL_ONLY
     params = sampling_params(ctx, chat.sampling, max_tokens=max_tokens, output_kind=kind)
