@@ -34,7 +34,10 @@ ROUTES = [("GET", "/health"), ("GET", "/version"), ("GET", "/v1/models"), ("GET"
           ("POST", "/v1/responses"), ("POST", "/v1/embeddings"), ("POST", "/v1/rerank"),
           ("POST", "/rerank"), ("POST", "/v2/rerank"), ("POST", "/score"),
           ("POST", "/v1/chat/completions/render"), ("POST", "/v1/completions/render"),
-          ("GET", "/get_server_info"), ("GET", "/kv_event_sources")]
+          ("GET", "/get_server_info"), ("GET", "/kv_event_sources"),
+          ("GET", "/api/version"), ("GET", "/api/tags"), ("GET", "/api/ps"),
+          ("POST", "/api/show"), ("POST", "/api/chat"), ("POST", "/api/generate"),
+          ("POST", "/api/embed"), ("POST", "/api/embeddings")]
 # examples per generation mode for routes with a body (a route without one has one case);
 # the routes that share another's handler (aliases, count_tokens, renders) get fewer. Fewer than the
 # earlier 50/20 and 20/10: every route and mode still runs and every route still gets 200s

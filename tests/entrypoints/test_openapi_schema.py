@@ -40,8 +40,9 @@ def test_every_route_documents_its_models_and_errors(schema: dict[str, Any]) -> 
             for status, response in responses.items():
                 if status.startswith("4") or status.startswith("5"):
                     content = response.get("content", {})
-                    if path != "/health":  # Anthropic's routes answer in its shape
+                    if path != "/health":  # Anthropic's and Ollama's answer in their shapes
                         error = "AnthropicErrorResponse" if path.startswith("/v1/messages") \
+                            else "OllamaErrorResponse" if path.startswith("/api/") \
                             else "ErrorResponse"
                         assert content["application/json"]["schema"]["$ref"] == \
                             ref + error, (method, path, status)

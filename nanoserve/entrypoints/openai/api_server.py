@@ -17,6 +17,9 @@ from nanoserve.config import ServerConfig
 from nanoserve.entrypoints.anthropic.errors import AnthropicErrorShape
 from nanoserve.entrypoints.anthropic.routes import add_messages_routes
 from nanoserve.entrypoints.async_engine import EngineDeadError, RequestTimeoutError
+from nanoserve.entrypoints.ollama.errors import OllamaErrorShape
+from nanoserve.entrypoints.ollama.json_bodies import OllamaJsonBodies
+from nanoserve.entrypoints.ollama.routes import add_ollama_routes
 from nanoserve.entrypoints.openai.auth import PUBLIC_PATHS, APIKeyMiddleware
 from nanoserve.entrypoints.openai.chat_prompt import render_prompt
 from nanoserve.entrypoints.openai.chat_request import chat_input
@@ -67,6 +70,7 @@ def build_app(ctx: ServerContext, config: ServerConfig | None = None) -> FastAPI
     add_routes(app, ctx)
     add_pooling_routes(app, ctx, config.score_method)  # embeddings, rerank, score
     add_messages_routes(app, ctx, strip_billing_header=config.strip_billing_header)
+    add_ollama_routes(app, ctx)  # Ollama's /api/*
     public_paths = PUBLIC_PATHS
     if config.web_ui:  # the chat page and dashboard: public files, keyed calls
         app.include_router(web_router(WebPageInfo(
@@ -76,6 +80,7 @@ def build_app(ctx: ServerContext, config: ServerConfig | None = None) -> FastAPI
     # the last added runs first: CORS answers browsers' preflights before the key is asked
     # for, and the key is checked before a large body is read
     app.add_middleware(BodyLimitMiddleware, limit=config.limits.max_request_body_bytes)
+    app.add_middleware(OllamaJsonBodies)  # Ollama's bodies are JSON whatever their type
     app.add_middleware(TenantMiddleware)  # whose key: for proposers that learn across requests
     if config.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key, public_paths=public_paths)
@@ -83,8 +88,10 @@ def build_app(ctx: ServerContext, config: ServerConfig | None = None) -> FastAPI
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
                            allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])
-    # outermost: every error on the Messages paths in Anthropic's shape, the 401s and 413s too
+    # outermost: every error on the Messages paths in Anthropic's shape, on Ollama's in
+    # Ollama's, the 401s and 413s too
     app.add_middleware(AnthropicErrorShape)
+    app.add_middleware(OllamaErrorShape)
     return app
 
 

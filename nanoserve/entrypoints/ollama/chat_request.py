@@ -1,0 +1,166 @@
+"""Ollama's chat and generate bodies translated into the neutral `ChatInput`
+(`entrypoints/chat_input.py`): after this, nothing reads the pydantic request but the output
+caps (`num_predict`, `num_ctx`), which the serving side applies to the params.
+
+- `/api/chat` `messages`: each role as it is; an assistant's `tool_calls` (arguments as an
+  object) and `thinking` (its earlier reasoning, which templates do not get). Ollama's calls
+  carry no ids and its tool results name the function (`tool_name`), while templates pair a
+  result with a call id; so each call gets an id (its own, or `call_<turn>_<index>`) and each
+  tool result answers the earliest unanswered call of its function (or of any, unnamed).
+- `/api/generate`: `system` and `prompt` as a system and a user turn through the chat template,
+  as Ollama renders them; with `raw` the prompt goes to the model as it is (the serving side).
+- `tools` → tools with the choice left to the model ("auto"), as Ollama has no tool choice.
+- `format`: "json" → any JSON object, a schema → that schema ("" or none: free text).
+- `options` → the sampling fields (`repeat_penalty` is `repetition_penalty`; a seed of -1 means
+  none); the model's generation defaults stand for what is absent, as on the other routes.
+- `think`: true or a level ("high", "medium", "low": gpt-oss's) → the template's
+  `enable_thinking`, false → `enable_thinking=False` (vLLM's `chat_template_kwargs`); absent,
+  the template's default. A model without a reasoning parser refuses `think` true with
+  Ollama's 400, `"<model>" does not support thinking`; false is accepted for any model.
+
+Refused with a 400 naming the field, as only this wire format can ask for them: `images` (the
+models here read text), `suffix` (no fill-in-the-middle prompts) and `template` (a Go template;
+the model's own Jinja template is used, and `raw` sends a prompt of the client's own).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from nanoserve.entrypoints.chat_input import (
+    ChatInput,
+    MessageInput,
+    ResponseFormatInput,
+    SamplingInput,
+    TemplateOptions,
+    ToolCallInput,
+    ToolFunction,
+    ToolInput,
+)
+from nanoserve.entrypoints.ollama.protocol import (
+    OllamaChatRequest,
+    OllamaGenerateRequest,
+    OllamaMessage,
+    OllamaOptions,
+    OllamaTool,
+)
+from nanoserve.entrypoints.openai.errors import bad_request
+
+_TEXT_ONLY = "the models this server runs read text only"
+
+
+def chat_input(req: OllamaChatRequest, model: str, can_think: bool) -> ChatInput:
+    """A chat body with at least one message, as the neutral chat input."""
+    messages = req.messages or []
+    return ChatInput(
+        messages=_messages(messages),
+        tools=tuple(_tool(tool) for tool in req.tools) if req.tools else None,  # [] is none
+        response_format=response_format(req.format), sampling=sampling_input(req),
+        template=TemplateOptions(kwargs=template_kwargs(req.think, model, can_think)))
+
+
+def generate_input(req: OllamaGenerateRequest, model: str, can_think: bool) -> ChatInput:
+    """A generate body with a prompt, as a one-turn chat (with `raw`, only its sampling and
+    format are read: the prompt is sent as it is)."""
+    if req.images:
+        raise bad_request(f"images are not supported: {_TEXT_ONLY}", "images")
+    if req.suffix:
+        raise bad_request(f'"{model}" does not support insert: suffix needs a '
+                          "fill-in-the-middle prompt, which this server does not build",
+                          "suffix")
+    if req.template:
+        raise bad_request("template is not supported: prompts are rendered with the model's "
+                          "own chat template; send raw: true with a prompt of your own instead",
+                          "template")
+    turns = [MessageInput("system", req.system)] if req.system else []
+    turns.append(MessageInput("user", req.prompt or ""))
+    return ChatInput(messages=tuple(turns), response_format=response_format(req.format),
+                     sampling=sampling_input(req),
+                     template=TemplateOptions(kwargs=template_kwargs(req.think, model,
+                                                                     can_think)))
+
+
+def sampling_input(req: OllamaChatRequest | OllamaGenerateRequest) -> SamplingInput:
+    """`options` as the sampling fields; the output's length is left to the context (the
+    caps are the serving side's, `output_caps.py`)."""
+    options = req.options or OllamaOptions()
+    return SamplingInput(
+        temperature=options.temperature, top_p=options.top_p, top_k=options.top_k,
+        min_p=options.min_p, repetition_penalty=options.repeat_penalty,
+        presence_penalty=options.presence_penalty, frequency_penalty=options.frequency_penalty,
+        seed=options.seed, stop=options.stop or None, stream=req.stream)
+
+
+def response_format(value: str | dict[str, Any] | None) -> ResponseFormatInput:
+    if value is None or value == "":
+        return ResponseFormatInput()
+    if value == "json":
+        return ResponseFormatInput(response_format={"type": "json_object"})
+    if isinstance(value, str):
+        raise bad_request(f'format must be "json" or a JSON schema object, got {value!r}',
+                          "format")
+    return ResponseFormatInput(response_format={
+        "type": "json_schema", "json_schema": {"name": "format", "schema": value}})
+
+
+def template_kwargs(think: bool | str | None, model: str,
+                    can_think: bool) -> dict[str, Any] | None:
+    if think is None:
+        return None
+    if isinstance(think, str) and think not in ("high", "medium", "low"):
+        raise bad_request(f'think must be true, false, "high", "medium" or "low", got '
+                          f"{think!r}", "think")
+    if think is False:
+        return {"enable_thinking": False}
+    if not can_think:
+        raise bad_request(f'"{model}" does not support thinking (the server has no '
+                          "--reasoning-parser for it)", "think")
+    return {"enable_thinking": True}
+
+
+def _messages(messages: list[OllamaMessage]) -> tuple[MessageInput, ...]:
+    out: list[MessageInput] = []
+    unanswered: list[tuple[str, str]] = []  # (call id, function name) of calls so far
+    for i, message in enumerate(messages):
+        if message.images:
+            raise bad_request(f"images are not supported: {_TEXT_ONLY}",
+                              f"messages.{i}.images")
+        calls = None
+        if message.tool_calls:
+            calls = tuple(_call(call.id or f"call_{i}_{j}", call.function.name,
+                                call.function.arguments)
+                          for j, call in enumerate(message.tool_calls))
+            unanswered += [(call.id, call.name) for call in calls]
+        call_id = message.tool_call_id
+        if message.role == "tool" and call_id is None:
+            call_id = _answered(unanswered, message.tool_name) or f"call_{i}"
+        out.append(MessageInput(message.role, message.content, tool_calls=calls,
+                                tool_call_id=call_id if message.role == "tool" else None,
+                                reasoning=message.thinking))
+    return tuple(out)
+
+
+def _answered(unanswered: list[tuple[str, str]], name: str | None) -> str | None:
+    """The id of the earliest unanswered call of `name` (or of any call), now answered."""
+    for k, (call_id, call_name) in enumerate(unanswered):
+        if name is None or call_name == name:
+            del unanswered[k]
+            return call_id
+    return None
+
+
+def _call(call_id: str, name: str, arguments: dict[str, Any] | str) -> ToolCallInput:
+    text = arguments if isinstance(arguments, str) else json.dumps(arguments)
+    return ToolCallInput(call_id, name, text)
+
+
+def _tool(tool: OllamaTool) -> ToolInput:
+    function = tool.function
+    template: dict[str, Any] = {"name": function.name}
+    if function.description is not None:
+        template["description"] = function.description
+    if function.parameters is not None:
+        template["parameters"] = function.parameters
+    return ToolInput(ToolFunction(function.name, function.description, function.parameters),
+                     template={"type": "function", "function": template})

@@ -1,0 +1,94 @@
+"""POST /api/chat and /api/generate: the body translated into the neutral chat input
+(`chat_request.py`), prepared as chat completions prepares it (tools, grammar, template,
+sampling params, the capacity check), the output held to `num_predict` and `num_ctx`
+(`output_caps.py`), one sample parsed into the neutral events and formatted as Ollama's reply,
+whole or as NDJSON lines (`stream.py`; `stream` defaults to true, as Ollama's does).
+
+A body with nothing to generate (no messages; no prompt) only "loads" the model, as Ollama
+answers it: one object, `done_reason` "load", or "unload" with `keep_alive` 0. The model is
+loaded while the server runs, so neither changes anything (`keep_alive.py`).
+
+Model names: the served name, or the served name with Ollama's default tag, `:latest` (Ollama
+clients add it); another is Ollama's 404, `model "x" not found, try pulling it first`.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from nanoserve.entrypoints.chat_input import ChatInput
+from nanoserve.entrypoints.ollama.chat_request import chat_input, generate_input
+from nanoserve.entrypoints.ollama.keep_alive import parse_keep_alive
+from nanoserve.entrypoints.ollama.output_caps import cap_output, check_caps
+from nanoserve.entrypoints.ollama.protocol import (
+    OllamaChatRequest,
+    OllamaGenerateRequest,
+    OllamaOptions,
+)
+from nanoserve.entrypoints.ollama.replies import ReplyShape, tool_call
+from nanoserve.entrypoints.ollama.stream import reply_lines, with_error_lines
+from nanoserve.entrypoints.openai.chat_choice import choice_parsers
+from nanoserve.entrypoints.openai.disconnect import collect, until_disconnect
+from nanoserve.entrypoints.openai.errors import APIError, bad_request
+from nanoserve.entrypoints.openai.server_context import ServerContext
+from nanoserve.entrypoints.openai.serving_chat import prepare_chat
+
+DEFAULT_TAG = ":latest"
+NDJSON = "application/x-ndjson"
+
+
+def check_model(ctx: ServerContext, model: str | None) -> None:
+    """400 without a model, 404 for another model's name (see the module)."""
+    if not model:
+        raise bad_request("model is required", "model")
+    if model not in (ctx.model_name, ctx.model_name + DEFAULT_TAG):
+        raise APIError(404, f'model "{model}" not found, try pulling it first (this server '
+                            f'serves one model, "{ctx.model_name}")', "model")
+
+
+async def create_chat(ctx: ServerContext, req: OllamaChatRequest, raw: Request) -> Response:
+    shape = ReplyShape(req.model or "", is_chat=True, started=time.monotonic())
+    check_model(ctx, req.model)
+    keep_alive = parse_keep_alive(req.keep_alive)
+    check_caps(req.options)
+    if not req.messages:
+        return JSONResponse(shape.empty("unload" if keep_alive == 0 else "load"))
+    chat = chat_input(req, ctx.model_name, can_think=ctx.reasoning_parser is not None)
+    return await _reply(ctx, raw, chat, shape, req.options)
+
+
+async def create_generate(ctx: ServerContext, req: OllamaGenerateRequest,
+                          raw: Request) -> Response:
+    shape = ReplyShape(req.model or "", is_chat=False, started=time.monotonic())
+    check_model(ctx, req.model)
+    keep_alive = parse_keep_alive(req.keep_alive)
+    check_caps(req.options)
+    chat = generate_input(req, ctx.model_name, can_think=ctx.reasoning_parser is not None)
+    if not req.prompt:
+        return JSONResponse(shape.empty("unload" if keep_alive == 0 else "load"))
+    return await _reply(ctx, raw, chat, shape, req.options,
+                        raw_prompt=req.prompt if req.raw else None)
+
+
+async def _reply(ctx: ServerContext, raw: Request, chat: ChatInput, shape: ReplyShape,
+                 options: OllamaOptions | None, raw_prompt: str | None = None) -> Response:
+    prompt, ids, params, plan = await prepare_chat(ctx, chat, raw_prompt=raw_prompt)
+    cap_output(params, options, len(ids))
+    parser = choice_parsers(chat, prompt, plan, ctx.reasoning_parser,
+                            ctx.tool_call_parser)[0].parser
+    outputs = ctx.engine.generate(f"ollama-{uuid.uuid4().hex}", prompt, ids, params)
+    if chat.sampling.stream:
+        return StreamingResponse(with_error_lines(reply_lines(outputs, parser, shape,
+                                                              len(ids))), media_type=NDJSON)
+    out = await until_disconnect(raw, collect(outputs))
+    sample = out.outputs[0]
+    parsed = parser.parse(sample.text)
+    calls = [tool_call(call.name, call.arguments) for call in parsed.tool_calls]
+    return JSONResponse({**shape.head(),
+                         **shape.body(parsed.content or "", parsed.reasoning or "", calls),
+                         **shape.final(sample.finish_reason, out.metrics, len(ids),
+                                       len(sample.token_ids))})
