@@ -152,6 +152,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
             max_unread_updates=args.max_unread_updates),
         allowed_origins=tuple(args.allowed_origins), log_requests=args.log_requests,
         web_ui=not args.no_web_ui, strip_billing_header=not args.keep_billing_header)
+    if args.models_dir is not None:  # several models, each its own server behind a router
+        from nanoserve.entrypoints.router.run import run_router
+
+        return run_router(args, server, args.raw_argv)
     return run_serve(engine_args.to_config(), server)
 
 
@@ -242,6 +246,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep the x-anthropic-billing-header line Claude Code puts at the start "
                         "of its system prompt (by default it is removed: its cch= changes every "
                         "request, which would defeat the prefix cache)")
+    g = serve.add_argument_group("several models (llama-server's router mode, Ollama's loading)")
+    g.add_argument("--models-dir", default=None, metavar="DIR",
+                   help="serve every .gguf file and HF model directory in DIR, each named by "
+                        "its file stem or directory name, loaded on its first request (in "
+                        "place of a MODEL)")
+    g.add_argument("--models-max", type=int, default=4,
+                   help="with --models-dir: the most models loaded at once; past it the least "
+                        "recently used unloads (default: %(default)s)")
+    g.add_argument("--keep-alive", type=float, default=300.0, metavar="SECONDS",
+                   help="with --models-dir: unload a model idle this long; -1 keeps it "
+                        "(Ollama's default and meaning; a request's keep_alive overrides it) "
+                        "(default: %(default)s)")
     add_limit_args(serve)
     EngineArgs.add_cli_args(serve)
     serve.set_defaults(func=cmd_serve)
@@ -261,6 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.raw_argv = list(sys.argv[1:] if argv is None else argv)  # for the router's models
     try:
         cpu_tier()  # a tier asked for that the CPU lacks: an error now, not in the engine
         return int(args.func(args))

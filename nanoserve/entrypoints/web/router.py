@@ -55,14 +55,11 @@ class WebPageInfo:
     generation_config: dict[str, Any] = field(default_factory=dict)
 
 
-def web_router(info: WebPageInfo) -> APIRouter:
+def web_router(info: WebPageInfo | None) -> APIRouter:
     """The two pages, their files and the page's defaults. Every file is read now, so a package
-    missing one fails at start-up, not at the first visit."""
+    missing one fails at start-up, not at the first visit. With no `info` (the several-models
+    router) there is no `/web/defaults` here: each model's own server answers it."""
     files = {name: _read(name) for name in (*PAGES.values(), *ASSETS)}
-    defaults = chat_defaults(info.generation_config, info.max_model_len)
-    settings = {"model": info.model_name, "max_model_len": info.max_model_len,
-                "reasoning": info.reasoning_parser is not None, "source": defaults.source,
-                "sampling": defaults.sampling()}
     router = APIRouter(include_in_schema=False)  # the page's internals, not the OpenAI API
 
     def serve(name: str) -> Response:
@@ -84,9 +81,15 @@ def web_router(info: WebPageInfo) -> APIRouter:
             raise HTTPException(404, f"no file {STATIC_URL}{name}")
         return serve(name)
 
-    @router.get("/web/defaults")
-    async def web_defaults() -> dict[str, Any]:
-        return settings
+    if info is not None:
+        defaults = chat_defaults(info.generation_config, info.max_model_len)
+        settings = {"model": info.model_name, "max_model_len": info.max_model_len,
+                    "reasoning": info.reasoning_parser is not None, "source": defaults.source,
+                    "sampling": defaults.sampling()}
+
+        @router.get("/web/defaults")
+        async def web_defaults() -> dict[str, Any]:
+            return settings
 
     return router
 

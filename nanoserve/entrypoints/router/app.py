@@ -1,0 +1,166 @@
+"""The router's HTTP app: its own endpoints (the models and their states, loading and unloading
+by hand, /metrics over every loaded model, the chat page and dashboard), and every other path
+forwarded to the server of the model the request names (forward.py).
+
+Endpoints, as llama-server's router mode spells them:
+- `GET /v1/models` (and `/models`): every model in the directory, each with
+  `status: {"value": "loaded" | "loading" | "unloading" | "unloaded"}` (and `failure`, the
+  reason its last load failed, if it did).
+- `POST /models/load` / `POST /models/unload` `{"model": NAME}`: answer once it is loaded, or
+  once its running requests have ended and its server is gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, Response
+
+import nanoserve
+from nanoserve.config import ServerConfig
+from nanoserve.entrypoints.openai.auth import PUBLIC_PATHS, APIKeyMiddleware
+from nanoserve.entrypoints.openai.limits import BodyLimitMiddleware
+from nanoserve.entrypoints.router.catalog import resolve_name
+from nanoserve.entrypoints.router.forward import (
+    RouteError,
+    error_response,
+    forward,
+    request_model,
+    take_lease,
+)
+from nanoserve.entrypoints.router.metrics_merge import merge_expositions
+from nanoserve.entrypoints.router.ollama_routes import add_ollama_router_routes, ollama_keep_alive
+from nanoserve.entrypoints.router.pool import ModelPool, ModelState
+from nanoserve.entrypoints.web.router import PUBLIC_PATHS as WEB_PUBLIC_PATHS
+from nanoserve.entrypoints.web.router import web_router
+
+_METRICS_TIMEOUT_S = 5.0
+
+
+def build_router_app(pool: ModelPool, config: ServerConfig) -> FastAPI:
+    client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0),
+                               limits=httpx.Limits(max_connections=None,
+                                                   max_keepalive_connections=64))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        pool.start()
+        try:
+            yield
+        finally:
+            await pool.close()
+            await client.aclose()
+
+    app = FastAPI(title="nanoserve router", version=nanoserve.__version__, docs_url=None,
+                  redoc_url=None, openapi_url=None, lifespan=lifespan)
+
+    @app.exception_handler(RouteError)
+    async def route_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RouteError)
+        return error_response(request.url.path, exc.status, exc.message)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": nanoserve.__version__}
+
+    @app.get("/v1/models")
+    @app.get("/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card(pool, name) for name in pool.entries]}
+
+    @app.post("/models/load")
+    async def load(request: Request) -> dict[str, Any]:
+        name = _named_model(pool, await request.body())
+        lease = await take_lease(pool, name)
+        await pool.release(lease)
+        return {"success": True, "model": name, "status": {"value": "loaded"}}
+
+    @app.post("/models/unload")
+    async def unload(request: Request) -> dict[str, Any]:
+        name = _named_model(pool, await request.body())
+        await pool.unload(name)
+        return {"success": True, "model": name, "status": {"value": "unloaded"}}
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        auth = {k: v for k, v in request.headers.items()
+                if k.lower() in ("authorization", "x-api-key")}
+        servers = [e.server for e in pool.entries.values()
+                   if e.state is ModelState.LOADED and e.server is not None]
+
+        async def scrape(url: str) -> str:
+            with contextlib.suppress(httpx.HTTPError):
+                answer = await client.get(url + "/metrics", headers=auth,
+                                          timeout=_METRICS_TIMEOUT_S)
+                if answer.status_code == 200:
+                    return answer.text
+            return ""  # a server stopping as we ask: its series are simply absent
+
+        texts = await asyncio.gather(*(scrape(s.url) for s in servers))
+        return Response(merge_expositions(list(texts)),
+                        media_type="text/plain; version=0.0.4")
+
+    add_ollama_router_routes(app, pool, client)
+    public_paths = PUBLIC_PATHS
+    if config.web_ui:  # the pages here; their /web/defaults comes from the chosen model
+        app.include_router(web_router(None))
+        public_paths = public_paths | WEB_PUBLIC_PATHS
+
+    @app.api_route("/{path:path}", methods=["GET", "POST", "DELETE"], include_in_schema=False)
+    async def to_model(request: Request, path: str) -> Response:
+        body = await request.body()
+        name = request_model(request.url.path, body, request.query_params.get("model"),
+                             pool.entries)
+        keep_alive = ollama_keep_alive(request.url.path, body)
+        lease = await take_lease(pool, name, keep_alive)
+        return await forward(request, client, pool, lease, body)
+
+    app.add_middleware(BodyLimitMiddleware, limit=config.limits.max_request_body_bytes)
+    if config.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=config.api_key, public_paths=public_paths)
+    if config.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
+                           allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
+    return app
+
+
+def model_card(pool: ModelPool, name: str) -> dict[str, Any]:
+    """One model as `/v1/models` lists it, with its state (llama-server's router mode's
+    `status` object)."""
+    entry = pool.entries[name]
+    status: dict[str, Any] = {"value": entry.state.value}
+    if entry.failure is not None and entry.state is ModelState.UNLOADED:
+        status["failure"] = entry.failure
+    card: dict[str, Any] = {"id": name, "object": "model", "created": 0,
+                            "owned_by": "nanoserve", "root": name, "path": str(entry.path),
+                            "status": status}
+    if entry.expires_at is not None and entry.state is ModelState.LOADED:
+        card["expires_in"] = max(round(entry.expires_at - time.time(), 1), 0.0)
+    return card
+
+
+def _named_model(pool: ModelPool, body: bytes) -> str:
+    """The `model` of a /models/load or /models/unload body, as a catalog name."""
+    try:
+        asked = json.loads(body or b"{}").get("model")
+    except (ValueError, AttributeError):
+        asked = None
+    if not isinstance(asked, str):
+        raise RouteError(400, "give the model to load or unload: {\"model\": NAME}")
+    name = resolve_name(asked, pool.entries)
+    if name is None:
+        raise RouteError(404, f"The model `{asked}` does not exist.")
+    return name

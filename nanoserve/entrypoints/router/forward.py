@@ -1,0 +1,153 @@
+"""Forwarding a request to its model's server: the model named in the body (or the `model`
+query parameter), a lease on that model's server while the answer streams back as it comes,
+and errors in the shape of the API the client called.
+
+The body is read whole first (it is bounded by --max-request-body-bytes) to find its `model`;
+the answer is relayed chunk by chunk, so streams (SSE, NDJSON) keep their timing. A client that
+leaves closes the upstream request, which the model's server sees as a disconnect and aborts.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import httpx
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from nanoserve.entrypoints.anthropic.errors import anthropic_error, is_messages_path
+from nanoserve.entrypoints.openai.errors import error_body
+from nanoserve.entrypoints.router.catalog import resolve_name
+from nanoserve.entrypoints.router.pool import (
+    DEFAULT,
+    KeepAlive,
+    Lease,
+    LoadError,
+    ModelPool,
+    TooManyWaitingError,
+    UnknownModelError,
+)
+
+# hop-by-hop headers, and those the relay sets itself
+_DROPPED_HEADERS = frozenset({"host", "connection", "keep-alive", "transfer-encoding", "te",
+                              "upgrade", "content-length", "proxy-authorization"})
+OLLAMA_PREFIX = "/api/"
+
+
+class RouteError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def error_response(path: str, status: int, message: str) -> JSONResponse:
+    """An error in the shape of the API under `path`: Ollama's, Anthropic's or OpenAI's."""
+    if path.startswith(OLLAMA_PREFIX):
+        body: dict[str, Any] = {"error": message}
+    elif is_messages_path(path):
+        body = anthropic_error(status, message)
+    else:
+        body = error_body(status, message, "model" if status == 404 else None)
+    return JSONResponse(body, status_code=status)
+
+
+def request_model(path: str, body: bytes, query_model: str | None,
+                  names: dict[str, Any]) -> str:
+    """The catalog name the request is for. A body without `model` is for the only model, if
+    the directory holds one; otherwise a 400 naming the models."""
+    asked = query_model
+    if body:
+        try:
+            parsed = json.loads(body)
+        except ValueError:
+            parsed = None
+        if isinstance(parsed, dict) and isinstance(parsed.get("model"), str):
+            asked = parsed["model"]
+    if asked is None:
+        if len(names) == 1:
+            return next(iter(names))
+        raise RouteError(400, f"model is required: this server holds {len(names)} models "
+                              f"({', '.join(sorted(names))}); name one in `model`")
+    name = resolve_name(asked, names)
+    if name is None:
+        raise RouteError(404, _unknown_message(path, asked, names))
+    return name
+
+
+def _unknown_message(path: str, asked: str, names: dict[str, Any]) -> str:
+    if path.startswith(OLLAMA_PREFIX):  # Ollama's own words, which its clients show
+        return (f'model "{asked}" not found, try pulling it first (this server serves the '
+                f"models of its --models-dir: {', '.join(sorted(names))})")
+    return f"The model `{asked}` does not exist. Models here: {', '.join(sorted(names))}"
+
+
+async def take_lease(pool: ModelPool, name: str, keep_alive: KeepAlive = DEFAULT) -> Lease:
+    """The pool's lease, its errors as RouteErrors with the status the issue names."""
+    try:
+        return await pool.acquire(name, keep_alive)
+    except UnknownModelError as e:
+        raise RouteError(404, f"The model `{name}` does not exist.") from e
+    except LoadError as e:
+        raise RouteError(503, f"model {name!r} failed to load: {e}") from e
+    except TooManyWaitingError as e:
+        raise RouteError(429, f"too many requests wait for a model to load ({e}); retry "
+                              "later") from e
+
+
+class _RelayedResponse(StreamingResponse):
+    """The upstream answer, chunk by chunk; `on_close` runs once it is over, however it
+    ends (sent, client gone, upstream gone)."""
+
+    def __init__(self, upstream: httpx.Response,
+                 on_close: Callable[[], Awaitable[None]]) -> None:
+        headers = {k: v for k, v in upstream.headers.items()
+                   if k.lower() not in _DROPPED_HEADERS}
+        super().__init__(self._relay(upstream), status_code=upstream.status_code,
+                         headers=headers)
+        self._upstream = upstream
+        self._on_close = on_close
+        self._closed = False
+
+    @staticmethod
+    async def _relay(upstream: httpx.Response) -> Any:
+        try:
+            async for chunk in upstream.aiter_raw():
+                yield chunk
+        except httpx.HTTPError:
+            return  # the model's server went away mid-answer: the answer ends here
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            await self._upstream.aclose()
+            await self._on_close()
+
+
+async def forward(request: Request, client: httpx.AsyncClient, pool: ModelPool,
+                  lease: Lease, body: bytes) -> Response:
+    """`request` sent on to the lease's server; the lease is given back when the answer ends."""
+    url = lease.server.url + request.url.path
+    if request.url.query:
+        url += "?" + request.url.query
+    headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _DROPPED_HEADERS]
+    started = time.monotonic()
+    try:
+        upstream = await client.send(client.build_request(request.method, url, headers=headers,
+                                                          content=body), stream=True)
+    except httpx.HTTPError as e:
+        await pool.release(lease)
+        return error_response(request.url.path, 503, f"model {lease.entry.name!r} is not "
+                              f"answering ({type(e).__name__} after "
+                              f"{time.monotonic() - started:.1f} s); its next request "
+                              "loads it again")
+    return _RelayedResponse(upstream, lambda: pool.release(lease))

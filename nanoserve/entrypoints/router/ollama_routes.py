@@ -1,0 +1,129 @@
+"""Ollama's API where it is about several models: the router answers `/api/tags` (every model
+in the directory), `/api/ps` (the loaded ones, with when each unloads) and `/api/version`
+itself, and reads each request's `keep_alive`. `/api/chat`, `/api/generate`, `/api/embed` and
+`/api/show` go to the model's own server, which speaks Ollama's API (entrypoints/ollama/).
+
+An empty `/api/generate` or `/api/chat` (no prompt, no messages) only loads the model, or with
+`keep_alive: 0` unloads it, as Ollama's do: the unload is answered here, without loading it
+first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+import nanoserve
+from nanoserve.entrypoints.ollama.keep_alive import parse_keep_alive
+from nanoserve.entrypoints.ollama.model_card import ModelCard, read_model_card, rfc3339
+from nanoserve.entrypoints.openai.errors import APIError
+from nanoserve.entrypoints.router.forward import RouteError, forward, request_model, take_lease
+from nanoserve.entrypoints.router.pool import DEFAULT, KeepAlive, ModelPool, ModelState
+
+# the paths whose bodies carry `keep_alive` in Ollama's API
+_KEEP_ALIVE_PATHS = frozenset({"/api/chat", "/api/generate", "/api/embed", "/api/embeddings"})
+
+
+def ollama_keep_alive(path: str, body: bytes) -> KeepAlive:
+    """The request's `keep_alive` in seconds (None: keep it loaded), or DEFAULT where it sets
+    none or is not an Ollama request. A value Ollama would refuse is a 400 naming it."""
+    if path not in _KEEP_ALIVE_PATHS or not body:
+        return DEFAULT
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        return DEFAULT  # the model's server answers the malformed body
+    if not isinstance(parsed, dict) or parsed.get("keep_alive") is None:
+        return DEFAULT
+    try:
+        return parse_keep_alive(parsed["keep_alive"])
+    except APIError as e:
+        raise RouteError(e.status, e.message) from e
+
+
+def _listed(name: str, card: ModelCard) -> dict[str, Any]:
+    """A model as /api/tags lists it (the fields of the model's own server's /api/tags)."""
+    details = {"parent_model": "", "format": "", "family": "", "families": None,
+               "parameter_size": "", "quantization_level": "", **card.details}
+    return {"name": name, "model": name, "modified_at": card.modified_at, "size": card.size,
+            "digest": card.digest, "details": details}
+
+
+def add_ollama_router_routes(app: FastAPI, pool: ModelPool, client: httpx.AsyncClient) -> None:
+    cards: dict[Path, ModelCard] = {}  # read on first use (a GGUF file's header: ~1 s)
+
+    def card(path: Path) -> ModelCard:
+        if path not in cards:
+            cards[path] = read_model_card(str(path))
+        return cards[path]
+
+    @app.get("/api/version")
+    async def version() -> dict[str, str]:
+        return {"version": nanoserve.__version__}
+
+    @app.get("/api/tags")
+    async def tags() -> dict[str, Any]:
+        listed = await asyncio.to_thread(
+            lambda: [_listed(e.name, card(e.path)) for e in pool.entries.values()])
+        return {"models": listed}
+
+    @app.get("/api/ps")
+    async def ps(request: Request) -> dict[str, Any]:
+        """Each loaded model's own /api/ps entry (its context length is its server's), with
+        when the router will unload it."""
+        auth = {k: v for k, v in request.headers.items()
+                if k.lower() in ("authorization", "x-api-key")}
+        loaded = [e for e in pool.entries.values()
+                  if e.state is ModelState.LOADED and e.server is not None]
+
+        async def entry_of(url: str) -> dict[str, Any] | None:
+            with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, IndexError):
+                answer = await client.get(url + "/api/ps", headers=auth, timeout=5.0)
+                return dict(answer.json()["models"][0])
+            return None  # stopping as we ask
+
+        found = await asyncio.gather(*(entry_of(e.server.url) for e in loaded
+                                       if e.server is not None))
+        models = []
+        for entry, model in zip(loaded, found, strict=True):
+            if model is not None:
+                if entry.expires_at is not None:
+                    model["expires_at"] = rfc3339(entry.expires_at)
+                models.append(model)
+        return {"models": models}
+
+    async def load_or_unload(request: Request, field: str) -> Response | dict[str, Any]:
+        body = await request.body()
+        try:
+            parsed = json.loads(body or b"{}")
+        except ValueError:
+            parsed = None
+        keep_alive = ollama_keep_alive(request.url.path, body)
+        name = request_model(request.url.path, body, None, pool.entries)
+        if isinstance(parsed, dict) and not parsed.get(field) and keep_alive == 0:
+            await pool.unload(name)
+            answer: dict[str, Any] = {"model": name, "created_at": rfc3339(time.time()),
+                                      "done": True, "done_reason": "unload"}
+            if field == "messages":
+                answer["message"] = {"role": "assistant", "content": ""}
+            else:
+                answer["response"] = ""
+            return answer
+        lease = await take_lease(pool, name, keep_alive)
+        return await forward(request, client, pool, lease, body)
+
+    @app.post("/api/generate", response_model=None)
+    async def generate(request: Request) -> Response | dict[str, Any]:
+        return await load_or_unload(request, "prompt")
+
+    @app.post("/api/chat", response_model=None)
+    async def chat(request: Request) -> Response | dict[str, Any]:
+        return await load_or_unload(request, "messages")

@@ -1,0 +1,97 @@
+"""`nanoserve serve --models-dir DIR`: the router process. It imports no torch and loads no
+model itself; each model's server is a `nanoserve serve` of its own (model_server.py), given
+the same command-line options as the router's, but for those only the router can use."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+import uvicorn
+
+from nanoserve.config import ServerConfig
+from nanoserve.entrypoints.listen import AddressInUseError, bind_listening_socket
+from nanoserve.entrypoints.router.app import build_router_app
+from nanoserve.entrypoints.router.catalog import find_models
+from nanoserve.entrypoints.router.pool import ModelPool
+from nanoserve.entrypoints.serve import run_event_loop
+from nanoserve.entrypoints.web.router import page_banner
+
+# options of the router itself, with how many values each takes (-1: one or more)
+_ROUTER_ONLY = {"--models-dir": 1, "--models-max": 1, "--keep-alive": 1, "--host": 1,
+                "--port": 1, "--served-model-name": 1, "--model": 1, "--allowed-origins": -1,
+                "--no-web-ui": 0}
+_LOAD_TIMEOUT_S = 900.0  # a model's start, as long as the single server's engine may take
+
+
+def child_args(argv: list[str]) -> list[str]:
+    """`nanoserve serve`'s arguments, less `serve` and the router's own options: what every
+    model's server is started with (its model path, port and name are added to these)."""
+    out: list[str] = []
+    rest = list(argv)
+    if rest and rest[0] == "serve":
+        rest = rest[1:]
+    i = 0
+    while i < len(rest):
+        arg = rest[i]
+        flag = arg.split("=", 1)[0]
+        if flag in _ROUTER_ONLY:
+            takes = _ROUTER_ONLY[flag]
+            i += 1
+            if "=" not in arg and takes == 1:
+                i += 1
+            elif "=" not in arg and takes == -1:
+                while i < len(rest) and not rest[i].startswith("-"):
+                    i += 1
+            continue
+        out.append(arg)
+        i += 1
+    return out
+
+
+def run_router(args: argparse.Namespace, server: ServerConfig, argv: list[str]) -> int:
+    """Serve every model in `--models-dir` on one port until stopped. Returns the exit
+    status."""
+    logging.basicConfig(level=server.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.model_positional or args.model:
+        raise ValueError("give either a MODEL or --models-dir, not both")
+    models = find_models(args.models_dir)
+    keep_alive = None if args.keep_alive < 0 else float(args.keep_alive)
+    pool = ModelPool(models, child_args(argv), models_max=args.models_max,
+                     keep_alive=keep_alive, load_timeout=_LOAD_TIMEOUT_S,
+                     max_waiting=server.max_in_flight, stop_grace=server.shutdown_timeout)
+    try:
+        sock = bind_listening_socket(server.host, server.port)
+    except AddressInUseError as e:
+        print(f"nanoserve serve: {e.strerror}", file=sys.stderr, flush=True)
+        return 1
+    app = build_router_app(pool, server)
+    config = uvicorn.Config(app, log_level=server.log_level, access_log=False,
+                            timeout_graceful_shutdown=max(1, int(server.shutdown_timeout)))
+    kept = "kept loaded" if keep_alive is None else f"unloaded after {keep_alive:g} s idle"
+    print(f"Serving {len(models)} models from {args.models_dir} ({', '.join(models)}), "
+          f"loaded on first use, at most {args.models_max} at once, {kept}", flush=True)
+    if server.web_ui:
+        print(page_banner(server.host, server.port, "any of them"), flush=True)
+
+    async def main() -> int:
+        await _RouterServer(config).serve(sockets=[sock])
+        return 0
+
+    try:
+        return run_event_loop(main())
+    finally:
+        sock.close()
+
+
+class _RouterServer(uvicorn.Server):
+    """uvicorn, except that SIGTERM/SIGINT end the process with status 0 once its requests
+    have finished and every model's server has stopped (the app's lifespan), not by the signal
+    again as uvicorn's own handler does; a second signal stops at once."""
+
+    def handle_exit(self, sig: int, frame: object) -> None:
+        if self.should_exit:
+            self.force_exit = True
+        self.should_exit = True
