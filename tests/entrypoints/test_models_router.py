@@ -19,7 +19,9 @@ import ollama
 import openai
 import psutil
 import pytest
+from playwright.sync_api import Browser, expect
 from server_harness import RunningServer, process_gone, wait_until
+from web_browser import browser, watched_page  # noqa: F401 (the browser fixture)
 
 from nanoserve.model.loader import default_model_path
 
@@ -51,12 +53,11 @@ def _model_pids(server: RunningServer) -> list[int]:
     return [p.pid for p in psutil.Process(server.proc.pid).children(recursive=True)]
 
 
-def _running(server: RunningServer, model: str) -> float:
-    """`model`'s running requests, from the router's /metrics (its server's series)."""
+def _series(server: RunningServer, name: str, model: str) -> float:
+    """`model`'s value of metric `name`, from the router's /metrics (its server's series)."""
     text = httpx.get(server.url + "/metrics", timeout=10).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("nanoserve:num_requests_running{")
-               and f'model_name="{model}"' in line)
+               if line.startswith(f"nanoserve:{name}{{") and f'model_name="{model}"' in line)
 
 
 def _tree_rss(server: RunningServer) -> int:
@@ -176,6 +177,36 @@ def test_load_and_unload_by_hand(both: RunningServer) -> None:
     assert metrics.count("# TYPE nanoserve:num_requests_running ") == 1
 
 
+def test_the_chat_page_picks_the_model_and_the_dashboard_shows_each(
+        both: RunningServer, browser: Browser, request: pytest.FixtureRequest,  # noqa: F811
+        tmp_path: Path) -> None:
+    for name in (SMOL, GEMMA):
+        assert both.post("/models/load", {"model": name}, timeout=300).status_code == 200
+    gemma_tokens = _series(both, "generation_tokens_total", GEMMA)
+    smol_tokens = _series(both, "generation_tokens_total", SMOL)
+    with watched_page(browser, both.url, request, tmp_path) as web:
+        page = web.page
+        page.goto(both.url + "/")
+        page.wait_for_selector("body[data-ready=true]")
+        picker = page.locator("#model-picker")
+        expect(picker).to_be_visible()
+        assert picker.locator("option").all_inner_texts() == [f"{SMOL} (loaded)",
+                                                              f"{GEMMA} (loaded)"]
+        picker.select_option(GEMMA)
+        page.wait_for_selector("body[data-ready=true]")
+        page.fill("#max_tokens", "6")
+        page.fill("#input", "Hello!")
+        page.press("#input", "Enter")
+        answer = page.locator("#messages article.assistant").last
+        expect(answer).to_have_attribute("data-state", "done", timeout=120_000)
+        page.goto(both.url + f"/dashboard?model={GEMMA}")
+        expect(page.locator("#title")).to_contain_text(GEMMA)
+        expect(page.locator("#model-filter")).to_have_value(GEMMA)
+        assert web.errors == [] and web.foreign_requests() == []
+    assert _series(both, "generation_tokens_total", GEMMA) > gemma_tokens
+    assert _series(both, "generation_tokens_total", SMOL) == smol_tokens
+
+
 def test_a_killed_engine_core_fails_only_its_model_and_the_next_request_reloads_it(
         both: RunningServer) -> None:
     for name in (SMOL, GEMMA):
@@ -196,7 +227,8 @@ def test_a_killed_engine_core_fails_only_its_model_and_the_next_request_reloads_
                for model in (SMOL, GEMMA, SMOL, GEMMA)]
     for thread in threads:
         thread.start()
-    wait_until(lambda: _running(both, SMOL) == 2, "SmolLM2's requests to run", timeout=120)
+    wait_until(lambda: _series(both, "num_requests_running", SMOL) == 2,
+               "SmolLM2's requests to run", timeout=120)
     smol_server = next(p for p in psutil.Process(both.proc.pid).children()
                        if any(SMOL in part for part in p.cmdline()))
     engine_core = next(p for p in smol_server.children()

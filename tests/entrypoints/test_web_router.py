@@ -43,10 +43,14 @@ def test_with_a_key_the_pages_are_public_and_every_call_is_keyed() -> None:
 def test_no_web_ui_serves_neither_page() -> None:
     web = client(web_ui=False, api_key="secret")
     for path in ("/", "/dashboard", STATIC_URL + "chat.js", "/web/defaults"):
-        # not public any more: without the key, 401; with it, no such route
+        # not public any more: without the key, 401; with it, no such page
         assert web.get(path).status_code == 401, path
+    for path in ("/", "/dashboard", STATIC_URL + "chat.js"):
         assert web.get(path, headers={"Authorization": "Bearer secret"}).status_code == 404
     assert client(web_ui=False).get("/").status_code == 404
+    # the model's settings stay (keyed): behind --models-dir the router's page reads them
+    keyed = web.get("/web/defaults", headers={"Authorization": "Bearer secret"})
+    assert keyed.status_code == 200 and keyed.json()["model"] == "tiny"
 
 
 def test_pages_forbid_inline_script_and_other_hosts() -> None:

@@ -56,7 +56,7 @@ from nanoserve.entrypoints.openai.serving_completion import create_completion
 from nanoserve.entrypoints.openai.token_limits import check_prompt_ids
 from nanoserve.entrypoints.tenant import TenantMiddleware
 from nanoserve.entrypoints.web.router import PUBLIC_PATHS as WEB_PUBLIC_PATHS
-from nanoserve.entrypoints.web.router import WebPageInfo, web_router
+from nanoserve.entrypoints.web.router import WebPageInfo, web_defaults_router, web_router
 
 logger = logging.getLogger("nanoserve")
 
@@ -72,9 +72,10 @@ def build_app(ctx: ServerContext, config: ServerConfig | None = None) -> FastAPI
     add_messages_routes(app, ctx, strip_billing_header=config.strip_billing_header)
     add_ollama_routes(app, ctx)  # Ollama's /api/*
     public_paths = PUBLIC_PATHS
+    app.include_router(web_defaults_router(WebPageInfo(
+        ctx.model_name, ctx.max_model_len, ctx.reasoning_parser, ctx.generation_defaults)))
     if config.web_ui:  # the chat page and dashboard: public files, keyed calls
-        app.include_router(web_router(WebPageInfo(
-            ctx.model_name, ctx.max_model_len, ctx.reasoning_parser, ctx.generation_defaults)))
+        app.include_router(web_router())
         public_paths = public_paths | WEB_PUBLIC_PATHS
     install_openapi(app)
     # the last added runs first: CORS answers browsers' preflights before the key is asked

@@ -115,7 +115,7 @@ def build_router_app(pool: ModelPool, config: ServerConfig) -> FastAPI:
     add_ollama_router_routes(app, pool, client)
     public_paths = PUBLIC_PATHS
     if config.web_ui:  # the pages here; their /web/defaults comes from the chosen model
-        app.include_router(web_router(None))
+        app.include_router(web_router())
         public_paths = public_paths | WEB_PUBLIC_PATHS
 
     @app.api_route("/{path:path}", methods=["GET", "POST", "DELETE"], include_in_schema=False)

@@ -55,10 +55,9 @@ class WebPageInfo:
     generation_config: dict[str, Any] = field(default_factory=dict)
 
 
-def web_router(info: WebPageInfo | None) -> APIRouter:
-    """The two pages, their files and the page's defaults. Every file is read now, so a package
-    missing one fails at start-up, not at the first visit. With no `info` (the several-models
-    router) there is no `/web/defaults` here: each model's own server answers it."""
+def web_router() -> APIRouter:
+    """The two pages and their files. Every file is read now, so a package missing one fails
+    at start-up, not at the first visit."""
     files = {name: _read(name) for name in (*PAGES.values(), *ASSETS)}
     router = APIRouter(include_in_schema=False)  # the page's internals, not the OpenAI API
 
@@ -81,15 +80,22 @@ def web_router(info: WebPageInfo | None) -> APIRouter:
             raise HTTPException(404, f"no file {STATIC_URL}{name}")
         return serve(name)
 
-    if info is not None:
-        defaults = chat_defaults(info.generation_config, info.max_model_len)
-        settings = {"model": info.model_name, "max_model_len": info.max_model_len,
-                    "reasoning": info.reasoning_parser is not None, "source": defaults.source,
-                    "sampling": defaults.sampling()}
+    return router
 
-        @router.get("/web/defaults")
-        async def web_defaults() -> dict[str, Any]:
-            return settings
+
+def web_defaults_router(info: WebPageInfo) -> APIRouter:
+    """`/web/defaults`: the served model's name and settings for the page. Every model's server
+    answers it, with or without the pages: behind `--models-dir` the router serves the pages
+    and each model's own server its defaults (`/web/defaults?model=NAME` reaches it)."""
+    defaults = chat_defaults(info.generation_config, info.max_model_len)
+    settings = {"model": info.model_name, "max_model_len": info.max_model_len,
+                "reasoning": info.reasoning_parser is not None, "source": defaults.source,
+                "sampling": defaults.sampling()}
+    router = APIRouter(include_in_schema=False)
+
+    @router.get("/web/defaults")
+    async def web_defaults() -> dict[str, Any]:
+        return settings
 
     return router
 

@@ -1,5 +1,7 @@
 // The chat page: conversations kept in localStorage, settings that start from the model's own
-// sampling defaults (GET /web/defaults), answers streamed from /v1/chat/completions.
+// sampling defaults (GET /web/defaults), answers streamed from /v1/chat/completions. A server
+// holding several models (--models-dir) lists them in GET /v1/models: the page shows a picker,
+// and the chosen model's own server answers its defaults (/web/defaults?model=NAME).
 
 import { apiFetch, el, errorText } from "./common.js";
 import { copyText, renderMarkdown } from "./markdown.js";
@@ -7,7 +9,7 @@ import { streamAnswer } from "./stream.js";
 
 const $ = (id) => document.getElementById(id);
 const STORE = { conversations: "nanoserve.conversations", current: "nanoserve.current",
-  settings: "nanoserve.settings" };
+  settings: "nanoserve.settings", model: "nanoserve.model" };
 const FIELDS = ["temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens",
   "seed"];
 const state = { server: null, settings: {}, conversations: [], current: null, controller: null };
@@ -233,17 +235,41 @@ function defaultSettings() {
   return { model: state.server.model, system: "", ...state.server.sampling, seed: null };
 }
 
-async function loadDefaults() {
+// the models the server holds, with their states: a picker where there is more than one
+async function loadModels() {
   let response;
   try {
-    response = await apiFetch("/web/defaults");
+    response = await apiFetch("/v1/models");
+  } catch {
+    return;
+  }
+  if (!response.ok) return;
+  const models = (await response.json()).data;
+  const picker = $("model-picker");
+  picker.hidden = models.length < 2;
+  if (picker.hidden) return;
+  const chosen = localStorage.getItem(STORE.model);
+  picker.replaceChildren(...models.map((m) => {
+    const state = m.status?.value;
+    return el("option", { value: m.id }, state ? `${m.id} (${state})` : m.id);
+  }));
+  const loaded = models.find((m) => m.status?.value === "loaded");
+  picker.value = models.some((m) => m.id === chosen) ? chosen : (loaded ?? models[0]).id;
+}
+
+async function loadDefaults() {
+  const picker = $("model-picker");
+  const query = picker.hidden ? "" : `?model=${encodeURIComponent(picker.value)}`;
+  let response;
+  try {
+    response = await apiFetch(`/web/defaults${query}`);
   } catch (error) {
     return notice(`The server could not be reached (${error.message}).`);
   }
   if (!response.ok) return notice(await errorText(response));
   notice("");
   state.server = await response.json();
-  $("model-name").textContent = state.server.model;
+  $("model-name").textContent = picker.hidden ? state.server.model : "";
   document.title = `${state.server.model} \u00b7 nanoserve`;
   const stored = load(STORE.settings, null);
   state.settings = stored?.model === state.server.model ? stored : defaultSettings();
@@ -272,6 +298,12 @@ function wire() {
     }
   });
   $("stop").addEventListener("click", () => state.controller?.abort());
+  $("model-picker").addEventListener("change", async () => {
+    localStorage.setItem(STORE.model, $("model-picker").value);
+    state.server = null; // the new model's defaults (it loads now, if it is not loaded)
+    document.body.dataset.ready = "false";
+    await loadDefaults();
+  });
   $("new-chat").addEventListener("click", newConversation);
   $("toggle-sidebar").addEventListener("click",
     () => document.body.classList.toggle("sidebar-toggled"));
@@ -297,6 +329,7 @@ async function start() {
   if (current) select(current);
   else newConversation();
   $("input").focus();
+  await loadModels();
   await loadDefaults();
 }
 

@@ -1,5 +1,7 @@
 // The dashboard: polls /metrics (Prometheus text, with the API key when the server has one)
-// every second (`/dashboard?interval=0.25` polls faster) and plots the last 120 scrapes.
+// every second (`/dashboard?interval=0.25` polls faster) and plots the last 120 scrapes. Behind
+// --models-dir the series of every loaded model arrive together, each labelled `model_name`:
+// a picker shows one model's (`/dashboard?model=NAME`) or all of them summed.
 
 import { apiFetch, el, errorText } from "./common.js";
 import { plot } from "./plot.js";
@@ -13,8 +15,10 @@ const history = []; // {t: seconds, metrics: Map}, long enough for the percentil
 const series = { running: [], waiting: [], tps: [], kv: [], prefix: [], acceptance: [],
   ttft: [[], [], []], itl: [[], [], []] };
 const $ = (id) => document.getElementById(id);
+let chosenModel = new URLSearchParams(location.search).get("model") ?? ""; // "": all
+const modelsSeen = new Set();
 
-/** Prometheus text -> Map(sample name -> [{labels, value}]). */
+/** Prometheus text -> Map(sample name -> [{labels, value}]), of the chosen model only. */
 function parse(text) {
   const samples = new Map();
   for (const line of text.split("\n")) {
@@ -22,6 +26,10 @@ function parse(text) {
     if (!m) continue; // comments, blank lines
     const labels = Object.fromEntries([...(m[2] ?? "").matchAll(/(\w+)="((?:[^"\\]|\\.)*)"/g)]
       .map((l) => [l[1], l[2]]));
+    if (labels.model_name !== undefined) {
+      modelsSeen.add(labels.model_name);
+      if (chosenModel && labels.model_name !== chosenModel) continue;
+    }
     if (!samples.has(m[1])) samples.set(m[1], []);
     samples.get(m[1]).push({ labels, value: Number(m[3]) });
   }
@@ -114,8 +122,7 @@ function update(metrics) {
   acceptance(metrics, drafted(metrics), kept(metrics));
   latency("ttft", metrics, `${P}time_to_first_token_seconds`);
   latency("itl", metrics, `${P}inter_token_latency_seconds`);
-  const model = metrics.get(`${P}num_requests_running`)?.[0]?.labels.model_name;
-  if (model) $("title").textContent = `${model} \u00b7 nanoserve dashboard`;
+  showModels();
   status(`updated ${new Date().toLocaleTimeString()}`);
 }
 
@@ -157,6 +164,35 @@ function show(id, text, value, lines, floor = 1) {
   const top = plot(svg, lines, POINTS, floor);
   svg.dataset.top = String(top);
 }
+
+/** The picker of models (shown once the metrics name more than one) and the title. */
+function showModels() {
+  const picker = $("model-filter");
+  const names = [...modelsSeen].sort();
+  if (names.length > 1 || chosenModel) {
+    const have = [...picker.options].map((o) => o.value).slice(1);
+    if (have.join("\n") !== names.join("\n")) {
+      picker.replaceChildren(el("option", { value: "" }, "All models"),
+        ...names.map((name) => el("option", { value: name }, name)));
+    }
+    picker.value = chosenModel;
+    picker.hidden = false;
+  }
+  const shown = chosenModel || (names.length === 1 ? names[0] : "");
+  if (shown) $("title").textContent = `${shown} \u00b7 nanoserve dashboard`;
+  else if (names.length > 1) {
+    $("title").textContent = `${names.length} models \u00b7 nanoserve dashboard`;
+  }
+}
+
+$("model-filter").addEventListener("change", () => {
+  chosenModel = $("model-filter").value;
+  history.length = 0; // the plots start again, with the chosen model's series
+  for (const list of Object.values(series)) {
+    if (Array.isArray(list[0])) for (const inner of list) inner.length = 0;
+    else list.length = 0;
+  }
+});
 
 function status(text, ...extra) {
   $("status").replaceChildren(text, ...extra);
