@@ -18,6 +18,9 @@
 // ~90 cycles per (row, key, KV head) against 48 for its FMAs on a Zen 1; here the scores need
 // no horizontal sums, and a prefill block shares each tile's transpose and widened values across
 // all its rows. Figures: docs/benchmarks.md, "Prefill attention as tiled matrix products".
+// Not kept: int16 products (`vpmaddwd`), 0.88x a prefill chunk's time but 1.95x a decode's,
+// which must round a float16 cache's rows to int16 at every read as prefill does. Figures:
+// docs/benchmarks.md, "Prefill attention in integers, measured and not kept".
 #pragma once
 
 #include <immintrin.h>
