@@ -236,7 +236,7 @@ def _build(name: str, tier: str) -> ModuleType:
     if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
     suffix = "" if tier == "avx2" else f"_{tier}"
-    build_dir = cache_dir() / f"{name}{suffix}"
+    build_dir = cache_dir() / f"{name}{suffix}-{_checkout_key()}"
     # torch rebuilds when a source or a flag changes, and sees only the .cpp: the headers'
     # hash, as a flag, makes an edited header rebuild the kernels that include it
     headers = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(CSRC_DIR.glob("*.h"))))
@@ -246,6 +246,17 @@ def _build(name: str, tier: str) -> ModuleType:
         return load(name=f"nanoserve_{name}{suffix}", sources=[str(CSRC_DIR / f"{name}.cpp")],
                     extra_cflags=flags, extra_ldflags=["-fopenmp"],
                     build_directory=str(build_dir), verbose=False)
+
+
+def _checkout_key() -> str:
+    """Which sources and which Python build these kernels: each checkout and each virtual
+    environment gets build directories of its own. One shared directory was rebuilt whenever
+    another checkout (other source paths) or venv (other include paths) had built into it last:
+    two clones served side by side rebuilt each other's kernels at every start, minutes each."""
+    import torch
+
+    where = f"{CSRC_DIR.resolve()}\0{sys.prefix}\0{torch.__version__}"
+    return hashlib.sha256(where.encode()).hexdigest()[:10]
 
 
 # decode_layers calls the ops the first three register: it loads after them

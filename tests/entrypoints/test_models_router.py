@@ -116,7 +116,7 @@ def test_each_model_answers_by_name_and_a_load_never_cuts_a_running_stream(
 
     runner = threading.Thread(target=smol_stream)
     runner.start()
-    assert first_chunk.wait(120)
+    assert first_chunk.wait(300)
     assert _states(one_at_a_time)[SMOL] == "loaded"
     gemma = client.chat.completions.create(model=GEMMA, messages=HELLO, max_tokens=8,
                                            temperature=0)
@@ -171,6 +171,15 @@ def test_load_and_unload_by_hand(both: RunningServer) -> None:
         assert answer.status_code == 200, answer.text
     assert _states(both) == {SMOL: "loaded", GEMMA: "loaded"}
     assert both.post("/models/load", {"model": "nope"}).status_code == 404
+    # every API routes by its `model`: embeddings, rerank and Responses too
+    client = both.client()
+    vectors = client.embeddings.create(model=SMOL, input=["hello", "world"])
+    assert vectors.model == SMOL and len(vectors.data) == 2
+    ranked = both.post("/v1/rerank", {"model": GEMMA, "query": "sea",
+                                      "documents": ["the ocean", "a desk"]})
+    assert ranked.status_code == 200 and len(ranked.json()["results"]) == 2
+    response = client.responses.create(model=GEMMA, input="Say hi.", max_output_tokens=8)
+    assert response.model == GEMMA and response.output_text
     metrics = httpx.get(both.url + "/metrics", timeout=10).text
     for name in (SMOL, GEMMA):
         assert f'model_name="{name}"' in metrics
