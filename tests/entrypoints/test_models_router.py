@@ -275,3 +275,24 @@ def test_the_ollama_client_lists_runs_and_unloads_the_models(both: RunningServer
     client.generate(model=GEMMA, prompt="Hi", keep_alive=0, options={"num_predict": 2})
     wait_until(lambda: _states(both)[GEMMA] == "unloaded", "Gemma to unload")
     assert {m.model for m in client.ps().models} == {SMOL}
+
+
+def test_a_keyed_router_asks_for_the_key_before_anything_loads(models_dir: Path) -> None:
+    server = RunningServer("--models-dir", str(models_dir), api_key="router-key")
+    try:
+        assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+        for path in ("/v1/models", "/api/tags", "/metrics"):
+            assert httpx.get(server.url + path, timeout=10).status_code == 401, path
+        refused = httpx.post(server.url + "/v1/chat/completions", timeout=10,
+                             json={"model": SMOL, "messages": HELLO})
+        assert refused.status_code == 401 and _model_pids(server) == []
+        # in each API's own error shape
+        assert "error" in httpx.get(server.url + "/api/tags", timeout=10).json()
+        assert isinstance(httpx.get(server.url + "/api/tags", timeout=10).json()["error"], str)
+        messages = httpx.post(server.url + "/v1/messages", timeout=10,
+                              json={"model": SMOL, "max_tokens": 2, "messages": HELLO})
+        assert messages.json()["error"]["type"] == "authentication_error"
+        keyed = httpx.get(server.url + "/v1/models", headers=server.headers, timeout=10)
+        assert keyed.status_code == 200 and len(keyed.json()["data"]) == 2
+    finally:
+        assert server.stop() == 0

@@ -57,9 +57,12 @@ def renamed_field(param: str) -> str:
 
 
 def reshape_error(body: bytes, status: int) -> bytes:
-    """An OpenAI error body as Anthropic's; a body in no known shape keeps its text."""
+    """An OpenAI error body as Anthropic's; a body in no known shape keeps its text, and one in
+    Anthropic's already (a model's server's, relayed by the router of --models-dir) is kept."""
     try:
         parsed = json.loads(body)
+        if isinstance(parsed, dict) and parsed.get("type") == "error":
+            return body
         error = parsed["error"]
         message, param = str(error["message"]), error.get("param")
     except (ValueError, KeyError, TypeError):

@@ -55,9 +55,12 @@ def ollama_error(message: str) -> dict[str, Any]:
 
 
 def reshape_error(body: bytes, status: int) -> bytes:
-    """An OpenAI error body as Ollama's; a body in no known shape keeps its text."""
+    """An OpenAI error body as Ollama's; a body in no known shape keeps its text, and one in
+    Ollama's already (a model's server's, relayed by the router of --models-dir) is kept."""
     try:
         error = json.loads(body)["error"]
+        if isinstance(error, str):
+            return body
         message, param = str(error["message"]), error.get("param")
     except (ValueError, KeyError, TypeError):
         message, param = body.decode("utf-8", "replace") or f"HTTP {status}", None

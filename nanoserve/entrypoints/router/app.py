@@ -26,6 +26,8 @@ from fastapi.responses import JSONResponse, Response
 
 import nanoserve
 from nanoserve.config import ServerConfig
+from nanoserve.entrypoints.anthropic.errors import AnthropicErrorShape
+from nanoserve.entrypoints.ollama.errors import OllamaErrorShape
 from nanoserve.entrypoints.openai.auth import PUBLIC_PATHS, APIKeyMiddleware
 from nanoserve.entrypoints.openai.limits import BodyLimitMiddleware
 from nanoserve.entrypoints.router.catalog import resolve_name
@@ -134,6 +136,10 @@ def build_router_app(pool: ModelPool, config: ServerConfig) -> FastAPI:
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
                            allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])
+    # the router's own errors (a 401, a 413) in each API's shape, as a model's server gives
+    # them; the errors it relays are in that shape already and pass unchanged
+    app.add_middleware(AnthropicErrorShape)
+    app.add_middleware(OllamaErrorShape)
     return app
 
 
