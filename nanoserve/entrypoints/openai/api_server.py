@@ -72,7 +72,7 @@ def build_app(ctx: ServerContext, config: ServerConfig | None = None) -> FastAPI
     add_messages_routes(app, ctx, strip_billing_header=config.strip_billing_header)
     add_ollama_routes(app, ctx)  # Ollama's /api/*
     public_paths = PUBLIC_PATHS
-    app.include_router(web_defaults_router(WebPageInfo(
+    app.include_router(web_defaults_router(lambda: WebPageInfo(
         ctx.model_name, ctx.max_model_len, ctx.reasoning_parser, ctx.generation_defaults)))
     if config.web_ui:  # the chat page and dashboard: public files, keyed calls
         app.include_router(web_router())

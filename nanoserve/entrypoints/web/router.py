@@ -15,6 +15,7 @@ opens, not at the first message.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
@@ -83,18 +84,22 @@ def web_router() -> APIRouter:
     return router
 
 
-def web_defaults_router(info: WebPageInfo) -> APIRouter:
-    """`/web/defaults`: the served model's name and settings for the page. Every model's server
-    answers it, with or without the pages: behind `--models-dir` the router serves the pages
-    and each model's own server its defaults (`/web/defaults?model=NAME` reaches it)."""
-    defaults = chat_defaults(info.generation_config, info.max_model_len)
-    settings = {"model": info.model_name, "max_model_len": info.max_model_len,
-                "reasoning": info.reasoning_parser is not None, "source": defaults.source,
-                "sampling": defaults.sampling()}
+def web_defaults_router(info: Callable[[], WebPageInfo]) -> APIRouter:
+    """`/web/defaults`: the served model's name and settings for the page, from `info()` at the
+    first call. Every model's server answers it, with or without the pages: behind
+    `--models-dir` the router serves the pages and each model's own server its defaults
+    (`/web/defaults?model=NAME` reaches it)."""
+    settings: dict[str, Any] = {}
     router = APIRouter(include_in_schema=False)
 
     @router.get("/web/defaults")
     async def web_defaults() -> dict[str, Any]:
+        if not settings:
+            served = info()
+            defaults = chat_defaults(served.generation_config, served.max_model_len)
+            settings.update({"model": served.model_name, "max_model_len": served.max_model_len,
+                             "reasoning": served.reasoning_parser is not None,
+                             "source": defaults.source, "sampling": defaults.sampling()})
         return settings
 
     return router
