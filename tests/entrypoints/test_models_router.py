@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -66,12 +67,16 @@ def _tree_rss(server: RunningServer) -> int:
         p.memory_info().rss for p in router.children(recursive=True) if p.is_running()))
 
 
-@pytest.fixture(scope="module")
-def one_at_a_time(models_dir: Path) -> Any:
-    server = RunningServer("--models-dir", str(models_dir), "--models-max", "1",
-                           "--keep-alive", "4", "--max-model-len", "2048")
+def _router(models_dir: Path, models_max: int, keep_alive: int) -> Iterator[RunningServer]:
+    server = RunningServer("--models-dir", str(models_dir), "--models-max", str(models_max),
+                           "--keep-alive", str(keep_alive), "--max-model-len", "2048")
     yield server
     assert server.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def one_at_a_time(models_dir: Path) -> Iterator[RunningServer]:
+    yield from _router(models_dir, models_max=1, keep_alive=4)
 
 
 def test_every_model_is_listed_unloaded_and_unknown_names_are_404(
@@ -158,11 +163,8 @@ def test_each_model_answers_by_name_and_a_load_never_cuts_a_running_stream(
 
 
 @pytest.fixture(scope="module")
-def both(models_dir: Path) -> Any:
-    server = RunningServer("--models-dir", str(models_dir), "--models-max", "2",
-                           "--keep-alive", "-1", "--max-model-len", "2048")
-    yield server
-    assert server.stop() == 0
+def both(models_dir: Path) -> Iterator[RunningServer]:
+    yield from _router(models_dir, models_max=2, keep_alive=-1)
 
 
 def test_load_and_unload_by_hand(both: RunningServer) -> None:

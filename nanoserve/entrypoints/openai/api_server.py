@@ -8,19 +8,17 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import nanoserve
 from nanoserve.config import ServerConfig
-from nanoserve.entrypoints.anthropic.errors import AnthropicErrorShape
 from nanoserve.entrypoints.anthropic.routes import add_messages_routes
 from nanoserve.entrypoints.async_engine import EngineDeadError, RequestTimeoutError
-from nanoserve.entrypoints.ollama.errors import OllamaErrorShape
+from nanoserve.entrypoints.edge_middleware import add_edge_middleware
 from nanoserve.entrypoints.ollama.json_bodies import OllamaJsonBodies
 from nanoserve.entrypoints.ollama.routes import add_ollama_routes
-from nanoserve.entrypoints.openai.auth import PUBLIC_PATHS, APIKeyMiddleware
+from nanoserve.entrypoints.openai.auth import PUBLIC_PATHS
 from nanoserve.entrypoints.openai.chat_prompt import render_prompt
 from nanoserve.entrypoints.openai.chat_request import chat_input
 from nanoserve.entrypoints.openai.errors import (
@@ -83,16 +81,7 @@ def build_app(ctx: ServerContext, config: ServerConfig | None = None) -> FastAPI
     app.add_middleware(BodyLimitMiddleware, limit=config.limits.max_request_body_bytes)
     app.add_middleware(OllamaJsonBodies)  # Ollama's bodies are JSON whatever their type
     app.add_middleware(TenantMiddleware)  # whose key: for proposers that learn across requests
-    if config.api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=config.api_key, public_paths=public_paths)
-    if config.allowed_origins:  # off by default: no page elsewhere may call the API
-        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
-                           allow_methods=["GET", "POST"],
-                           allow_headers=["Authorization", "Content-Type"])
-    # outermost: every error on the Messages paths in Anthropic's shape, on Ollama's in
-    # Ollama's, the 401s and 413s too
-    app.add_middleware(AnthropicErrorShape)
-    app.add_middleware(OllamaErrorShape)
+    add_edge_middleware(app, config, public_paths)  # the key, CORS, the error shapes
     return app
 
 

@@ -14,25 +14,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
 import nanoserve
 from nanoserve.config import ServerConfig
-from nanoserve.entrypoints.anthropic.errors import AnthropicErrorShape
-from nanoserve.entrypoints.ollama.errors import OllamaErrorShape
-from nanoserve.entrypoints.openai.auth import PUBLIC_PATHS, APIKeyMiddleware
+from nanoserve.entrypoints.edge_middleware import add_edge_middleware
+from nanoserve.entrypoints.openai.auth import PUBLIC_PATHS
 from nanoserve.entrypoints.openai.limits import BodyLimitMiddleware
 from nanoserve.entrypoints.router.catalog import resolve_name
 from nanoserve.entrypoints.router.forward import (
     RouteError,
+    auth_headers,
+    body_fields,
     error_response,
     forward,
     request_model,
@@ -97,8 +96,7 @@ def build_router_app(pool: ModelPool, config: ServerConfig) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
-        auth = {k: v for k, v in request.headers.items()
-                if k.lower() in ("authorization", "x-api-key")}
+        auth = auth_headers(request)
         servers = [e.server for e in pool.entries.values()
                    if e.state is ModelState.LOADED and e.server is not None]
 
@@ -123,23 +121,15 @@ def build_router_app(pool: ModelPool, config: ServerConfig) -> FastAPI:
     @app.api_route("/{path:path}", methods=["GET", "POST", "DELETE"], include_in_schema=False)
     async def to_model(request: Request, path: str) -> Response:
         body = await request.body()
-        name = request_model(request.url.path, body, request.query_params.get("model"),
+        fields = body_fields(body)
+        name = request_model(request.url.path, fields, request.query_params.get("model"),
                              pool.entries)
-        keep_alive = ollama_keep_alive(request.url.path, body)
+        keep_alive = ollama_keep_alive(request.url.path, fields)
         lease = await take_lease(pool, name, keep_alive)
         return await forward(request, client, pool, lease, body)
 
     app.add_middleware(BodyLimitMiddleware, limit=config.limits.max_request_body_bytes)
-    if config.api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=config.api_key, public_paths=public_paths)
-    if config.allowed_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
-                           allow_methods=["GET", "POST"],
-                           allow_headers=["Authorization", "Content-Type"])
-    # the router's own errors (a 401, a 413) in each API's shape, as a model's server gives
-    # them; the errors it relays are in that shape already and pass unchanged
-    app.add_middleware(AnthropicErrorShape)
-    app.add_middleware(OllamaErrorShape)
+    add_edge_middleware(app, config, public_paths)  # the router's own 401s in each shape
     return app
 
 
@@ -160,10 +150,7 @@ def model_card(pool: ModelPool, name: str) -> dict[str, Any]:
 
 def _named_model(pool: ModelPool, body: bytes) -> str:
     """The `model` of a /models/load or /models/unload body, as a catalog name."""
-    try:
-        asked = json.loads(body or b"{}").get("model")
-    except (ValueError, AttributeError):
-        asked = None
+    asked = body_fields(body).get("model")
     if not isinstance(asked, str):
         raise RouteError(400, "give the model to load or unload: {\"model\": NAME}")
     name = resolve_name(asked, pool.entries)

@@ -55,18 +55,29 @@ def error_response(path: str, status: int, message: str) -> JSONResponse:
     return JSONResponse(body, status_code=status)
 
 
-def request_model(path: str, body: bytes, query_model: str | None,
+def body_fields(body: bytes) -> dict[str, Any]:
+    """A request body's top-level fields, read once; {} for a body that is not a JSON object
+    (the model's server answers a malformed body in its own words)."""
+    if not body:
+        return {}
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        return {}
+    return parsed if isinstance(parsed, dict) else {}
+
+
+def auth_headers(request: Request) -> dict[str, str]:
+    """The client's API-key headers, for the router's own calls to the models' servers."""
+    return {k: v for k, v in request.headers.items() if k.lower() in ("authorization",
+                                                                      "x-api-key")}
+
+
+def request_model(path: str, fields: dict[str, Any], query_model: str | None,
                   names: dict[str, Any]) -> str:
     """The catalog name the request is for. A body without `model` is for the only model, if
     the directory holds one; otherwise a 400 naming the models."""
-    asked = query_model
-    if body:
-        try:
-            parsed = json.loads(body)
-        except ValueError:
-            parsed = None
-        if isinstance(parsed, dict) and isinstance(parsed.get("model"), str):
-            asked = parsed["model"]
+    asked = fields["model"] if isinstance(fields.get("model"), str) else query_model
     if asked is None:
         if len(names) == 1:
             return next(iter(names))

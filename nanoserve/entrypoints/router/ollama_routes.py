@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -25,26 +24,27 @@ import nanoserve
 from nanoserve.entrypoints.ollama.keep_alive import parse_keep_alive
 from nanoserve.entrypoints.ollama.model_card import ModelCard, read_model_card, rfc3339
 from nanoserve.entrypoints.openai.errors import APIError
-from nanoserve.entrypoints.router.forward import RouteError, forward, request_model, take_lease
+from nanoserve.entrypoints.router.forward import (
+    RouteError,
+    auth_headers,
+    body_fields,
+    forward,
+    request_model,
+    take_lease,
+)
 from nanoserve.entrypoints.router.pool import DEFAULT, KeepAlive, ModelPool, ModelState
 
 # the paths whose bodies carry `keep_alive` in Ollama's API
 _KEEP_ALIVE_PATHS = frozenset({"/api/chat", "/api/generate", "/api/embed", "/api/embeddings"})
 
 
-def ollama_keep_alive(path: str, body: bytes) -> KeepAlive:
+def ollama_keep_alive(path: str, fields: dict[str, Any]) -> KeepAlive:
     """The request's `keep_alive` in seconds (None: keep it loaded), or DEFAULT where it sets
     none or is not an Ollama request. A value Ollama would refuse is a 400 naming it."""
-    if path not in _KEEP_ALIVE_PATHS or not body:
+    if path not in _KEEP_ALIVE_PATHS or fields.get("keep_alive") is None:
         return DEFAULT
     try:
-        parsed = json.loads(body)
-    except ValueError:
-        return DEFAULT  # the model's server answers the malformed body
-    if not isinstance(parsed, dict) or parsed.get("keep_alive") is None:
-        return DEFAULT
-    try:
-        return parse_keep_alive(parsed["keep_alive"])
+        return parse_keep_alive(fields["keep_alive"])
     except APIError as e:
         raise RouteError(e.status, e.message) from e
 
@@ -79,8 +79,7 @@ def add_ollama_router_routes(app: FastAPI, pool: ModelPool, client: httpx.AsyncC
     async def ps(request: Request) -> dict[str, Any]:
         """Each loaded model's own /api/ps entry (its context length is its server's), with
         when the router will unload it."""
-        auth = {k: v for k, v in request.headers.items()
-                if k.lower() in ("authorization", "x-api-key")}
+        auth = auth_headers(request)
         loaded = [e for e in pool.entries.values()
                   if e.state is ModelState.LOADED and e.server is not None]
 
@@ -102,13 +101,10 @@ def add_ollama_router_routes(app: FastAPI, pool: ModelPool, client: httpx.AsyncC
 
     async def load_or_unload(request: Request, field: str) -> Response | dict[str, Any]:
         body = await request.body()
-        try:
-            parsed = json.loads(body or b"{}")
-        except ValueError:
-            parsed = None
-        keep_alive = ollama_keep_alive(request.url.path, body)
-        name = request_model(request.url.path, body, None, pool.entries)
-        if isinstance(parsed, dict) and not parsed.get(field) and keep_alive == 0:
+        fields = body_fields(body)
+        keep_alive = ollama_keep_alive(request.url.path, fields)
+        name = request_model(request.url.path, fields, None, pool.entries)
+        if not fields.get(field) and keep_alive == 0:
             await pool.unload(name)
             answer: dict[str, Any] = {"model": name, "created_at": rfc3339(time.time()),
                                       "done": True, "done_reason": "unload"}

@@ -148,10 +148,6 @@ class ModelPool:
                     entry.expires_at = None if keep is None or keep < 0 else time.time() + keep
             self._changed.notify_all()
 
-    async def load(self, name: str) -> None:
-        """Load `name` now (POST /models/load); it stays for the default keep-alive."""
-        await self.release(await self.acquire(name))
-
     async def unload(self, name: str) -> None:
         """Unload `name` once its running requests end; returns when its server is gone."""
         entry = self.entries.get(name)
