@@ -35,7 +35,7 @@ def make_engine(model: str | Path | None, *, num_blocks: int | None = None,
                 max_num_seqs: int = SchedulerConfig.max_num_seqs,
                 max_model_len: int | None = None, enable_prefix_caching: bool = True,
                 block_size: int = CacheConfig.block_size,
-                quantization: str = "none") -> EngineCore:
+                quantization: str = "none", kv_cache_dtype: str = "auto") -> EngineCore:
     """An engine on the CPU in float32; exact weights ("none") unless asked otherwise, since
     most tests compare it with transformers."""
     return build_engine_core(EngineConfig(
@@ -43,7 +43,7 @@ def make_engine(model: str | Path | None, *, num_blocks: int | None = None,
                           dtype="float32", max_model_len=max_model_len,
                           quantization=quantization),
         cache=CacheConfig(block_size=block_size, num_blocks=num_blocks,
-                          kv_cache_memory_bytes=64 << 20,
+                          kv_cache_memory_bytes=64 << 20, kv_cache_dtype=kv_cache_dtype,
                           enable_prefix_caching=enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                   max_num_batched_tokens=max_num_batched_tokens),

@@ -18,7 +18,7 @@
 // on the batch or the thread count, so a request's result is the same alone or batched (and a
 // prompt token's, whatever chunk it was prefilled in: prefill queries come here too). A prefill
 // chunk's rows, which share their keys, are attended in blocks of rows (run_attend.h), each row
-// to the same bits.
+// to the same bits (on an int8 cache too, where its scores are integers).
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/extension.h>
@@ -53,7 +53,8 @@ void attend_batch(const torch::Tensor& q, const torch::Tensor& k_cache,
   const int64_t batch = q.size(0), group = pb.num_heads / pb.num_kv_heads, dim = pb.dim;
   const int64_t items = batch * pb.num_kv_heads;
   if (items == 0) return;
-  if constexpr (!std::is_same_v<T, int8_t>) {  // a prefill chunk's rows share their keys
+  // a prefill chunk's rows share their keys (an int8 cache's where its scores are integers)
+  if (!std::is_same_v<T, int8_t> || scores_in_int8<T>(dim)) {
     const auto blocks = run_attend::row_blocks(pb.block_table, pb.context_lens, batch,
                                                pb.max_blocks, pb.block_size);
     if (run_attend::has_runs(blocks)) return run_attend::attend_blocks(pb, blocks, out_ptr);

@@ -4,7 +4,10 @@
 // values widened to float32 once for the block, then its tokens' query heads run
 // flash_tiles.h's steps together, as a decode's heads do. A row's bits are those it gets alone
 // (flash_tiles.h says why), so a token's result still does not depend on the chunk it came in.
-// An int8 cache keeps the per-row path (its scores are integer dot products on the rows).
+// An int8 cache's rows run the same tiles where its decode scores in integers (head_dim a
+// multiple of 32), with the decode's softmax and P·V per row, to the decode's bits
+// (int8_tile_steps says how); a 512-row chunk at a 6,144-token context took 0.65x the time of
+// the per-row walk it replaced (docs/benchmarks.md, "An int8 cache's prompt in tiles").
 //
 // Work items are (block, KV head), handed out largest first from a shared counter: a chunk's
 // later rows see more keys, and in-order halves of a first chunk's rows give one thread a
@@ -72,13 +75,16 @@ template <typename T>
 struct BlockScratch {
   std::vector<float> q, kt, values, scores, corr, acc, max, sum;
   std::vector<float> part_acc, part_max, part_sum, merged;
+  std::vector<float> q_scale, key_scale, value_scale;  // an int8 cache's row scales
+  std::vector<int8_t> q8;  // a row's query as an int8 row, as the decode rounds it
   std::vector<const float*> value_rows;
   std::vector<const T*> cache_keys, cache_values;  // a tile's rows in the cache
   BlockScratch(int64_t group, int64_t dim)
       : q(kBlockRows * group * dim), kt(kTileTokens * dim), values(kTileTokens * dim),
         scores(kBlockRows * group * kTileTokens), corr(kBlockRows * group),
         acc(kBlockRows * group * dim), max(kBlockRows * group), sum(kBlockRows * group),
-        value_rows(kTileTokens), cache_keys(kTileTokens), cache_values(kTileTokens) {}
+        q_scale(kBlockRows * group), key_scale(kTileTokens), value_scale(kTileTokens),
+        q8(row_elements<int8_t>(dim)), value_rows(kTileTokens), cache_keys(kTileTokens), cache_values(kTileTokens) {}
 };
 
 // Rows of a tile as float32 rows: float rows are used where they lie, half rows widened.
@@ -94,6 +100,38 @@ void widen_tile(const T* const* cache_rows, int64_t n, int64_t dim, float* into,
       rows[j] = into + j * dim;
     }
   }
+}
+
+// An int8 cache's steps after a tile's scores, for rows [row0, row0 + rows) (rows of tokens
+// first, first + 1, ...), giving each row the bits the decode's walk (paged_attend.h's
+// attend_range) gives it. The scores came from float FMAs over int8 values held as floats:
+// every product and partial sum is an integer below 2^24 (64 x 127 x 127 for D = 64; 2^24 is
+// passed only past D = 1,040), so float sums are exact whatever their order and equal the
+// decode's int32 sums, then scaled as the decode scales them: (sum x q's scale) x k's scale.
+// The softmax is the decode's (attention_tiles.h's softmax_tile, one row at a time); a row's
+// keys past its context get weight exactly 0, so P·V over the tile's n_max keys adds exactly
+// nothing for them (the decode's loop over n keys pairs even and odd keys the same way); the
+// weights take the value rows' scales, then P·V runs the decode's accumulate_heads, per token,
+// on the values widened to float (exactly the values the decode widens as it loads them).
+template <typename T>
+void int8_tile_steps(BlockScratch<T>& sc, const int64_t* starts, const int64_t* ends,
+                     int64_t t0, int64_t n_max, int64_t first, int64_t rows, int64_t group,
+                     int64_t dim) {
+  const int64_t row0 = first * group;
+  for (int64_t i = 0; i < rows; ++i) {
+    const int64_t r = first + i / group;
+    const int64_t n = std::min(kTileTokens, ends[r] - t0);
+    const int64_t lo = std::clamp<int64_t>(starts[r] - t0, 0, n);
+    float* s = sc.scores.data() + i * kTileTokens;
+    const float q_scale = sc.q_scale[row0 + i];
+    for (int64_t j = 0; j < n; ++j) s[j] = s[j] * q_scale * sc.key_scale[j];
+    softmax_tile(s, lo, n, 1, &sc.max[row0 + i], &sc.sum[row0 + i], &sc.corr[i]);
+    std::fill(s + n, s + n_max, 0.0f);
+    for (int64_t j = 0; j < n; ++j) s[j] *= sc.value_scale[j];
+  }
+  for (int64_t i = 0; i < rows; i += group)
+    accumulate_heads<float>(sc.scores.data() + i * kTileTokens, sc.value_rows.data(), n_max,
+                            dim, group, sc.corr.data() + i, sc.acc.data() + (row0 + i) * dim);
 }
 
 // Partition `part` of every row of `blk` for one KV head, tile by tile: each tile's keys are
@@ -128,6 +166,12 @@ void attend_partition(const Problem<T>& pb, const Block& blk, int64_t kv_head, i
     const int64_t n_max = std::min(kTileTokens, max_end - t0);
     flash_tiles::transpose_keys(keys, n_max, dim, sc.kt.data(), NextRows<T>{nullptr, nullptr, 0});
     widen_tile(values, n_max, dim, sc.values.data(), sc.value_rows.data());
+    if constexpr (std::is_same_v<T, int8_t>) {
+      for (int64_t j = 0; j < n_max; ++j) {
+        sc.key_scale[j] = kv_int8::row_scale(keys[j], dim);
+        sc.value_scale[j] = kv_int8::row_scale(values[j], dim);
+      }
+    }
     const int64_t num_next = std::clamp<int64_t>(max_end - t0 - n_max, 0, kTileTokens);
     locate_rows(pb, table, plane, t0 + n_max, num_next, keys, values);  // read: done with these
     for (int64_t j = 0; j < num_next; ++j) {  // the next tile loads while this one computes
@@ -139,15 +183,19 @@ void attend_partition(const Problem<T>& pb, const Block& blk, int64_t kv_head, i
     const int64_t row0 = first * group, rows = (last - first) * group;
     flash_tiles::score_rows(sc.q.data() + row0 * dim, dim, rows, sc.kt.data(), dim,
                             sc.scores.data());
-    for (int64_t i = 0; i < rows; ++i) {
-      const int64_t r = first + i / group;
-      const int64_t n = std::min(kTileTokens, ends[r] - t0);
-      const int64_t lo = std::clamp<int64_t>(starts[r] - t0, 0, n);
-      flash_tiles::softmax_row(sc.scores.data() + i * kTileTokens, lo, n, sc.max[row0 + i],
-                               sc.sum[row0 + i], sc.corr[i]);
+    if constexpr (std::is_same_v<T, int8_t>) {
+      int8_tile_steps(sc, starts, ends, t0, n_max, first, rows, group, dim);
+    } else {
+      for (int64_t i = 0; i < rows; ++i) {
+        const int64_t r = first + i / group;
+        const int64_t n = std::min(kTileTokens, ends[r] - t0);
+        const int64_t lo = std::clamp<int64_t>(starts[r] - t0, 0, n);
+        flash_tiles::softmax_row(sc.scores.data() + i * kTileTokens, lo, n, sc.max[row0 + i],
+                                 sc.sum[row0 + i], sc.corr[i]);
+      }
+      flash_tiles::accumulate_rows(sc.scores.data(), sc.value_rows.data(), n_max, rows, dim,
+                                   sc.corr.data(), sc.acc.data() + row0 * dim);
     }
-    flash_tiles::accumulate_rows(sc.scores.data(), sc.value_rows.data(), n_max, rows, dim,
-                                 sc.corr.data(), sc.acc.data() + row0 * dim);
   }
   for (int64_t r = 0; r < tokens; ++r) {  // token r's heads, into its [r, part] slot
     const int64_t slot = r * parts + part;
@@ -175,6 +223,14 @@ void attend_block(const Problem<T>& pb, const Block& blk, int64_t kv_head, Block
     const float* q = pb.q + ((blk.first + r) * pb.num_heads + kv_head * group) * dim;
     float* scaled = sc.q.data() + r * group * dim;
     for (int64_t i = 0; i < group * dim; ++i) scaled[i] = q[i] * pb.scale;
+    if constexpr (std::is_same_v<T, int8_t>) {  // rounded per head as the decode rounds them
+      for (int64_t g = 0; g < group; ++g) {
+        float* head = scaled + g * dim;
+        kv_int8::quantize_row(head, sc.q8.data(), dim);
+        sc.q_scale[r * group + g] = kv_int8::row_scale(sc.q8.data(), dim);
+        for (int64_t d = 0; d < dim; ++d) head[d] = float(sc.q8[d]);
+      }
+    }
   }
   for (int64_t p = 0; p < parts; ++p) attend_partition(pb, blk, kv_head, p, parts, sc);
   // One non-empty partition merges to exactly what an unsplit walk normalizes (weight

@@ -1,5 +1,6 @@
 """A long prompt's outputs do not depend on how it was chunked or batched: the default model
-(GGUF blocks, float16 KV cache, the tiled prefill attention of csrc/flash_tiles.h), a prompt
+(GGUF blocks, a float16 or int8 KV cache, the tiled prefill attention of csrc/flash_tiles.h
+and csrc/run_attend.h), a prompt
 spanning several 512-key partitions, prefilled in chunks of 64, 512 or 2048 tokens, alone and
 beside another request; seeded sampling with logprobs, compared bit for bit."""
 
@@ -17,10 +18,10 @@ PROMPT_TOKENS = 1500
 PARAMS = SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=8, logprobs=2)
 
 
-def outputs(chunk: int, batched: bool) -> dict[str, Any]:
+def outputs(chunk: int, batched: bool, kv_cache_dtype: str = "auto") -> dict[str, Any]:
     """Each request's token ids and logprobs, the long one's prompt chunked by `chunk`."""
     engine = make_engine(None, quantization="gguf", max_num_batched_tokens=chunk,
-                         enable_prefix_caching=False)
+                         enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype)
     rng = random.Random(0)
     long_prompt = [rng.randrange(1000, 40000) for _ in range(PROMPT_TOKENS)]
     engine.add_request("long", long_prompt, PARAMS)
@@ -37,13 +38,18 @@ def outputs(chunk: int, batched: bool) -> dict[str, Any]:
 
 
 @pytest.mark.slow
-def test_a_long_prompt_gives_the_same_bits_whatever_its_chunks_and_batch() -> None:
-    reference = outputs(2048, batched=False)["long"]
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_a_long_prompt_gives_the_same_bits_whatever_its_chunks_and_batch(
+        kv_cache_dtype: str) -> None:
+    """auto is float16 here (GGUF weights)."""
+    reference = outputs(2048, batched=False, kv_cache_dtype=kv_cache_dtype)["long"]
     assert len(reference["ids"]) == PARAMS.max_tokens
     for chunk in (64, 512):
-        assert outputs(chunk, batched=False)["long"] == reference, f"chunks of {chunk}"
+        got = outputs(chunk, batched=False, kv_cache_dtype=kv_cache_dtype)["long"]
+        assert got == reference, f"chunks of {chunk}"
     for chunk in (64, 2048):
-        assert outputs(chunk, batched=True)["long"] == reference, f"batched, chunks of {chunk}"
+        got = outputs(chunk, batched=True, kv_cache_dtype=kv_cache_dtype)["long"]
+        assert got == reference, f"batched, chunks of {chunk}"
 
 
 def paced_run(pacing: float) -> tuple[dict[str, Any], list[int]]:
