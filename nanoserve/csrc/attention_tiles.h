@@ -113,6 +113,9 @@ void score_tile(const float* q, const T* const* keys, int64_t n, int64_t dim,
 // 21.0 -> 18.2 ns per (token, KV head) and thread with one layer's cache in L3, 27.1 -> 26.1
 // from DRAM. (The same four-key scheme in float, for float16 rows, measured slower than the
 // per-key sums: 17.6 -> 18.8-20.1 ns; there the FMAs, not the sums, are the bound.)
+// The avx512 tier's build (decode_layers_avx512) takes each 32-byte product and sum in one
+// `vpdpbusd`: the same exact sums, so the same bits; a 6,000-token context's decode attention
+// over 30 layers, one request, 2 threads, Zen 4: 5.5-5.6 -> 5.2-5.3 ms.
 inline __m128i hsum4_epi32(__m256i v0, __m256i v1, __m256i v2, __m256i v3) {
   const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(v0, v1), _mm256_hadd_epi32(v2, v3));
   return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
@@ -145,9 +148,14 @@ void score_tile_int8(const int8_t* q8, const int8_t* const* keys, int64_t n, int
         const __m256i k_abs = _mm256_abs_epi8(kv);
         for (int g = 0; g < GB; ++g) {
           const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q8 + g * row + d));
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+          // the same exact int32 sums in one instruction (the avx512 tier's build)
+          acc[g][i] = _mm256_dpbusd_epi32(acc[g][i], k_abs, _mm256_sign_epi8(qv, kv));
+#else
           // |k| * (q with k's sign): pairs sum to at most 2 * 128 * 127, within int16
           const __m256i pairs = _mm256_maddubs_epi16(k_abs, _mm256_sign_epi8(qv, kv));
           acc[g][i] = _mm256_add_epi32(acc[g][i], _mm256_madd_epi16(pairs, ones));
+#endif
         }
       }
     }

@@ -1,7 +1,9 @@
 """The default model served on the avx2 tier and on the best tier this CPU has
 (NANOSERVE_CPU_ISA=auto): the same greedy and seeded completions with the same logprobs, bit for
-bit, one prompt alone and prompts batched (long enough that prefill takes the wide form), and
-/get_server_info names the tier each runs. Skipped, with the reason, on a CPU with only avx2."""
+bit, one prompt alone and prompts batched (long enough that prefill takes the wide form), on
+the default float16 KV cache and on an int8 one (whose scores the avx512 tier sums with
+`vpdpbusd`), and /get_server_info names the tier each runs. Skipped, with the reason, on a CPU
+with only avx2."""
 
 from __future__ import annotations
 
@@ -21,13 +23,14 @@ PROMPTS = ["The capital of France is",
            "Three facts about the moon: 1."]
 
 
-@pytest.fixture(scope="module")
-def servers() -> Iterator[dict[str, RunningServer]]:
+@pytest.fixture(scope="module", params=["auto", "int8"], ids=["kv-auto", "kv-int8"])
+def servers(request: pytest.FixtureRequest) -> Iterator[dict[str, RunningServer]]:
     best = native.available_tiers()[-1] if native.available_tiers() else "avx2"
     if best == "avx2":
         pytest.skip(f"this CPU has only the avx2 tier (it lacks "
                     f"{', '.join(native.tier_missing(native.TIERS[-1]))})")
-    started = {isa: RunningServer(env={"NANOSERVE_CPU_ISA": isa}, wait=False)
+    started = {isa: RunningServer("--kv-cache-dtype", request.param,
+                                  env={"NANOSERVE_CPU_ISA": isa}, wait=False)
                for isa in ("avx2", "auto")}
     try:
         for server in started.values():
