@@ -54,11 +54,10 @@ void attend_batch(const torch::Tensor& q, const torch::Tensor& k_cache,
   const int64_t items = batch * pb.num_kv_heads;
   if (items == 0) return;
   // a prefill chunk's rows share their keys (an int8 cache's where its scores are integers)
-  if (!std::is_same_v<T, int8_t> || scores_in_int8<T>(dim)) {
-    const auto blocks = run_attend::row_blocks(pb.block_table, pb.context_lens, batch,
-                                               pb.max_blocks, pb.block_size);
-    if (run_attend::has_runs(blocks)) return run_attend::attend_blocks(pb, blocks, out_ptr);
-  }
+  const auto blocks = run_attend::row_blocks(pb.block_table, pb.context_lens, batch,
+                                             pb.max_blocks, pb.block_size);
+  if (run_attend::attends_by_blocks<T>(blocks, dim))
+    return run_attend::attend_blocks(pb, blocks, out_ptr);
   // Fixed-length partitions (an item's empty ones, past its context, are skipped in the merge;
   // one non-empty partition merges to exactly the unsplit result).
   const int64_t parts = num_parts(pb.context_lens, batch);

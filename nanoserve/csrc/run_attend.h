@@ -242,19 +242,34 @@ void attend_block(const Problem<T>& pb, const Block& blk, int64_t kv_head, Block
                 out + ((blk.first + r) * pb.num_heads + kv_head * group) * dim);
 }
 
+// The (block, KV head) items (item = block * Hkv + KV head), largest first: the order threads
+// take them in from a shared counter.
+inline std::vector<int64_t> largest_first(const std::vector<Block>& blocks, const int32_t* lens,
+                                          int64_t num_kv_heads) {
+  std::vector<int64_t> work(blocks.size());  // keys a block's rows read in all
+  for (size_t i = 0; i < blocks.size(); ++i)
+    for (int64_t b = blocks[i].first; b < blocks[i].last; ++b) work[i] += lens[b];
+  std::vector<int64_t> order(static_cast<int64_t>(blocks.size()) * num_kv_heads);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    return work[a / num_kv_heads] > work[b / num_kv_heads];
+  });
+  return order;
+}
+
+// Whether a batch's runs are attended by blocks: it has one, and the cache's rows are scored
+// the same way in a block as alone (an int8 cache's where its scores are integers).
+template <typename T>
+inline bool attends_by_blocks(const std::vector<Block>& blocks, int64_t dim) {
+  return has_runs(blocks) && (!std::is_same_v<T, int8_t> || scores_in_int8<T>(dim));
+}
+
 // The whole batch by blocks, (block, KV head) items handed out largest first.
 template <typename T>
 void attend_blocks(const Problem<T>& pb, const std::vector<Block>& blocks, float* out) {
   const int64_t group = pb.num_heads / pb.num_kv_heads, dim = pb.dim;
   const int64_t items = static_cast<int64_t>(blocks.size()) * pb.num_kv_heads;
-  std::vector<int64_t> work(blocks.size());  // keys a block's rows read in all
-  for (size_t i = 0; i < blocks.size(); ++i)
-    for (int64_t b = blocks[i].first; b < blocks[i].last; ++b) work[i] += pb.context_lens[b];
-  std::vector<int64_t> order(items);
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
-    return work[a / pb.num_kv_heads] > work[b / pb.num_kv_heads];
-  });
+  const std::vector<int64_t> order = largest_first(blocks, pb.context_lens, pb.num_kv_heads);
   std::atomic<int64_t> next{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     BlockScratch<T> sc(group, dim);

@@ -12,7 +12,8 @@
 //   x = add_rms_norm(residual, down)          every thread, its own x (rms_norm at layer 0)
 //   qkv = x @ W_qkv                           split by output groups              | barrier
 //   q, cache = rope_store(qkv)                split by tokens                     | barrier
-//   attn = attention(q, cache)                split by heads or items (+ merge)   | barrier
+//   attn = attention(q, cache)                split by heads or items (+ merge),  | barrier
+//                                             or by blocks where a run of rows shares its keys
 //   o = attn @ W_o                            split                               | barrier
 //   x = add_rms_norm(residual, o); gu = x @ W_gate_up                 split       | barrier
 //   h = silu_mul(gu); down = h @ W_down                               split       | barrier
@@ -26,8 +27,10 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <optional>
 #include <tuple>
 #include <type_traits>
@@ -37,6 +40,7 @@
 #include "gguf_blocks.h"
 #include "matmul_tiles.h"
 #include "paged_attend.h"
+#include "run_attend.h"
 #include "spin_barrier.h"
 
 namespace team_forward {
@@ -172,6 +176,15 @@ at::Tensor forward_cache(const std::vector<Layer>& layers, const at::Tensor& fin
   const int64_t parts = paged_attend::num_parts(lens, M), items = M * Hkv, group = H / Hkv;
   std::vector<float> part_acc(parts > 1 ? items * parts * group * D : 0);
   std::vector<float> part_max(parts > 1 ? items * parts * group : 0), part_sum(part_max.size());
+  // a run of one request's prompt rows (or a verify's) shares its keys: run_attend.h's blocks,
+  // (block, KV head) items taken largest first from each layer's counter
+  const auto blocks = run_attend::row_blocks(st.block_table.data_ptr<int32_t>(), lens, M,
+                                             st.block_table.size(1), first.k_cache.size(2));
+  const bool by_blocks = run_attend::attends_by_blocks<T>(blocks, D);
+  const std::vector<int64_t> block_order =
+      by_blocks ? run_attend::largest_first(blocks, lens, Hkv) : std::vector<int64_t>();
+  const int64_t block_items = static_cast<int64_t>(block_order.size());
+  std::unique_ptr<std::atomic<int64_t>[]> next_block(new std::atomic<int64_t>[layers.size()]());
   const int64_t plane = first.k_cache.size(1) * first.k_cache.size(2);
   float* residual0 = hidden.data_ptr<float>();
   const int num_threads = at::get_num_threads();
@@ -193,9 +206,13 @@ at::Tensor forward_cache(const std::vector<Layer>& layers, const at::Tensor& fin
     std::vector<float> x(M * max_k);
     Acts acts(M, max_k);
     paged_attend::Scratch<T> scratch(group, D);
+    std::optional<run_attend::BlockScratch<T>> block_scratch;
+    if (by_blocks) block_scratch.emplace(group, D);
     std::vector<float> max(group), sum(group);
     bool is_first = true;
+    int64_t layer_index = 0;
     for (const Layer& layer : layers) {
+      std::atomic<int64_t>& next_item = next_block[layer_index++];
       norm_rows(residual, is_first ? nullptr : down.data(), layer.input_norm, st.eps, M, n,
                 x.data());
       is_first = false;
@@ -222,7 +239,11 @@ at::Tensor forward_cache(const std::vector<Layer>& layers, const at::Tensor& fin
           H, Hkv, D, first.k_cache.size(1), first.k_cache.size(2), st.block_table.size(1),
           static_cast<float>(st.scale)};
       float* attn_out = attn.data_ptr<float>();
-      if (parts == 1 && paged_attend::heads_split_exactly<T>(group)) {
+      if (by_blocks) {
+        for (int64_t i = next_item++; i < block_items; i = next_item++)
+          run_attend::attend_block(pb, blocks[block_order[i] / Hkv], block_order[i] % Hkv,
+                                   *block_scratch, attn_out);
+      } else if (parts == 1 && paged_attend::heads_split_exactly<T>(group)) {
         paged_attend::attend_heads(pb, share_begin(items * group, tid, team),
                                    share_begin(items * group, tid + 1, team), scratch,
                                    max.data(), sum.data(), attn_out);

@@ -121,14 +121,18 @@ def grouped_query_model_dir(tmp_path_factory: pytest.TempPathFactory,
 @needs_native
 @pytest.mark.parametrize("group", [3, 4])
 @pytest.mark.parametrize("kv_cache_dtype", ["float32", "float16", "int8"])
-@pytest.mark.parametrize("prompt_lengths", [(40, 90, 3), (530, 700)], ids=["whole", "split"])
+@pytest.mark.parametrize(("prompt_lengths", "budget"),
+                         [((40, 90, 3), 256), ((530, 700), 256), ((30, 600), 12)],
+                         ids=["whole", "split", "runs"])
 def test_few_token_steps_equal_the_python_loop_on_every_cache(
-        group: int, kv_cache_dtype: str, prompt_lengths: tuple[int, ...],
+        group: int, kv_cache_dtype: str, prompt_lengths: tuple[int, ...], budget: int,
         grouped_query_model_dir: Callable[[int], Path]) -> None:
     """A few tokens a step run the stack as one parallel region (csrc/team_forward.h), where
     each thread attends some query heads of a KV head's group, or whole groups, or, past 512
-    tokens of context, some partitions merged by log-sum-exp: those decodes, on each cache
-    type, equal the Python loop's bit for bit."""
+    tokens of context, some partitions merged by log-sum-exp; and where a prompt's chunk of a
+    few rows rides beside decodes (a budget of 12 tokens), its rows in blocks against shared
+    tiles of keys (run_attend.h): those steps, on each cache type, equal the Python loop's bit
+    for bit."""
     from nanoserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
     from nanoserve.engine.build import build_engine_core
 
@@ -136,7 +140,7 @@ def test_few_token_steps_equal_the_python_loop_on_every_cache(
         model=ModelConfig(model=str(grouped_query_model_dir(group)), device="cpu",
                           dtype="float32", quantization="int8"),
         cache=CacheConfig(num_blocks=96, kv_cache_dtype=kv_cache_dtype),
-        scheduler=SchedulerConfig(max_num_batched_tokens=256)))
+        scheduler=SchedulerConfig(max_num_batched_tokens=budget)))
     rng = random.Random(1)
     step_prompts = {f"p{n}": [rng.randrange(3, 49152) for _ in range(n)] for n in prompt_lengths}
     both = NativeAndPython(engine.runner.plan)
