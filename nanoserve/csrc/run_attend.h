@@ -106,8 +106,9 @@ void widen_tile(const T* const* cache_rows, int64_t n, int64_t dim, float* into,
 // first, first + 1, ...), giving each row the bits the decode's walk (paged_attend.h's
 // attend_range) gives it. The scores came from float FMAs over int8 values held as floats:
 // every product and partial sum is an integer below 2^24 (64 x 127 x 127 for D = 64; 2^24 is
-// passed only past D = 1,040), so float sums are exact whatever their order and equal the
-// decode's int32 sums, then scaled as the decode scales them: (sum x q's scale) x k's scale.
+// passed only past D = 1,040, kExactInt8Dim, where blocks are not used), so float sums are
+// exact whatever their order and equal the decode's int32 sums, then scaled as the decode
+// scales them: (sum x q's scale) x k's scale.
 // The softmax is the decode's (attention_tiles.h's softmax_tile, one row at a time); a row's
 // keys past its context get weight exactly 0, so P·V over the tile's n_max keys adds exactly
 // nothing for them (the decode's loop over n keys pairs even and odd keys the same way); the
@@ -257,11 +258,17 @@ inline std::vector<int64_t> largest_first(const std::vector<Block>& blocks, cons
   return order;
 }
 
+// The longest int8 head whose float sums of products stay exact integers (|sum| <= D x 127 x
+// 127 <= 2^24): every head size in use is far below it.
+constexpr int64_t kExactInt8Dim = (int64_t{1} << 24) / (127 * 127);  // 1,040
+
 // Whether a batch's runs are attended by blocks: it has one, and the cache's rows are scored
-// the same way in a block as alone (an int8 cache's where its scores are integers).
+// the same way in a block as alone (an int8 cache's where its scores are integers, within the
+// exact float range).
 template <typename T>
 inline bool attends_by_blocks(const std::vector<Block>& blocks, int64_t dim) {
-  return has_runs(blocks) && (!std::is_same_v<T, int8_t> || scores_in_int8<T>(dim));
+  return has_runs(blocks) &&
+         (!std::is_same_v<T, int8_t> || (scores_in_int8<T>(dim) && dim <= kExactInt8Dim));
 }
 
 // The whole batch by blocks, (block, KV head) items handed out largest first.

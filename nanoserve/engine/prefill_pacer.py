@@ -21,7 +21,10 @@ near `factor` times a decode-only step instead (`--prefill-pacing`):
   4.4 ms for the decode alone); floors of 16, 32 and 64 tokens gave the streams a p99 gap of
   126-206, 165-226 and 352-407 ms and the prompt's first token 2x, 1.15x and 1.2x later than
   unpaced (whose p99 gap is ~2 s): docs/benchmarks.md, "Pacing a long prompt beside running
-  streams".
+  streams". Floors of 4 and 2, with a few prompt rows attended in blocks beside the decodes
+  (csrc/team_forward.h), still left the streams' p99 at 3.6-8.8x their gap alone for a 2-2.5x
+  later first token: every prompt row at that context reads the whole context ("An int8
+  cache's prompt in tiles, prompt rows by blocks beside decodes, ...").
 
 Only prompts longer than the step budget are paced (the scheduler's `_paced`): a shorter one
 stalls the streams for one step at most. Nothing is capped before D is known or when no request
