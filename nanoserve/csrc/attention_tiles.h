@@ -284,6 +284,13 @@ void accumulate_heads(const float* p, const T* const* values, int64_t n, int64_t
   }
 }
 
+// An int8 cache's softmax weights times their value rows' scales, for `group` rows of weights
+// (kTileTokens apart) over the tile's n keys: P·V then multiplies the unscaled int8 values.
+inline void scale_weights(float* p, const float* value_scale, int64_t n, int64_t group) {
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t j = 0; j < n; ++j) p[g * kTileTokens + j] *= value_scale[j];
+}
+
 // Softmax bookkeeping for one tile, its keys [lo, n) real (keys before lo lie outside a
 // sliding window): scores become exp(score - new max) in place, 0 outside; corr gets each
 // head's correction factor exp(old max - new max) for what was accumulated before.

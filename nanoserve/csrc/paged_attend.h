@@ -128,8 +128,7 @@ void attend_range(const Problem<T>& pb, int64_t b, int64_t kv_head, int64_t begi
       softmax_tile(sc.scores.data(), lo, n, group, max, sum, sc.corr.data());
       float value_scale[kTileTokens];  // each value row's scale, once per weight
       for (int64_t j = 0; j < n; ++j) value_scale[j] = row_scale(values[j], dim);
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t j = 0; j < n; ++j) sc.scores[g * kTileTokens + j] *= value_scale[j];
+      scale_weights(sc.scores.data(), value_scale, n, group);
       accumulate_heads<T>(sc.scores.data(), values, n, dim, group, sc.corr.data(), acc);
     } else {
       flash_tiles::transpose_keys(keys, n, dim, sc.kt.data(), next);

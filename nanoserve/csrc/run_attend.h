@@ -83,8 +83,10 @@ struct BlockScratch {
       : q(kBlockRows * group * dim), kt(kTileTokens * dim), values(kTileTokens * dim),
         scores(kBlockRows * group * kTileTokens), corr(kBlockRows * group),
         acc(kBlockRows * group * dim), max(kBlockRows * group), sum(kBlockRows * group),
-        q_scale(kBlockRows * group), key_scale(kTileTokens), value_scale(kTileTokens),
-        q8(row_elements<int8_t>(dim)), value_rows(kTileTokens), cache_keys(kTileTokens), cache_values(kTileTokens) {}
+        q_scale(kInt8 ? kBlockRows * group : 0), key_scale(kInt8 ? kTileTokens : 0),
+        value_scale(kInt8 ? kTileTokens : 0), q8(kInt8 ? row_elements<int8_t>(dim) : 0),
+        value_rows(kTileTokens), cache_keys(kTileTokens), cache_values(kTileTokens) {}
+  static constexpr bool kInt8 = std::is_same_v<T, int8_t>;
 };
 
 // Rows of a tile as float32 rows: float rows are used where they lie, half rows widened.
@@ -128,7 +130,7 @@ void int8_tile_steps(BlockScratch<T>& sc, const int64_t* starts, const int64_t* 
     for (int64_t j = 0; j < n; ++j) s[j] = s[j] * q_scale * sc.key_scale[j];
     softmax_tile(s, lo, n, 1, &sc.max[row0 + i], &sc.sum[row0 + i], &sc.corr[i]);
     std::fill(s + n, s + n_max, 0.0f);
-    for (int64_t j = 0; j < n; ++j) s[j] *= sc.value_scale[j];
+    scale_weights(s, sc.value_scale.data(), n, 1);
   }
   for (int64_t i = 0; i < rows; i += group)
     accumulate_heads<float>(sc.scores.data() + i * kTileTokens, sc.value_rows.data(), n_max,
