@@ -11,6 +11,8 @@ import enum
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
+from nanoserve.reasoning_section import STARTS, ReasoningStart
+
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy (vLLM)
 MIN_TEMPERATURE = 1e-2  # smaller positive temperatures are raised to this (vLLM)
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range; larger biases are clamped
@@ -44,6 +46,11 @@ class StructuredOutputsParams:
     json_object: bool | None = None  # any JSON object (OpenAI's response_format json_object)
     disable_any_whitespace: bool = False  # JSON without whitespace between tokens
     whitespace_pattern: str | None = None  # JSON's whitespace as this regex (vLLM)
+    # Set by a server with a --reasoning-parser (None: the grammar holds from the first token):
+    # the grammar holds only after the reasoning section, which stays free text.
+    # "inside": the output starts inside it; "opening": a first `<think>` opens it, any other
+    # first token begins the answer (`reasoning_section.py`)
+    after_reasoning: ReasoningStart | None = None
 
     def __post_init__(self) -> None:
         kinds = self.kinds_set
@@ -66,6 +73,9 @@ class StructuredOutputsParams:
             _check(isinstance(self.whitespace_pattern, str),
                    "structured_outputs.whitespace_pattern", self.whitespace_pattern,
                    "a regular expression string")
+        _check(self.after_reasoning is None or self.after_reasoning in STARTS,
+               "structured_outputs.after_reasoning", self.after_reasoning,
+               'null, "inside" or "opening"')
 
     @property
     def kinds_set(self) -> list[str]:

@@ -20,9 +20,9 @@ from nanoserve.engine.rank_build import build_rank
 from nanoserve.engine.tp_executor import TensorParallelRanks, TPExecutor
 from nanoserve.engine.worker import Worker
 from nanoserve.engine.zero_cost_runner import ZeroCostRunner
+from nanoserve.reasoning_section import ReasoningTokens
 from nanoserve.sample.logits_processor import load_processor_classes
 from nanoserve.sample.sampler import Sampler
-from nanoserve.sample.state import ReasoningTokens
 
 
 def build_engine_core(config: EngineConfig, *, engine_tokenizer: bool = False) -> EngineCore:

@@ -50,6 +50,7 @@ from nanoserve.protocol import (
     StepOutput,
     TokenLogprobs,
 )
+from nanoserve.reasoning_section import ReasoningTokens
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.structured.manager import StructuredOutputManager
 
@@ -93,7 +94,8 @@ class EngineCore:
         self.seed_rng = random.Random(config.model.seed)
         self.structured = StructuredOutputManager(
             loaded.tokenizer, loaded.arch.vocab_size, loaded.eos_token_ids,
-            self.max_sampled_rows(config), config.model.torch_device)
+            self.max_sampled_rows(config), config.model.torch_device,
+            ReasoningTokens.of(loaded.tokenizer))
         self.compiling: dict[str, Request] = {}  # requests whose grammar is compiling
         self.stats = SchedulerStats()  # brought up to date by every step and abort
 

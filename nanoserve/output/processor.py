@@ -118,7 +118,7 @@ class OutputProcessor:
                                        params.skip_special_tokens,
                                        params.spaces_between_special_tokens),
                 StopStringChecker(params.stop or [], params.include_stop_str_in_output),
-                RepeatedItemChecker() if params.is_call_list else None,
+                RepeatedItemChecker(_after_reasoning(params)) if params.is_call_list else None,
                 CompletionOutput(i, "", [], logprobs=[] if params.logprobs is not None
                                  else None,
                                  cumulative_logprob=0.0 if params.logprobs is not None
@@ -304,3 +304,7 @@ class OutputProcessor:
         for sample in state.samples:
             self.samples.pop(sample.engine_id, None)
 
+
+def _after_reasoning(params: SamplingParams) -> str | None:
+    structured = params.structured_outputs
+    return None if structured is None else structured.after_reasoning

@@ -14,9 +14,14 @@ text from the end of the last new call is held back, so a stream never shows a c
 then taken away. A grammar cannot forbid the repeat itself: which items came before is context
 a JSON schema (and llguidance's `uniqueItems`-free subset of it) cannot carry, and forbidding a
 tool's second call outright would also forbid two calls of one tool with different arguments.
+
+Where the grammar starts after the reasoning (`after_reasoning`), the array is the answer after
+the sample's reasoning section, found by `reasoning_section.answer_start`.
 """
 
 from __future__ import annotations
+
+from nanoserve.reasoning_section import answer_start
 
 _WHITESPACE = " \t\r\n"
 
@@ -24,7 +29,11 @@ _WHITESPACE = " \t\r\n"
 class RepeatedItemChecker:
     """Scans a growing JSON array (the top level of a sample's text) item by item."""
 
-    def __init__(self) -> None:
+    def __init__(self, after_reasoning: str | None = None) -> None:
+        """`after_reasoning`: how the output begins when the array follows a reasoning
+        section (`StructuredOutputsParams.after_reasoning`); None: the text is the array."""
+        self._after_reasoning = after_reasoning
+        self._start: int | None = 0 if after_reasoning is None else None  # the array's
         self._num_scanned = 0
         self._depth = 0
         self._is_in_string = self._is_escaped = False
@@ -38,6 +47,12 @@ class RepeatedItemChecker:
         that completes in it repeats an earlier one (then scanning stops)."""
         if self.repeat_at is not None:
             return self.repeat_at
+        if self._start is None:
+            assert self._after_reasoning is not None
+            self._start = answer_start(text, self._after_reasoning)
+            if self._start is None:
+                return None
+            self._num_scanned = self._last_item_end = self._start
         for i in range(self._num_scanned, len(text)):
             if self._read(text[i], i):
                 self.repeat_at = self._last_item_end

@@ -32,6 +32,8 @@ Semantics (vLLM's `--reasoning-parser` names `qwen3` and `deepseek_r1`):
 
 from __future__ import annotations
 
+from nanoserve.reasoning_section import END_TAG, START_TAG
+
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
 
 _OPENING = "opening"  # at the start of the output: whitespace and a `<think>` may come
@@ -42,8 +44,8 @@ _CONTENT = "content"
 class ReasoningParser:
     """Splits one sample's streamed text into reasoning and content deltas (see the module)."""
 
-    start = "<think>"
-    end = "</think>"
+    start = START_TAG
+    end = END_TAG
 
     def __init__(self, starts_in_reasoning: bool) -> None:
         self.starts_in_reasoning = starts_in_reasoning

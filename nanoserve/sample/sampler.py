@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from nanoserve.reasoning_section import ReasoningTokens
 from nanoserve.sample.fused import UNDECIDED, draw_rows, load_sampling_kernels
 from nanoserve.sample.logits_processor import LogitsProcessor, ProcessorBatch
 from nanoserve.sample.logprobs import TokenLogprobs, gather_logprobs
@@ -40,7 +41,7 @@ from nanoserve.sample.stages import (
     apply_penalties,
     apply_thinking_budget,
 )
-from nanoserve.sample.state import ReasoningTokens, SamplingState
+from nanoserve.sample.state import SamplingState
 from nanoserve.sample.truncation import draw_candidates, draw_full, truncate
 from nanoserve.sample.verify import count_accepted
 from nanoserve.sampling_params import SamplingParams

@@ -9,13 +9,12 @@ that no row uses.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
 
 import numpy as np
 import torch
 
+from nanoserve.reasoning_section import ReasoningTokens
 from nanoserve.sample.sequence import SequenceData
 from nanoserve.sample.truncation import NEG_INF, min_p_threshold
 from nanoserve.sampling_params import SamplingParams
@@ -23,21 +22,6 @@ from nanoserve.sampling_params import SamplingParams
 # stages whose rows are chosen per step
 STAGES = ("allowed", "bad_words", "min_tokens", "logit_bias", "penalties", "thinking",
           "random", "truncated", "logprobs_raw", "logprobs_processed")
-
-
-@dataclass(frozen=True)
-class ReasoningTokens:
-    """The token ids that open and close a model's reasoning section (`<think>`, `</think>`)."""
-
-    start: int
-    end: int
-
-    @classmethod
-    def of(cls, tokenizer: Any) -> ReasoningTokens | None:
-        """`<think>` / `</think>` when the vocabulary has each as one token (Qwen3, R1)."""
-        vocab = tokenizer.get_vocab()
-        start, end = vocab.get("<think>"), vocab.get("</think>")
-        return cls(start, end) if start is not None and end is not None else None
 
 
 class SamplingState:

@@ -20,10 +20,9 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
-
-from nanoserve.structured.grammar import GrammarMatcher
 
 BITS_PER_WORD = 32
 # For every byte value, what adding its 8 bits to 8 logits does: 0 where the bit is set, -inf
@@ -47,7 +46,13 @@ def allocate_bitmask(num_rows: int, vocab_size: int, pin_memory: bool = False) -
                       pin_memory=pin_memory)
 
 
-def fill_bitmask_rows(matchers: Sequence[tuple[GrammarMatcher, int]],
+class RowFiller(Protocol):
+    """What fills a mask row: a `GrammarMatcher`, or one behind a reasoning gate."""
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None: ...
+
+
+def fill_bitmask_rows(matchers: Sequence[tuple[RowFiller, int]],
                       bitmask: torch.Tensor) -> None:
     """Fill `bitmask[row]` from each (matcher, row): the constrained rows of a step."""
     for matcher, row in matchers:

@@ -19,24 +19,32 @@ constrained rows of 32: docs/benchmarks.md, "Structured outputs: llguidance agai
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
 import torch
 
+from nanoserve.reasoning_section import ReasoningTokens
 from nanoserve.sampling_params import StructuredOutputsParams
 from nanoserve.structured.bitmask import allocate_bitmask, apply_bitmask, fill_bitmask_rows
 from nanoserve.structured.grammar import CompiledGrammar, GrammarCompiler, GrammarMatcher
+from nanoserve.structured.reasoning_gate import ReasoningGatedMatcher
+
+Matcher = GrammarMatcher | ReasoningGatedMatcher
 
 
 class SequenceGrammar:
-    """One sequence's grammar: a compile in flight, then the sequence's own matcher."""
+    """One sequence's grammar: a compile in flight, then the sequence's own matcher (behind a
+    reasoning gate when the grammar starts after the reasoning: `reasoning_gate.py`)."""
 
-    def __init__(self, compiled: Future[CompiledGrammar]) -> None:
+    def __init__(self, compiled: Future[CompiledGrammar],
+                 make_gate: Callable[[GrammarMatcher], ReasoningGatedMatcher] | None = None
+                 ) -> None:
         self.compiled = compiled
-        self._matcher: GrammarMatcher | None = None
+        self._make_gate = make_gate
+        self._matcher: Matcher | None = None
 
     @property
     def is_ready(self) -> bool:
@@ -58,10 +66,11 @@ class SequenceGrammar:
         return None if error is None else str(error)
 
     @property
-    def matcher(self) -> GrammarMatcher:
+    def matcher(self) -> Matcher:
         """The sequence's matcher, made from the compiled grammar on first use."""
         if self._matcher is None:
-            self._matcher = self.compiled.result().new_matcher()
+            matcher = self.compiled.result().new_matcher()
+            self._matcher = matcher if self._make_gate is None else self._make_gate(matcher)
         return self._matcher
 
     def accept(self, token_id: int) -> bool:
@@ -75,12 +84,15 @@ class SequenceGrammar:
 
 class StructuredOutputManager:
     """The engine core's grammar compiler and per-step bitmask (one row per sampling row;
-    `max_num_rows`: the most a step samples, drafts included)."""
+    `max_num_rows`: the most a step samples, drafts included; `reasoning`: the model's
+    reasoning tags, for grammars that start after them)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int],
-                 max_num_rows: int, device: torch.device) -> None:
+                 max_num_rows: int, device: torch.device,
+                 reasoning: ReasoningTokens | None = None) -> None:
         self.compiler = GrammarCompiler(tokenizer, vocab_size, eos_token_ids)
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.reasoning = reasoning
         # [max_num_rows, ceil(vocab / 32)] int32, reused every step; pinned for a quick copy
         self.bitmask = allocate_bitmask(max_num_rows, vocab_size,
                                         pin_memory=device.type == "cuda")
@@ -88,11 +100,20 @@ class StructuredOutputManager:
     def grammar_for(self, params: StructuredOutputsParams) -> SequenceGrammar:
         """Start compiling `params` (or find it cached). Raises the `GrammarError` at once when
         the cache already knows the grammar is bad; otherwise a failure shows later, as
-        `SequenceGrammar.failure`."""
-        grammar = SequenceGrammar(self.compiler.submit(params))
+        `SequenceGrammar.failure`. A model without reasoning tags ignores `after_reasoning`."""
+        grammar = SequenceGrammar(self.compiler.submit(params), self._gate(params))
         if grammar.failure is not None:
             grammar.compiled.result()  # raises the GrammarError (a ValueError)
         return grammar
+
+    def _gate(self, params: StructuredOutputsParams
+              ) -> Callable[[GrammarMatcher], ReasoningGatedMatcher] | None:
+        reasoning, phase = self.reasoning, params.after_reasoning
+        if reasoning is None or phase is None:
+            return None
+        eos = sorted(self.eos_token_ids)
+        return lambda matcher: ReasoningGatedMatcher(matcher, phase, reasoning.start,
+                                                     reasoning.end, eos)
 
     @torch.inference_mode()  # the model's logits are inference tensors: edited in that mode
     def apply_bitmask(self, logits: torch.Tensor,

@@ -115,3 +115,22 @@ def test_the_cut_keeps_the_calls_before_the_first_repeat(items: list[dict[str, A
     else:
         assert cut is not None
         assert [json.dumps(item) for item in json.loads(text[:cut] + "]")] == seen
+
+
+@pytest.mark.parametrize(("after_reasoning", "reasoning"), [
+    ("inside", 'weigh [{"a": 1}, {"a": 1}] and {x} first</think>\n'),
+    ("opening", '\n<think>weigh [{"a": 1}, {"a": 1}] first</think>\n'),
+    ("opening", ""),  # no section opened: the list is the whole output
+])
+def test_a_list_after_the_reasoning_is_scanned_from_its_start(
+        after_reasoning: str, reasoning: str) -> None:
+    """Where the grammar starts after the reasoning, the list is the text after `</think>`:
+    brackets and repeats inside the reasoning are not the list's."""
+    text = reasoning + f"[{TIME}, {TIME}]"
+    checker = RepeatedItemChecker(after_reasoning)
+    cut = None
+    for end in range(1, len(text) + 1):
+        cut = checker.scan(text[:end])
+        if cut is not None:
+            break
+    assert cut is not None and text[:cut] == reasoning + f"[{TIME}"

@@ -13,11 +13,11 @@ from collections import Counter
 import numpy as np
 import torch
 
+from nanoserve.reasoning_section import ReasoningTokens
 from nanoserve.sample.noise import gumbel_noise, row_keys
 from nanoserve.sample.sampler import Sampler
 from nanoserve.sample.sequence import SequenceData
 from nanoserve.sample.stages import SamplingBatch
-from nanoserve.sample.state import ReasoningTokens
 from nanoserve.sample.truncation import min_p_threshold
 from nanoserve.sampling_params import SamplingParams
 

@@ -21,10 +21,10 @@ import pytest
 import torch
 from sampler_harness import EOS, make_seq
 
+from nanoserve.reasoning_section import ReasoningTokens
 from nanoserve.sample.no_repeat_ngram import NoRepeatNGram
 from nanoserve.sample.sampler import Sampler
 from nanoserve.sample.sequence import SequenceData
-from nanoserve.sample.state import ReasoningTokens
 from nanoserve.sampling_params import SamplingParams
 
 VOCAB = 64
