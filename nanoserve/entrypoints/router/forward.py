@@ -19,8 +19,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from nanoserve.entrypoints.anthropic.errors import anthropic_error, is_messages_path
+from nanoserve.entrypoints.model_names import ModelNames
 from nanoserve.entrypoints.openai.errors import error_body
-from nanoserve.entrypoints.router.catalog import resolve_name
 from nanoserve.entrypoints.router.pool import (
     DEFAULT,
     KeepAlive,
@@ -74,22 +74,23 @@ def auth_headers(request: Request) -> dict[str, str]:
 
 
 def request_model(path: str, fields: dict[str, Any], query_model: str | None,
-                  names: dict[str, Any]) -> str:
-    """The catalog name the request is for. A body without `model` is for the only model, if
-    the directory holds one; otherwise a 400 naming the models."""
+                  names: ModelNames) -> str:
+    """The catalog name the request is for (any name the model answers to: model_names.py).
+    A body without `model` is for the only model, if the directory holds one; otherwise a
+    400 naming the models."""
     asked = fields["model"] if isinstance(fields.get("model"), str) else query_model
     if asked is None:
-        if len(names) == 1:
-            return next(iter(names))
-        raise RouteError(400, f"model is required: this server holds {len(names)} models "
-                              f"({', '.join(sorted(names))}); name one in `model`")
-    name = resolve_name(asked, names)
+        if len(names.names) == 1:
+            return names.names[0]
+        raise RouteError(400, f"model is required: this server holds {len(names.names)} models "
+                              f"({', '.join(sorted(names.names))}); name one in `model`")
+    name = names.resolve(asked)
     if name is None:
-        raise RouteError(404, _unknown_message(path, asked, names))
+        raise RouteError(404, _unknown_message(path, asked, names.names))
     return name
 
 
-def _unknown_message(path: str, asked: str, names: dict[str, Any]) -> str:
+def _unknown_message(path: str, asked: str, names: tuple[str, ...]) -> str:
     if path.startswith(OLLAMA_PREFIX):  # Ollama's own words, which its clients show
         return (f'model "{asked}" not found, try pulling it first (this server serves the '
                 f"models of its --models-dir: {', '.join(sorted(names))})")

@@ -103,7 +103,7 @@ def add_ollama_router_routes(app: FastAPI, pool: ModelPool, client: httpx.AsyncC
         body = await request.body()
         fields = body_fields(body)
         keep_alive = ollama_keep_alive(request.url.path, fields)
-        name = request_model(request.url.path, fields, None, pool.entries)
+        name = request_model(request.url.path, fields, None, pool.names)
         if not fields.get(field) and keep_alive == 0:
             await pool.unload(name)
             answer: dict[str, Any] = {"model": name, "created_at": rfc3339(time.time()),

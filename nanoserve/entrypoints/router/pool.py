@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
+from nanoserve.entrypoints.model_names import ModelNames
 from nanoserve.entrypoints.router.model_server import LoadError, ModelServer
 
 __all__ = ["DEFAULT", "KeepAlive", "Lease", "LoadError", "ModelEntry", "ModelPool",
@@ -90,6 +91,7 @@ class ModelPool:
         if models_max < 1:
             raise ValueError(f"--models-max must be at least 1, got {models_max}")
         self.entries = {name: ModelEntry(name, path) for name, path in models.items()}
+        self.names = ModelNames(models)  # what each model answers to, as its server does
         self.child_args = child_args
         self.models_max = models_max
         self.keep_alive = keep_alive
