@@ -149,3 +149,5 @@ class ChatInput:
     sampling: SamplingInput = field(default_factory=SamplingInput)
     template: TemplateOptions = field(default_factory=TemplateOptions)
     include_reasoning: bool = True  # split reasoning out (where the server has a parser)
+    # how much to reason: "none" ... "xhigh" (openai/reasoning_options.py); None: not said
+    reasoning_effort: str | None = None

@@ -12,7 +12,9 @@ this, nothing of the endpoint reads the pydantic request.
 - `thinking` → the template's `enable_thinking` (so a Qwen3-style template opens or closes its
   reasoning section) and, on a model with reasoning tags, `budget_tokens` as the thinking
   budget; absent, the template's default holds.
-- `output_config.format` (or the beta's `output_format`) → a JSON-schema response format.
+- `output_config.format` (or the beta's `output_format`) → a JSON-schema response format;
+  `output_config.effort` (low, medium, high, max) → chat's `reasoning_effort` (max is xhigh),
+  a thinking budget where `budget_tokens` gives none.
 - `max_tokens` is left to the serving side, which caps it to the context (see there).
 - The sampling fields are checked by chat completions' code, with Anthropic's own cap on
   `temperature` (1); `seed` and `ignore_eos` are vLLM's extras, as on chat completions.
@@ -60,8 +62,9 @@ def messages_input(req: CountTokensRequest, *, strip_billing: bool = True,
                    has_reasoning_tokens: bool = False) -> ChatInput:
     """The request as the neutral chat input (a `CountTokensRequest` gives the same prompt as
     the `MessagesRequest` it counts, and default sampling)."""
-    sampling, response_format = SamplingInput(), ResponseFormatInput()
+    sampling, response_format, effort = SamplingInput(), ResponseFormatInput(), None
     if isinstance(req, MessagesRequest):
+        effort = _effort(req)
         budget = req.thinking.budget_tokens if req.thinking is not None else None
         sampling = SamplingInput(
             max_tokens=None, temperature=req.temperature, max_temperature=MAX_TEMPERATURE,
@@ -82,7 +85,21 @@ def messages_input(req: CountTokensRequest, *, strip_billing: bool = True,
         response_format=response_format, sampling=sampling,
         template=TemplateOptions(add_generation_prompt=not is_prefill,
                                  continue_final_message=is_prefill,
-                                 kwargs=_template_kwargs(req)))
+                                 kwargs=_template_kwargs(req)),
+        reasoning_effort=effort)
+
+
+_EFFORTS = {"low": "low", "medium": "medium", "high": "high", "max": "xhigh"}
+
+
+def _effort(req: MessagesRequest) -> str | None:
+    effort = req.output_config.effort if req.output_config is not None else None
+    if effort is None:
+        return None
+    if effort not in _EFFORTS:
+        raise bad_request(f"output_config.effort must be one of {', '.join(_EFFORTS)}, got "
+                          f"{effort!r}", "output_config.effort")
+    return _EFFORTS[effort]
 
 
 def _system(blocks: list[AnthropicTextBlock] | None,

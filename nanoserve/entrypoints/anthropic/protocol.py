@@ -124,7 +124,7 @@ class AnthropicOutputFormat(AnthropicModel):
 
 class AnthropicOutputConfig(AnthropicModel):
     format: AnthropicOutputFormat | None = None
-    effort: str | None = None  # accepted; the models here have no effort setting
+    effort: str | None = None  # low, medium, high, max: a thinking budget (messages_request)
 
 
 class CountTokensRequest(AnthropicModel):

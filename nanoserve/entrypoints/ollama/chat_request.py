@@ -15,8 +15,10 @@ caps (`num_predict`, `num_ctx`), which the serving side applies to the params.
   none); the model's generation defaults stand for what is absent, as on the other routes.
 - `think`: true or a level ("high", "medium", "low": gpt-oss's) → the template's
   `enable_thinking`, false → `enable_thinking=False` (vLLM's `chat_template_kwargs`); absent,
-  the template's default. A model without a reasoning parser refuses `think` true with
-  Ollama's 400, `"<model>" does not support thinking`; false is accepted for any model.
+  the template's default. A level is also the reasoning effort (a thinking budget:
+  `openai/reasoning_options.py`), false the effort "none". A model without a reasoning
+  parser refuses `think` true with Ollama's 400, `"<model>" does not support thinking`; false
+  is accepted for any model.
 
 Refused with a 400 naming the field, as only this wire format can ask for them: `images` (the
 models here read text), `suffix` (no fill-in-the-middle prompts) and `template` (a Go template;
@@ -57,7 +59,8 @@ def chat_input(req: OllamaChatRequest, model: str, can_think: bool) -> ChatInput
         messages=_messages(messages),
         tools=tuple(_tool(tool) for tool in req.tools) if req.tools else None,  # [] is none
         response_format=response_format(req.format), sampling=sampling_input(req),
-        template=TemplateOptions(kwargs=template_kwargs(req.think, model, can_think)))
+        template=TemplateOptions(kwargs=template_kwargs(req.think, model, can_think)),
+        reasoning_effort=reasoning_effort(req.think))
 
 
 def generate_input(req: OllamaGenerateRequest, model: str, can_think: bool) -> ChatInput:
@@ -78,7 +81,8 @@ def generate_input(req: OllamaGenerateRequest, model: str, can_think: bool) -> C
     return ChatInput(messages=tuple(turns), response_format=response_format(req.format),
                      sampling=sampling_input(req),
                      template=TemplateOptions(kwargs=template_kwargs(req.think, model,
-                                                                     can_think)))
+                                                                     can_think)),
+                     reasoning_effort=reasoning_effort(req.think))
 
 
 def sampling_input(req: OllamaChatRequest | OllamaGenerateRequest) -> SamplingInput:
@@ -117,6 +121,13 @@ def template_kwargs(think: bool | str | None, model: str,
         raise bad_request(f'"{model}" does not support thinking (the server has no '
                           "--reasoning-parser for it)", "think")
     return {"enable_thinking": True}
+
+
+def reasoning_effort(think: bool | str | None) -> str | None:
+    """`think`'s level as the effort (checked by `template_kwargs` first); true: no cap."""
+    if think is False:
+        return "none"
+    return think if isinstance(think, str) else None
 
 
 def _messages(messages: list[OllamaMessage]) -> tuple[MessageInput, ...]:

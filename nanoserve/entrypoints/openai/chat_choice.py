@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from nanoserve.entrypoints.chat_input import ChatInput
+from nanoserve.entrypoints.openai.reasoning_options import reasoning_start
 from nanoserve.entrypoints.openai.tool_plan import ToolPlan
 from nanoserve.parsers.chat_stream import ChatStreamParser
 from nanoserve.parsers.events import (
@@ -16,17 +17,14 @@ from nanoserve.parsers.events import (
     ToolCallArguments,
     ToolCallStart,
 )
-from nanoserve.parsers.reasoning import (
-    ReasoningParser,
-    make_reasoning_parser,
-    prompt_ends_in_reasoning,
-)
+from nanoserve.parsers.reasoning import ReasoningParser, make_reasoning_parser
 from nanoserve.parsers.tool_calls import (
     NamedFunctionParser,
     ToolCallParser,
     make_tool_call_parser,
     required_calls_parser,
 )
+from nanoserve.reasoning_section import INSIDE
 
 
 class ChoiceParser:
@@ -98,11 +96,10 @@ def tool_call_parser_for(plan: ToolPlan, parser_name: str | None) -> ToolCallPar
 
 def choice_parsers(chat: ChatInput, prompt: str, plan: ToolPlan, reasoning_parser: str | None,
                    tool_call_parser: str | None) -> list[ChoiceParser]:
-    """One per sample. Grammar-forced tool output (required / named) has no reasoning."""
-    is_reasoning_split = (reasoning_parser is not None and chat.include_reasoning
-                          and plan.structured is None)
-    inside = is_reasoning_split and prompt_ends_in_reasoning(prompt)
-    return [ChoiceParser(make_reasoning_parser(reasoning_parser, inside)
-                         if is_reasoning_split and reasoning_parser else None,
+    """One per sample. Grammar-forced tool output (required / named) follows the reasoning
+    section too: its grammar starts where the reasoning ends (`reasoning_options.py`)."""
+    start = reasoning_start(chat, prompt, reasoning_parser)
+    return [ChoiceParser(make_reasoning_parser(reasoning_parser, start == INSIDE)
+                         if start is not None and reasoning_parser else None,
                          tool_call_parser_for(plan, tool_call_parser), plan.is_parallel_allowed)
             for _ in range(chat.sampling.n)]

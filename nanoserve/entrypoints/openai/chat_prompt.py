@@ -13,9 +13,18 @@ from nanoserve.entrypoints.openai.errors import bad_request
 from nanoserve.entrypoints.openai.server_context import ServerContext
 from nanoserve.entrypoints.openai.tool_prompt import describe_tools
 
+# what a model without a chat template (a base model, such as Gemma 3 270M's GGUF) answers on
+# every chat route, with what would make chat work and what works without it
+NO_CHAT_TEMPLATE = (
+    "this model has no chat template, so it cannot render chat messages: serve it with "
+    "--chat-template FILE (a Jinja chat template), or, in a --models-dir, put NAME.jinja beside "
+    "NAME.gguf; /v1/completions and Ollama's /api/generate complete a prompt without one")
+
 
 def render_prompt(ctx: ServerContext, chat: ChatInput) -> str:
     """The chat template applied to the messages, with the request's template switches."""
+    if not ctx.has_chat_template:
+        raise bad_request(NO_CHAT_TEMPLATE, "messages")
     options = chat.template
     if options.add_generation_prompt and options.continue_final_message:
         raise bad_request("add_generation_prompt and continue_final_message cannot both be "

@@ -29,7 +29,7 @@ def chat_input(req: ChatCompletionRequest) -> ChatInput:
                                 logprobs=(req.top_logprobs or 0) if req.logprobs else None),
         template=TemplateOptions(req.add_generation_prompt, req.continue_final_message,
                                  req.chat_template_kwargs),
-        include_reasoning=req.include_reasoning)
+        include_reasoning=req.include_reasoning, reasoning_effort=req.reasoning_effort)
 
 
 def _message(message: ChatMessage) -> MessageInput:

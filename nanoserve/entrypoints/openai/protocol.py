@@ -163,6 +163,10 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     include_reasoning: bool = True
+    # a thinking budget with a --reasoning-parser (reasoning_options.py); else accepted
+    reasoning_effort: str | None = documented(None, anyOf=[
+        {"type": "string", "enum": ["none", "minimal", "low", "medium", "high", "xhigh"]},
+        {"type": "null"}])
     tools: list[ChatTool] | None = None
     tool_choice: Any = None  # checked in tool_plan.py, for errors that name the field
     parallel_tool_calls: bool = True

@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncGenerator
+from dataclasses import replace
 from typing import Any
 
 from fastapi import Request
@@ -21,6 +22,10 @@ from nanoserve.entrypoints.openai.disconnect import collect, until_disconnect
 from nanoserve.entrypoints.openai.errors import bad_request
 from nanoserve.entrypoints.openai.logprob_format import clamp_logprob, token_bytes, top_entries
 from nanoserve.entrypoints.openai.protocol import ChatCompletionRequest
+from nanoserve.entrypoints.openai.reasoning_options import (
+    grammar_after_reasoning,
+    with_reasoning_effort,
+)
 from nanoserve.entrypoints.openai.request_params import sampling_params
 from nanoserve.entrypoints.openai.server_context import ServerContext
 from nanoserve.entrypoints.openai.sse import sse_event, sse_with_errors
@@ -87,6 +92,7 @@ async def prepare_chat(ctx: ServerContext, chat: ChatInput, admit: bool = True,
     `admit=False` (a render) skips the checks of what is in flight (429, 503). A `raw_prompt`
     (Ollama's `raw` generate) goes to the model as it is, tokenized as /v1/completions
     tokenizes a prompt, in place of the chat template's."""
+    chat = with_reasoning_effort(ctx, chat)
     plan = plan_tools(chat, ctx.tool_call_parser)
     structured = await structured_outputs(chat.response_format,
                                           has_tool_grammar=plan.structured is not None,
@@ -107,6 +113,9 @@ async def prepare_chat(ctx: ServerContext, chat: ChatInput, admit: bool = True,
     if plan.structured is not None:
         params.structured_outputs = plan.structured
         params.is_call_list = plan.mode == "required"  # ended at an exact repeat
+    after = grammar_after_reasoning(ctx, chat, prompt)
+    if params.structured_outputs is not None and after is not None:
+        params.structured_outputs = replace(params.structured_outputs, after_reasoning=after)
     return prompt, ids, params, plan
 
 

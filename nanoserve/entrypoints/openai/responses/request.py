@@ -13,7 +13,8 @@ turns their errors back into this API's names.
 - Function tools are offered to the model; every other tool type (`web_search`, `file_search`,
   `local_shell`, `custom`, `namespace`, MCP, ...) is hosted by OpenAI or needs its own output
   format, and is left out with one log line, never a 400 (Codex sends several).
-- `text.format` becomes chat's `response_format`; `max_output_tokens` its `max_tokens`.
+- `text.format` becomes chat's `response_format`; `max_output_tokens` its `max_tokens`;
+  `reasoning.effort` its `reasoning_effort`.
 """
 
 from __future__ import annotations
@@ -86,8 +87,18 @@ def responses_input(req: ResponsesRequest) -> ResponsesInput:
             response_format=_response_format(req.text.format if req.text else None)),
         sampling=SamplingInput(max_tokens=req.max_output_tokens, temperature=req.temperature,
                                max_temperature=MAX_TEMPERATURE,
-                               top_p=req.top_p, ignore_eos=req.ignore_eos, stream=req.stream))
+                               top_p=req.top_p, ignore_eos=req.ignore_eos, stream=req.stream),
+        reasoning_effort=_effort(req.reasoning))
     return ResponsesInput(chat, indices)
+
+
+def _effort(reasoning: dict[str, Any] | None) -> str | None:
+    """`reasoning.effort` (its values are checked with chat's `reasoning_effort`)."""
+    effort = (reasoning or {}).get("effort")
+    if effort is not None and not isinstance(effort, str):
+        raise bad_request(f"reasoning.effort must be a string, got {type(effort).__name__}",
+                          "reasoning.effort")
+    return effort
 
 
 def _check_stateless(req: ResponsesRequest) -> None:
@@ -269,7 +280,8 @@ def _response_format(text_format: dict[str, Any] | None) -> dict[str, Any] | Non
 _FIELD_NAMES = (("response_format.json_schema", "text.format"),
                 ("response_format", "text.format"),
                 ("'max_tokens' or 'max_completion_tokens'", "max_output_tokens"),
-                ("max_tokens", "max_output_tokens"))
+                ("max_tokens", "max_output_tokens"),
+                ("reasoning_effort", "reasoning.effort"))
 _TOOL_FIELD = re.compile(r"tools\.(\d+)\.function\.")
 
 

@@ -47,5 +47,5 @@ async def create_response(ctx: ServerContext, req: ResponsesRequest, raw: Reques
     ended = outcome(sample.finish_reason)
     items.finish("incomplete" if ended.status == "incomplete" else "completed")
     usage = response_usage(len(ids), len(sample.token_ids), out.num_cached_tokens,
-                           run.num_reasoning_tokens(ctx, items))
+                           run.num_reasoning_tokens(ctx, items, sample.token_ids))
     return JSONResponse(frame.body(ended.status, items, usage, ended))

@@ -43,11 +43,19 @@ class ResponseRun:
     params: SamplingParams
     parser: ChatStreamParser
 
-    def num_reasoning_tokens(self, ctx: ServerContext, items: OutputItems) -> int:
-        """The reasoning text's length in tokens (re-encoded: the parser splits text, not
-        tokens)."""
+    def num_reasoning_tokens(self, ctx: ServerContext, items: OutputItems,
+                             token_ids: list[int]) -> int:
+        """The output tokens of the reasoning section: those before its `</think>`, less an
+        opening `<think>`; re-encoded from its text on a model whose tags are not tokens."""
         text = items.reasoning_text
-        return len(ctx.tokenizer.encode(text, add_special_tokens=False)) if text else 0
+        if not text:
+            return 0
+        tags = ctx.reasoning_tokens
+        if tags is None:
+            return len(ctx.tokenizer.encode(text, add_special_tokens=False))
+        section = token_ids[: token_ids.index(tags.end)] if tags.end in token_ids \
+            else token_ids
+        return len(section) - (1 if section[:1] == [tags.start] else 0)
 
 
 Framer = Callable[[Event], str]
@@ -68,7 +76,8 @@ async def stream_response(ctx: ServerContext, run: ResponseRun) -> AsyncIterator
     yield frame({"type": "response.created", "response": body("in_progress")})
     yield frame({"type": "response.in_progress", "response": body("in_progress")})
     items = OutputItems()
-    num_output = num_cached = 0
+    num_cached = 0
+    token_ids: list[int] = []
     finish_reason = None
     # (an async generator function, typed by what it yields)
     generator = cast(AsyncGenerator[RequestOutput, None], ctx.engine.generate(
@@ -77,7 +86,7 @@ async def stream_response(ctx: ServerContext, run: ResponseRun) -> AsyncIterator
         async for out in generator:
             num_cached = max(num_cached, out.num_cached_tokens)
             sample = out.outputs[0]
-            num_output += len(sample.token_ids)
+            token_ids += sample.token_ids
             for event in items.feed(run.parser.feed(sample.text, sample.finished)):
                 yield frame(event)
             finish_reason = sample.finish_reason
@@ -90,8 +99,8 @@ async def stream_response(ctx: ServerContext, run: ResponseRun) -> AsyncIterator
     ended = outcome(finish_reason)
     for event in items.finish("incomplete" if ended.status == "incomplete" else "completed"):
         yield frame(event)
-    usage = response_usage(len(run.ids), num_output, num_cached,
-                           run.num_reasoning_tokens(ctx, items))
+    usage = response_usage(len(run.ids), len(token_ids), num_cached,
+                           run.num_reasoning_tokens(ctx, items, token_ids))
     yield frame({"type": f"response.{ended.status}",
                  "response": body(ended.status, items, usage, ended)})
 
