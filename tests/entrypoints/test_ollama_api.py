@@ -275,6 +275,36 @@ def test_refusals_are_ollamas_error_shape(server: RunningServer, path: str,
     assert list(response.json()) == ["error"] and says in response.json()["error"]
 
 
+@pytest.mark.parametrize(("options", "says"), [
+    ({"typical_p": 0.5}, "options.typical_p=0.5 asks for locally typical sampling"),
+    ({"tfs_z": 0.9}, "options.tfs_z"),
+    ({"mirostat": 2, "mirostat_tau": 5.0}, "options.mirostat=2 asks for Mirostat"),
+    ({"repeat_penalty": 1.2, "repeat_last_n": 64}, "options.repeat_last_n=64"),
+    ({"presence_penalty": 0.5, "penalize_newline": False}, "options.penalize_newline"),
+])
+def test_options_that_would_change_sampling_are_refused_by_name(
+        client: ollama.Client, options: dict[str, Any], says: str) -> None:
+    """An option this server does not implement is a 400 naming it, never dropped."""
+    with pytest.raises(ollama.ResponseError) as refused:
+        client.generate(model=MODEL, prompt="Hi", options=options)
+    assert refused.value.status_code == 400 and says in refused.value.error
+
+
+def test_options_at_their_neutral_values_change_nothing(client: ollama.Client) -> None:
+    """Clients send Ollama's defaults: at their neutral values the options are accepted and
+    the answer is the one without them."""
+    plain = client.generate(model=MODEL, prompt="The sky is",
+                            options={**GREEDY, "num_predict": 8}).response
+    neutral = {"typical_p": 1.0, "tfs_z": 1.0, "mirostat": 0, "mirostat_tau": 5.0,
+               "mirostat_eta": 0.1, "repeat_last_n": 64, "penalize_newline": True,
+               "num_keep": 4, "num_thread": 2, "num_batch": 512}
+    assert client.generate(model=MODEL, prompt="The sky is",
+                           options={**GREEDY, "num_predict": 8, **neutral}).response == plain
+    # a window over the whole context is what the penalties here do: accepted
+    assert client.generate(model=MODEL, prompt="The sky is", options={
+        **GREEDY, "num_predict": 8, "repeat_penalty": 1.1, "repeat_last_n": -1}).done
+
+
 def test_a_body_without_the_json_type_is_read_as_json(server: RunningServer) -> None:
     # Ollama's docs' curl examples send curl's form type: Ollama reads the body as JSON
     body = json.dumps({"model": MODEL, "prompt": "Hi", "stream": False,

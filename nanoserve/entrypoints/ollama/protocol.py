@@ -26,8 +26,10 @@ _THINK: dict[str, Any] = {"anyOf": [{"type": "boolean"},
 
 
 class OllamaOptions(OpenAIModel):
-    """`options`: the sampling ones Ollama documents (others, such as `num_gpu` or `num_thread`,
-    set up Ollama's runner and are accepted and ignored here: the model is loaded already)."""
+    """`options`: the sampling ones Ollama documents; those this server does not implement are
+    accepted at their neutral value and refused otherwise (`sampling_options.py`). Others, such
+    as `num_gpu` or `num_thread`, set up Ollama's runner and are accepted and ignored here: the
+    model is loaded already."""
 
     temperature: float | None = None
     top_k: int | None = None
@@ -40,6 +42,15 @@ class OllamaOptions(OpenAIModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     num_ctx: int | None = documented(None, minimum=1)
+    # not implemented: accepted at their neutral values only (sampling_options.py)
+    typical_p: float | None = None
+    tfs_z: float | None = None
+    mirostat: int | None = None
+    mirostat_tau: float | None = None  # read only with mirostat
+    mirostat_eta: float | None = None  # read only with mirostat
+    repeat_last_n: int | None = None
+    penalize_newline: bool | None = None
+    num_keep: int | None = None  # nothing is shifted out of the context here to keep
 
 
 class OllamaFunction(OpenAIModel):

@@ -4,12 +4,17 @@ sampling params, the capacity check), the output held to `num_predict` and `num_
 (`output_caps.py`), one sample parsed into the neutral events and formatted as Ollama's reply,
 whole or as NDJSON lines (`stream.py`; `stream` defaults to true, as Ollama's does).
 
+On a model without a chat template (a base model), generate completes the prompt as it is,
+`system` and a blank line before it, as Ollama's default template (`{{ .Prompt }}`) does;
+chat answers a 400 that says how to give the model a template.
+
 A body with nothing to generate (no messages; no prompt) only "loads" the model, as Ollama
 answers it: one object, `done_reason` "load", or "unload" with `keep_alive` 0. The model is
 loaded while the server runs, so neither changes anything (`keep_alive.py`).
 
-Model names: the served name, or the served name with Ollama's default tag, `:latest` (Ollama
-clients add it); another is Ollama's 404, `model "x" not found, try pulling it first`.
+Model names: those every route answers to (`model_names.py`: the served name, the model
+file's name and stem, each also with Ollama's default tag `:latest`); another is Ollama's 404,
+`model "x" not found, try pulling it first`.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from nanoserve.entrypoints.ollama.protocol import (
     OllamaOptions,
 )
 from nanoserve.entrypoints.ollama.replies import ReplyShape, tool_call
+from nanoserve.entrypoints.ollama.sampling_options import check_sampling_options
 from nanoserve.entrypoints.ollama.stream import reply_lines, with_error_lines
 from nanoserve.entrypoints.openai.chat_choice import choice_parsers
 from nanoserve.entrypoints.openai.disconnect import collect, until_disconnect
@@ -37,7 +43,6 @@ from nanoserve.entrypoints.openai.errors import APIError, bad_request
 from nanoserve.entrypoints.openai.server_context import ServerContext
 from nanoserve.entrypoints.openai.serving_chat import prepare_chat
 
-DEFAULT_TAG = ":latest"
 NDJSON = "application/x-ndjson"
 
 
@@ -45,7 +50,7 @@ def check_model(ctx: ServerContext, model: str | None) -> None:
     """400 without a model, 404 for another model's name (see the module)."""
     if not model:
         raise bad_request("model is required", "model")
-    if model not in (ctx.model_name, ctx.model_name + DEFAULT_TAG):
+    if not ctx.answers_to(model):
         raise APIError(404, f'model "{model}" not found, try pulling it first (this server '
                             f'serves one model, "{ctx.model_name}")', "model")
 
@@ -55,6 +60,7 @@ async def create_chat(ctx: ServerContext, req: OllamaChatRequest, raw: Request) 
     check_model(ctx, req.model)
     keep_alive = parse_keep_alive(req.keep_alive)
     check_caps(req.options)
+    check_sampling_options(req.options)
     if not req.messages:
         return JSONResponse(shape.empty("unload" if keep_alive == 0 else "load"))
     chat = chat_input(req, ctx.model_name, can_think=ctx.reasoning_parser is not None)
@@ -67,11 +73,14 @@ async def create_generate(ctx: ServerContext, req: OllamaGenerateRequest,
     check_model(ctx, req.model)
     keep_alive = parse_keep_alive(req.keep_alive)
     check_caps(req.options)
+    check_sampling_options(req.options)
     chat = generate_input(req, ctx.model_name, can_think=ctx.reasoning_parser is not None)
     if not req.prompt:
         return JSONResponse(shape.empty("unload" if keep_alive == 0 else "load"))
-    return await _reply(ctx, raw, chat, shape, req.options,
-                        raw_prompt=req.prompt if req.raw else None)
+    raw_prompt = req.prompt if req.raw else None
+    if raw_prompt is None and not ctx.has_chat_template:  # Ollama's template, `{{ .Prompt }}`
+        raw_prompt = f"{req.system}\n\n{req.prompt}" if req.system else req.prompt
+    return await _reply(ctx, raw, chat, shape, req.options, raw_prompt=raw_prompt)
 
 
 async def _reply(ctx: ServerContext, raw: Request, chat: ChatInput, shape: ReplyShape,
