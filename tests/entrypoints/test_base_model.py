@@ -58,7 +58,7 @@ def test_chat_on_every_api_is_a_400_that_says_what_to_do(server: RunningServer) 
         server.client().chat.completions.create(model=MODEL, messages=HELLO,  # type: ignore[arg-type]
                                                 max_tokens=4)
     assert chat.value.body["message"] == NO_CHAT_TEMPLATE  # type: ignore[index]
-    with pytest.raises(openai.BadRequestError, match="NAME.jinja beside"):
+    with pytest.raises(openai.BadRequestError, match=r"NAME\.jinja beside"):
         server.client().responses.create(model=MODEL, input="Say hello.")
     with pytest.raises(anthropic.BadRequestError, match="--chat-template FILE"):
         anthropic.Anthropic(base_url=server.url, api_key="none").messages.create(

@@ -90,7 +90,7 @@ def test_responses_messages_and_ollama_efforts(server: RunningServer) -> None:
         max_output_tokens=300, temperature=1.0)
     assert response.usage is not None
     assert response.usage.output_tokens_details.reasoning_tokens == 256
-    with pytest.raises(openai.BadRequestError, match="reasoning.effort") as bad:
+    with pytest.raises(openai.BadRequestError, match=r"reasoning\.effort") as bad:
         server.client().responses.create(model=MODEL, input="hi",
                                          reasoning={"effort": "extreme"})  # type: ignore[typeddict-item]
     assert bad.value.body["param"] == "reasoning.effort"  # type: ignore[index]
@@ -99,7 +99,7 @@ def test_responses_messages_and_ollama_efforts(server: RunningServer) -> None:
         output_config={"effort": "low"}, extra_body={"temperature": 1.0, "seed": 3})
     # the budget closed the thinking (nothing else would), and the answer followed
     assert [block.type for block in message.content] == ["thinking", "text"]
-    with pytest.raises(anthropic.BadRequestError, match="output_config.effort"):
+    with pytest.raises(anthropic.BadRequestError, match=r"output_config\.effort"):
         anthropic.Anthropic(base_url=server.url, api_key="none").messages.create(
             model=MODEL, max_tokens=30, messages=ASK,  # type: ignore[arg-type]
             output_config={"effort": "huge"})  # type: ignore[typeddict-item]
