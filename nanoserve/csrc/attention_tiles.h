@@ -14,6 +14,7 @@
 #include <type_traits>
 
 #include "kv_int8.h"
+#include "schedule.h"
 #include "simd_exp.h"
 #include "simd_reduce.h"
 
@@ -61,13 +62,16 @@ struct NextRows {
   int64_t count;  // 0: none, or already requested
 };
 
+// One request per 64-byte line, with the schedule's hint (schedule.h: T1 unless tuned).
 template <typename T>
-inline void prefetch_row(const T* row, int64_t dim) {  // one request per 64-byte line
+inline void prefetch_row(const T* row, int64_t dim) {
+  const int32_t hint = schedule::current().attention_hint;
+  if (hint == schedule::kNone) return;
   const char* bytes = reinterpret_cast<const char*>(row);
   const int64_t size = row_elements<T>(dim) * int64_t(sizeof(T));
-  for (int64_t b = 0; b < size; b += 64) _mm_prefetch(bytes + b, _MM_HINT_T1);
+  for (int64_t b = 0; b < size; b += 64) schedule::prefetch(bytes + b, hint);
   // an int8 row (D + 4 bytes) may end in one more line than its start implies
-  if (size % 64 != 0) _mm_prefetch(bytes + size - 1, _MM_HINT_T1);
+  if (size % 64 != 0) schedule::prefetch(bytes + size - 1, hint);
 }
 
 // scores[g * kTileTokens + j] = q[g] · key[j] for GB query heads (q already scaled). Row j of

@@ -153,5 +153,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("forward", &LayerStack::forward,
            "every layer and the final norm over hidden [T, hidden_size] (updated in place)",
            nogil);
+  m.def("get_schedule", [] { return schedule::flat(schedule::current()); },
+        "this module's kernel schedule, flat (schedule.h)");
+  m.def("set_schedule", &schedule::set_flat, "set this module's kernel schedule (flat)");
   m.attr("cpu_tier") = NANOSERVE_TIER_NAME(NANOSERVE_CPU_TIER);  // the tier it was built for
 }

@@ -5,7 +5,7 @@
 // 8-15 the second), so every vector op serves 16 outputs, and `vpdpbusd` (u8 x s8, four
 // products summed straight into each int32 lane) in place of AVX2's maddubs + add + madd.
 // The packed layout is the AVX2 tier's, unchanged: a weight packed once runs on either tier.
-// Used from kWideMinRows activation rows on, where the kernel is bound by arithmetic; below,
+// Used from the schedule's wide_min_rows activation rows on, where the kernel is bound by arithmetic; below,
 // matmul_tiles.h's one-group loop runs with vpdpbusd (why: its matmul_groups). Four rows a
 // tile: eight measured 0.96x the AVX2 kernel on Q8_0 and Q6_K (spills), four 1.35-1.6x.
 //
@@ -24,6 +24,7 @@
 #include <cstring>
 
 #include "gguf_blocks.h"
+#include "schedule.h"
 #include "tile_rows.h"
 
 namespace matmul_pairs_avx512 {
@@ -43,6 +44,18 @@ inline __m512i load_pair(const uint8_t* a, const uint8_t* b) {
 
 inline __m512 join(__m256 lo, __m256 hi) {
   return _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1);
+}
+
+// The lines the schedule's distance ahead of a block, in both groups' streams.
+template <bool Stream, int64_t BPB>
+inline void stream_ahead(const uint8_t* a, const uint8_t* b, const schedule::Prefetch& pf) {
+  if constexpr (Stream) {
+    if (pf.hint == schedule::kNone) return;
+    for (int64_t o = 0; o < BPB; o += 64) {
+      schedule::prefetch(a + pf.bytes + o, pf.hint);
+      schedule::prefetch(b + pf.bytes + o, pf.hint);
+    }
+  }
 }
 
 // The two groups' scales as matmul_tiles::load_scales reads one group's.
@@ -77,14 +90,16 @@ inline void or_high_bits(const uint8_t* high_a, const uint8_t* high_b, __m512i* 
 }
 
 // w = d*q + m with unsigned q, 4 or 5 bits (u8 0..31 straight into vpdpbusd: int32 sums).
-template <Layout L, int R, bool Wide>
-void u4_pair(const uint8_t* wa, const uint8_t* wb, int64_t KB, const RowPtrs& rows) {
+template <Layout L, int R, bool Wide, bool Stream>
+void u4_pair(const uint8_t* wa, const uint8_t* wb, int64_t KB, const RowPtrs& rows,
+             const schedule::Prefetch& pf) {
   constexpr int64_t BPB = block_bytes<L, Wide>();
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < KB; ++b) {
     const uint8_t *ba = wa + b * BPB, *bb = wb + b * BPB;
+    stream_ahead<Stream, BPB>(ba, bb, pf);
     const uint8_t *qa = ba + qs_offset(L), *qb = bb + qs_offset(L);
     __m512i wq[8];  // wq[j] lane i: output i's inputs 4j..4j+3
     if constexpr (Wide) {
@@ -118,14 +133,16 @@ void u4_pair(const uint8_t* wa, const uint8_t* wb, int64_t KB, const RowPtrs& ro
 
 // w = d*q with signed q: vpdpbusd(|q|, a negated where q < 0), AVX2's maddubs(|q|, sign(a, q))
 // (where q is 0 the product is 0 either way). Q6_K keeps its two halves' sums apart.
-template <Layout L, int R>
-void s8_pair(const uint8_t* wa, const uint8_t* wb, int64_t KB, const RowPtrs& rows) {
+template <Layout L, int R, bool Stream>
+void s8_pair(const uint8_t* wa, const uint8_t* wb, int64_t KB, const RowPtrs& rows,
+             const schedule::Prefetch& pf) {
   constexpr int64_t BPB = packed_block_bytes(L);
   constexpr bool kPerHalf = L == Layout::S8F2;
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < KB; ++b) {
     const uint8_t *ba = wa + b * BPB, *bb = wb + b * BPB;
+    stream_ahead<Stream, BPB>(ba, bb, pf);
     const uint8_t *qa = ba + qs_offset(L), *qb = bb + qs_offset(L);
     __m512i sum[R][2];
     for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = _mm512_setzero_si512();
@@ -156,19 +173,21 @@ void s8_pair(const uint8_t* wa, const uint8_t* wb, int64_t KB, const RowPtrs& ro
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(rows.y[r], acc[r]);
 }
 
-template <Layout L, int R, bool Wide>
-inline void pair_kernel(const uint8_t* wa, const uint8_t* wb, int64_t KB, const RowPtrs& rows) {
-  if constexpr (is_unsigned(L)) u4_pair<L, R, Wide>(wa, wb, KB, rows);
-  else s8_pair<L, R>(wa, wb, KB, rows);
+template <Layout L, int R, bool Wide, bool Stream>
+inline void pair_kernel(const uint8_t* wa, const uint8_t* wb, int64_t KB, const RowPtrs& rows,
+                        const schedule::Prefetch& pf) {
+  if constexpr (is_unsigned(L)) u4_pair<L, R, Wide, Stream>(wa, wb, KB, rows, pf);
+  else s8_pair<L, R, Stream>(wa, wb, KB, rows, pf);
 }
 
 // matmul_tiles::matmul_groups's contract: groups [g0, g1) of the packed weight against all M
-// activation rows, y [M, N]. No lines are asked for ahead: this runs where the kernel is bound
-// by arithmetic.
-template <Layout L, bool Wide>
+// activation rows, y [M, N]. `Stream`: below the wide threshold, where the schedule runs pairs
+// from few rows (pairs_min_rows), each block asks for the lines ahead in both groups' streams.
+template <Layout L, bool Wide, bool Stream>
 void matmul_groups(const uint8_t* packed, const int8_t* q, const float* d, const float* s,
                    int64_t M, int64_t N, int64_t K, float* y, int64_t g0, int64_t g1) {
   const int64_t KB = K / QK, group_bytes = KB * block_bytes<L, Wide>();
+  const schedule::Prefetch pf = schedule::weights(int(L), M);
   constexpr int64_t kGroupsPerChunk = 8;  // even: pairs never straddle a chunk
   alignas(64) float tail[TILE_M][PAIR_N];
   for (int64_t gc = g0; gc < g1; gc += kGroupsPerChunk) {
@@ -185,10 +204,10 @@ void matmul_groups(const uint8_t* packed, const int8_t* q, const float* d, const
         const uint8_t* wa = packed + g * group_bytes;
         const uint8_t* wb = is_pair ? wa + group_bytes : wa;
         switch (R) {
-          case 4: pair_kernel<L, 4, Wide>(wa, wb, KB, rows); break;
-          case 3: pair_kernel<L, 3, Wide>(wa, wb, KB, rows); break;
-          case 2: pair_kernel<L, 2, Wide>(wa, wb, KB, rows); break;
-          default: pair_kernel<L, 1, Wide>(wa, wb, KB, rows); break;
+          case 4: pair_kernel<L, 4, Wide, Stream>(wa, wb, KB, rows, pf); break;
+          case 3: pair_kernel<L, 3, Wide, Stream>(wa, wb, KB, rows, pf); break;
+          case 2: pair_kernel<L, 2, Wide, Stream>(wa, wb, KB, rows, pf); break;
+          default: pair_kernel<L, 1, Wide, Stream>(wa, wb, KB, rows, pf); break;
         }
         if (!is_full) {
           for (int r = 0; r < R; ++r)

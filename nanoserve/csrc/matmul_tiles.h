@@ -3,7 +3,7 @@
 // groups against all activation rows. quant_matmul.cpp splits the groups with at::parallel_for;
 // decode_layers.cpp's one-region forward hands each thread its share. One definition for both,
 // so the two give the same bits. In a module built for the avx512 tier (native.py) the block
-// dots below are vpdpbusd, and from kWideMinRows rows matmul_groups runs
+// dots below are vpdpbusd, and from the schedule's wide_min_rows rows matmul_groups runs
 // matmul_pairs_avx512.h's kernels instead: the same bits again.
 #pragma once
 
@@ -14,6 +14,7 @@
 #include <cstring>
 
 #include "gguf_blocks.h"
+#include "schedule.h"
 #include "simd_reduce.h"
 #include "tile_rows.h"
 
@@ -28,35 +29,25 @@ namespace matmul_tiles {
 using tile_rows::RowPtrs;
 using tile_rows::TILE_M;
 
-// Below kWideMinRows activation rows the kernel waits on memory: a batch-1 step streams ~66 MB
-// of the default model's layer weights from DRAM, a few hundred KB per call, and the hardware
-// prefetcher alone left the core idle between its demand misses. Each block then asks for the
-// lines kPrefetchBytes ahead of it (past a group's end that is the next group of the same
-// thread's range). Measured on the 2-core EPYC (Zen 3), the 30 layers' four projections at one
-// row, 11 interleaved rounds: one thread 7.56 -> 6.29 ms (-17%) at 1024 bytes (512: 7.02,
-// 2048: 6.46, L2 hint at 1024: 6.40), two threads 5.57 -> 5.24-5.37 ms; the whole decode
-// step, 4 alternated processes each: batch 1 13.7 -> 12.6 ms, batch 8 35.0 -> 33.4 ms (batch 64
-// runs the same code as before: 224 against 234 ms, noise). Where many rows share
+// Below the schedule's wide_min_rows activation rows (schedule.h) the kernel waits on memory: a
+// batch-1 step streams ~66 MB of the default model's layer weights from DRAM, a few hundred KB
+// per call, and the hardware prefetcher alone left the core idle between its demand misses.
+// Each block then asks for the lines the schedule's distance ahead of it (past a group's end
+// that is the next group of the same thread's range), with its hint. Where many rows share
 // each block the kernel is bound by arithmetic and asks for nothing. The bytes and the
-// arithmetic are unchanged: every output is the same.
+// arithmetic are unchanged: every output is the same whatever the hint and distance.
 //
-// The requests are non-temporal (NTA): a weight line is read once a step, and with the default
-// hint the ~100 MB a step streamed through L2 and L3 evicted everything the step's Python
-// needs next (after the forward, `np.ones(1)` took ~30 us and `torch.empty(1)` ~20 us, against
-// ~3 us warm). Measured on the 2-core EPYC (Zen 1), batch-1 greedy decode in process, 350
-// steps, two alternated processes each: the step 7.04 / 7.04 -> 6.55 / 6.54 ms; the layers
-// 4.93 -> 4.72 ms, the LM head 1.16 -> 1.08 ms, the sampler 0.33 -> 0.25 ms.
-constexpr int64_t kPrefetchBytes = 1024;
-
-// From this many activation rows on, a weight's wide form is used where it has one: below,
-// the kernel waits on memory and twice the bytes would cost more than the unpacking saves.
-constexpr int64_t kWideMinRows = 16;
-
+// Which hint and distance is a property of the CPU: on the 2-core EPYC (Zen 1 and 3)
+// non-temporal requests 1 KB ahead were the best (they also keep the step's Python warm in
+// L2/L3), on an Intel Xeon (Sapphire Rapids) T1 at 8 KB was 3x faster than that. The tuner
+// measures them on the CPU it runs on (nanoserve/kernel_tuning/); the figures are in
+// docs/benchmarks.md.
 template <bool Stream, int64_t BPB>
-inline void prefetch_ahead(const uint8_t* blk) {
-  if constexpr (Stream)
-    for (int64_t o = 0; o < BPB; o += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchBytes + o), _MM_HINT_NTA);
+inline void prefetch_ahead(const uint8_t* blk, const schedule::Prefetch& pf) {
+  if constexpr (Stream) {
+    if (pf.hint == schedule::kNone) return;
+    for (int64_t o = 0; o < BPB; o += 64) schedule::prefetch(blk + pf.bytes + o, pf.hint);
+  }
 }
 
 using namespace gguf_blocks;
@@ -134,14 +125,15 @@ inline void or_high_bits(const uint8_t* high, __m256i* wq) {
 // The 8 unpacked weight vectors stay in registers while the R activation rows pass over them
 // (measured 8% faster than unpacking per row pair: fewer spills).
 template <Layout L, int R, bool Wide, bool Stream>
-void u4_group(const uint8_t* w, int64_t KB, const RowPtrs& rows) {
+void u4_group(const uint8_t* w, int64_t KB, const RowPtrs& rows,
+              const schedule::Prefetch& pf) {
   constexpr int64_t BPB = block_bytes<L, Wide>();
   const __m256i nibble = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[R] = {};  // zeroed
   for (int64_t b = 0; b < KB; ++b) {
     const uint8_t* blk = w + b * BPB;
-    prefetch_ahead<Stream, BPB>(blk);
+    prefetch_ahead<Stream, BPB>(blk, pf);
     const uint8_t* qs = blk + qs_offset(L);
     __m256i wq[8];  // wq[j] lane i: row i's inputs 4j..4j+3
     if constexpr (Wide) {
@@ -194,14 +186,15 @@ void u4_group(const uint8_t* w, int64_t KB, const RowPtrs& rows) {
 // w = d*q with signed q: maddubs(|q|, sign(a, q)). Q8_0 widens each product pair to int32 at
 // once (two could overflow int16); Q6_K's |q| <= 32 lets four sum in int16 (4*2*32*127 = 32512).
 template <Layout L, int R, bool Stream>
-void s8_group(const uint8_t* w, int64_t KB, const RowPtrs& rows) {
+void s8_group(const uint8_t* w, int64_t KB, const RowPtrs& rows,
+              const schedule::Prefetch& pf) {
   constexpr int64_t BPB = packed_block_bytes(L);
   constexpr bool kPerHalf = L == Layout::S8F2;
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[R] = {};  // zeroed
   for (int64_t b = 0; b < KB; ++b) {
     const uint8_t* blk = w + b * BPB;
-    prefetch_ahead<Stream, BPB>(blk);
+    prefetch_ahead<Stream, BPB>(blk, pf);
     const uint8_t* qs = blk + qs_offset(L);
     __m256i sum[R][2];
     for (int t = 0; t < 8; ++t) {
@@ -248,9 +241,10 @@ void s8_group(const uint8_t* w, int64_t KB, const RowPtrs& rows) {
 }
 
 template <Layout L, int R, bool Wide, bool Stream>
-inline void group_kernel(const uint8_t* w, int64_t KB, const RowPtrs& rows) {
-  if constexpr (is_unsigned(L)) u4_group<L, R, Wide, Stream>(w, KB, rows);
-  else s8_group<L, R, Stream>(w, KB, rows);
+inline void group_kernel(const uint8_t* w, int64_t KB, const RowPtrs& rows,
+                         const schedule::Prefetch& pf) {
+  if constexpr (is_unsigned(L)) u4_group<L, R, Wide, Stream>(w, KB, rows, pf);
+  else s8_group<L, R, Stream>(w, KB, rows, pf);
 }
 
 // Groups [g0, g1) of the packed weight against all M activation rows: q [M, K] int8, d and s
@@ -259,14 +253,20 @@ template <Layout L, bool Wide, bool Stream>
 void matmul_groups(const uint8_t* packed, const int8_t* q, const float* d, const float* s,
                    int64_t M, int64_t N, int64_t K, float* y, int64_t g0, int64_t g1) {
 #ifdef NANOSERVE_MATMUL_AVX512
-  // Where the kernel waits on memory (few rows), one group at a time as below, in 256-bit
-  // registers with vpdpbusd: the pairs' two interleaved streams read DRAM at ~0.7x the rate of
-  // one (Zen 4, one row over 96 MB of Q4_1 weights: 20 against 28 GB/s, prefetch distance
-  // 0-4096 bytes alike). Where it is bound by arithmetic, the pairs.
+  // Where the kernel is bound by arithmetic, the pairs. Where it waits on memory (few rows),
+  // one group at a time as below, in 256-bit registers with vpdpbusd, unless the schedule
+  // runs the pairs from fewer rows (pairs_min_rows): on a Zen 4 the pairs' two interleaved
+  // streams read DRAM at ~0.7x the rate of one (one row over 96 MB of Q4_1 weights: 20
+  // against 28 GB/s), on a core with full-width AVX-512 units they may do more a cycle.
   if constexpr (!Stream)
-    return matmul_pairs_avx512::matmul_groups<L, Wide>(packed, q, d, s, M, N, K, y, g0, g1);
+    return matmul_pairs_avx512::matmul_groups<L, Wide, false>(packed, q, d, s, M, N, K, y, g0,
+                                                              g1);
+  if (M >= schedule::current().pairs_min_rows)
+    return matmul_pairs_avx512::matmul_groups<L, Wide, true>(packed, q, d, s, M, N, K, y, g0,
+                                                             g1);
 #endif
   const int64_t KB = K / QK, group_bytes = KB * block_bytes<L, Wide>();
+  const schedule::Prefetch pf = schedule::weights(int(L), M);
   // a few groups stay in L1/L2 while every tile of activation rows passes over them
   constexpr int64_t kGroupsPerChunk = 8;
   alignas(32) float tail[TILE_M][TILE_N];
@@ -281,10 +281,10 @@ void matmul_groups(const uint8_t* packed, const int8_t* q, const float* d, const
         });
         const uint8_t* w = packed + g * group_bytes;
         switch (R) {
-          case 4: group_kernel<L, 4, Wide, Stream>(w, KB, rows); break;
-          case 3: group_kernel<L, 3, Wide, Stream>(w, KB, rows); break;
-          case 2: group_kernel<L, 2, Wide, Stream>(w, KB, rows); break;
-          default: group_kernel<L, 1, Wide, Stream>(w, KB, rows); break;
+          case 4: group_kernel<L, 4, Wide, Stream>(w, KB, rows, pf); break;
+          case 3: group_kernel<L, 3, Wide, Stream>(w, KB, rows, pf); break;
+          case 2: group_kernel<L, 2, Wide, Stream>(w, KB, rows, pf); break;
+          default: group_kernel<L, 1, Wide, Stream>(w, KB, rows, pf); break;
         }
         if (!is_full) {
           for (int r = 0; r < R; ++r)

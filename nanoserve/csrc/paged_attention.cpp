@@ -122,4 +122,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out"), py::arg("window") = 0,
         "Decode attention over a paged float32, float16 or int8 KV cache, read in place "
         "(CPU, AVX2)");
+  m.def("get_schedule", [] { return schedule::flat(schedule::current()); },
+        "this module's kernel schedule, flat (schedule.h)");
+  m.def("set_schedule", &schedule::set_flat, "set this module's kernel schedule (flat)");
 }

@@ -63,12 +63,16 @@ void matmul_layout(const uint8_t* packed, const Acts& acts, int64_t M, int64_t N
                    float* y) {
   const int64_t G = (N + TILE_N - 1) / TILE_N;
   const int64_t group_bytes = K / QK * block_bytes<L, Wide>();
-  // at least ~16 KB of weights per task, so that small layers do not pay for a thread wake-up
-  const int64_t grain = std::max<int64_t>(1, 16384 / (group_bytes * std::max<int64_t>(1, M)));
+  const schedule::Schedule& plan = schedule::current();
+  // at least the schedule's grain of weights per task (16 KB unless tuned), so that small
+  // layers do not pay for a thread wake-up
+  const int64_t grain =
+      std::max<int64_t>(1, plan.grain_bytes / (group_bytes * std::max<int64_t>(1, M)));
   at::parallel_for(0, G, grain, [&](int64_t g0, int64_t g1) {
     const int8_t* q = acts.q.data_ptr<int8_t>();
     const float *d = acts.d.data_ptr<float>(), *s = acts.s.data_ptr<float>();
-    if (M < kWideMinRows) matmul_groups<L, Wide, true>(packed, q, d, s, M, N, K, y, g0, g1);
+    if (M < plan.wide_min_rows)
+      matmul_groups<L, Wide, true>(packed, q, d, s, M, N, K, y, g0, g1);
     else matmul_groups<L, Wide, false>(packed, q, d, s, M, N, K, y, g0, g1);
   });
 }
@@ -138,7 +142,7 @@ at::Tensor packed_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t 
   const uint8_t* w = packed.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   const Layout layout = type_info(ggml_type).layout;
-  if (wide && M >= kWideMinRows && is_unsigned(layout)) {
+  if (wide && M >= schedule::current().wide_min_rows && is_unsigned(layout)) {
     TORCH_CHECK(wide->device().is_cpu() && wide->scalar_type() == at::kByte &&
                     wide->is_contiguous() &&
                     wide->numel() == packed.numel() / packed_block_bytes(layout) *
@@ -252,5 +256,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_matmul", &quant_matmul, "x [M, K] f32 @ raw GGUF weight [N, K]^T -> [M, N]", nogil);
   m.def("quant_rows", &quant_rows, "rows ids of the raw GGUF weight, dequantized -> [len, K]", nogil);
   m.def("register_ops", &register_ops, "define nanoserve::packed_matmul as this module's");
+  m.def("get_schedule", [] { return schedule::flat(schedule::current()); },
+        "this module's kernel schedule, flat (schedule.h)");
+  m.def("set_schedule", &schedule::set_flat, "set this module's kernel schedule (flat)");
   m.attr("cpu_tier") = NANOSERVE_TIER_NAME(NANOSERVE_CPU_TIER);  // the tier it was built for
 }

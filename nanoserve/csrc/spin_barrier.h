@@ -1,5 +1,5 @@
-// A barrier for the threads of one parallel region: it spins for up to kSpin, then sleeps on a
-// futex until the last thread arrives.
+// A barrier for the threads of one parallel region: it spins for up to `spin` (the schedule's
+// spin_us), then sleeps on a futex until the last thread arrives.
 //
 // decode_layers.cpp's one-region forward meets ~6 barriers a layer, a few to tens of
 // microseconds apart, and its threads reach them nearly together (equal shares of each matmul,
@@ -25,7 +25,9 @@
 
 class SpinBarrier {
  public:
-  explicit SpinBarrier(int num_threads) : num_threads_(num_threads) {}
+  // `spin`: the schedule's spin_us (schedule.h), 10 us unless tuned
+  SpinBarrier(int num_threads, std::chrono::microseconds spin)
+      : num_threads_(num_threads), spin_(spin) {}
 
   void wait() {
     const uint32_t generation = generation_.load();
@@ -35,7 +37,7 @@ class SpinBarrier {
       if (sleepers_.load() > 0) futex(FUTEX_WAKE_PRIVATE, INT_MAX);
       return;
     }
-    const auto deadline = std::chrono::steady_clock::now() + kSpin;
+    const auto deadline = std::chrono::steady_clock::now() + spin_;
     for (int spins = 1;; ++spins) {
       if (generation_.load() != generation) return;
       _mm_pause();
@@ -49,13 +51,12 @@ class SpinBarrier {
   }
 
  private:
-  static constexpr std::chrono::microseconds kSpin{10};
-
   void futex(int op, uint32_t value) {
     syscall(SYS_futex, reinterpret_cast<uint32_t*>(&generation_), op, value, nullptr, nullptr, 0);
   }
 
   const int num_threads_;
+  const std::chrono::microseconds spin_;
   std::atomic<int> arrived_{0}, sleepers_{0};
   std::atomic<uint32_t> generation_{0};
 };

@@ -18,8 +18,9 @@
 //   x = add_rms_norm(residual, o); gu = x @ W_gate_up                 split       | barrier
 //   h = silu_mul(gu); down = h @ W_down                               split       | barrier
 //
-// Below kWideMinRows rows packed_matmul takes the narrow form with prefetching, and so does
-// this: the same tile kernels as the dispatcher path's for every output.
+// Below the schedule's wide_min_rows rows (never below 16) packed_matmul takes the narrow form
+// with prefetching, and so does this: the same tile kernels as the dispatcher path's for every
+// output.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -41,6 +42,7 @@
 #include "matmul_tiles.h"
 #include "paged_attend.h"
 #include "run_attend.h"
+#include "schedule.h"
 #include "spin_barrier.h"
 
 namespace team_forward {
@@ -55,9 +57,9 @@ struct Layer {
   at::Tensor k_cache, v_cache;
 };
 
-// Up to this many tokens a forward is one region: below the matmul's wide-form threshold, so
-// every matmul is the narrow, prefetching kernel on both paths.
-constexpr int64_t kTeamMaxTokens = matmul_tiles::kWideMinRows - 1;
+// Up to this many tokens a forward is one region: below the matmul's wide-form threshold, which
+// no schedule puts below 16, so every matmul is the narrow, prefetching kernel on both paths.
+constexpr int64_t kTeamMaxTokens = schedule::kMinWideRows - 1;
 
 // The step's tensors (the attention backend's metadata) and the model's attention shape.
 struct Step {
@@ -197,7 +199,7 @@ at::Tensor forward_cache(const std::vector<Layer>& layers, const at::Tensor& fin
     const int team = omp_get_num_threads(), tid = omp_get_thread_num();
 #pragma omp single
     {
-      barrier = new SpinBarrier(team);
+      barrier = new SpinBarrier(team, std::chrono::microseconds(schedule::current().spin_us));
       residual_copies.resize((team - 1) * M * n);
       for (int t = 1; t < team; ++t)
         std::memcpy(residual_copies.data() + (t - 1) * M * n, residual0, M * n * sizeof(float));
