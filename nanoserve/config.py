@@ -20,6 +20,7 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 QUANTIZATION_MODES = ("auto", "gguf", "int8", "fp16", "none")
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "int8")
 POOLING_METHODS = ("last", "mean")  # how embeddings pool hidden states (engine/pooler.py)
+KERNEL_TUNING_MODES = ("cached", "force", "off")  # the CPU kernels' schedule (kernel_tuning/)
 # how the API servers pick a data-parallel engine core for a request (engine/dp_router.py)
 LOAD_BALANCE_METHODS = ("cache_aware", "round_robin")
 # vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN, with our prefix: lets max_model_len pass the model's
@@ -51,6 +52,9 @@ class ModelConfig:
     # how an embedding pools the prompt's final hidden states: "last" token (decoder models)
     # or "mean" of every position
     pooling: str = "last"
+    # the CPU kernels' schedule (kernel_tuning/): "cached" (measured at the first start on a
+    # machine, then read from the cache), "force" (measured again), "off" (today's constants)
+    kernel_tuning: str = "cached"
 
     # torch is imported where a device or dtype is made, not with this module: the CLI builds
     # its flags from these defaults, and `nanoserve --help` should not wait for torch.
@@ -60,6 +64,9 @@ class ModelConfig:
                              f"{list(QUANTIZATION_MODES)}")
         if self.pooling not in POOLING_METHODS:
             raise ValueError(f"pooling={self.pooling!r} is not one of {list(POOLING_METHODS)}")
+        if self.kernel_tuning not in KERNEL_TUNING_MODES:
+            raise ValueError(f"kernel_tuning={self.kernel_tuning!r} is not one of "
+                             f"{list(KERNEL_TUNING_MODES)}")
 
     @property
     def torch_device(self) -> torch.device:

@@ -17,6 +17,7 @@ from typing import Any
 
 from nanoserve.config import (
     DEFAULT_MODEL_NAME,
+    KERNEL_TUNING_MODES,
     KV_CACHE_DTYPES,
     LOAD_BALANCE_METHODS,
     POOLING_METHODS,
@@ -127,6 +128,12 @@ class EngineArgs:
         ModelConfig.pooling, "how /v1/embeddings pools a prompt's final hidden states: last "
         "(the last token's, for decoder models) | mean (every token's average; no prefix-cache "
         "hits) (default: %(default)s)", choices=POOLING_METHODS)
+    kernel_tuning: str = _arg(
+        ModelConfig.kernel_tuning,
+        "the CPU kernels' schedule (prefetch, thresholds, tier), measured on this CPU: cached "
+        "(timed at the first start on a machine, then read from ~/.cache/nanoserve/tune) | "
+        "force (timed again) | off (the built-in constants, for A/B runs) "
+        "(default: %(default)s)", choices=KERNEL_TUNING_MODES)
     enforce_eager: bool = _arg(
         ModelConfig.enforce_eager, "run the decoder layers as a Python loop over the kernels, "
         "not as one native call (the same arithmetic; for comparing and debugging)",
@@ -191,7 +198,8 @@ class EngineArgs:
                               max_model_len=self.max_model_len, seed=self.seed,
                               quantization=self.quantization, pooling=self.pooling,
                               zero_cost_runner=self.zero_cost_runner,
-                              enforce_eager=self.enforce_eager),
+                              enforce_eager=self.enforce_eager,
+                              kernel_tuning=self.kernel_tuning),
             cache=CacheConfig(
                 block_size=self.block_size, num_blocks=self.num_kv_blocks,
                 kv_cache_memory_bytes=None if self.kv_cache_memory_gb is None

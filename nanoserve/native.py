@@ -96,14 +96,31 @@ def cpu_has_avx2() -> bool:
     return not tier_missing("avx2")
 
 
-@functools.cache
-def cpu_tier() -> str:
-    """The tier this process runs: `NANOSERVE_CPU_ISA` (avx2, avx512 or auto; default auto, the
-    best tier the CPU has). Raises CpuTierError for a name that is no tier or a tier the CPU
-    lacks."""
+_preferred_tier: str | None = None  # the tuner's measured choice (kernel_tuning), if any
+
+
+def prefer_tier(tier: str) -> bool:
+    """Run `tier` where `NANOSERVE_CPU_ISA` leaves the choice to this process (auto) and the
+    CPU has it: the tier the kernel tuner measured fastest here. Only before the first kernel
+    loads (the process runs one tier); False when it comes too late or cannot apply."""
+    global _preferred_tier
+    if cpu_tier.cache_info().currsize or tier not in TIERS or tier_missing(tier):
+        return False
+    _preferred_tier = tier
+    return True
+
+
+def tier_is_forced() -> bool:
+    """True when `NANOSERVE_CPU_ISA` names the tier (the tuner then leaves it)."""
+    return (os.environ.get("NANOSERVE_CPU_ISA", "auto").strip().lower() or "auto") != "auto"
+
+
+def check_cpu_isa() -> None:
+    """Raise CpuTierError now where `NANOSERVE_CPU_ISA` names no tier or one the CPU lacks
+    (the CLI's start-up check; the tier itself is chosen at the first kernel's load)."""
     asked = os.environ.get("NANOSERVE_CPU_ISA", "auto").strip().lower() or "auto"
     if asked == "auto":
-        return next((t for t in reversed(TIERS) if not tier_missing(t)), "avx2")
+        return
     if asked not in TIERS:
         raise CpuTierError(f"NANOSERVE_CPU_ISA={asked!r} is not a tier: one of "
                            f"{', '.join(TIERS)} or auto")
@@ -111,7 +128,20 @@ def cpu_tier() -> str:
     if missing:
         raise CpuTierError(f"NANOSERVE_CPU_ISA={asked}: this CPU lacks {', '.join(missing)} "
                            f"(it can run: {', '.join(available_tiers()) or 'none'})")
-    return asked
+
+
+@functools.cache
+def cpu_tier() -> str:
+    """The tier this process runs: `NANOSERVE_CPU_ISA` (avx2, avx512 or auto; default auto, the
+    tuner's measured choice (`prefer_tier`), else the best tier the CPU has). Raises
+    CpuTierError for a name that is no tier or a tier the CPU lacks."""
+    check_cpu_isa()
+    asked = os.environ.get("NANOSERVE_CPU_ISA", "auto").strip().lower() or "auto"
+    if asked != "auto":
+        return asked
+    if _preferred_tier is not None:
+        return _preferred_tier
+    return next((t for t in reversed(TIERS) if not tier_missing(t)), "avx2")
 
 
 def available_tiers() -> list[str]:
@@ -144,6 +174,24 @@ def load_kernels(name: str, tier: str | None = None) -> ModuleType | None:
 
 
 _loaded: set[tuple[str, str]] = set()  # (kernel, tier) of each module this process loaded
+_modules: list[ModuleType] = []  # every module loaded, for the schedule
+_schedule: list[int] | None = None  # the schedule every module runs (None: its defaults)
+
+
+def set_kernel_schedule(flat: list[int]) -> None:
+    """Run every kernel module of this process, loaded now or later, on the schedule `flat`
+    (csrc/schedule.h; `kernel_tuning.Schedule.flat()`). Only when and how bytes move and work
+    is split change: every output stays the same."""
+    global _schedule
+    _schedule = list(flat)
+    for module in _modules:
+        if hasattr(module, "set_schedule"):
+            module.set_schedule(_schedule)
+
+
+def kernel_schedule() -> list[int] | None:
+    """The schedule set with `set_kernel_schedule`, or None (the modules' defaults)."""
+    return None if _schedule is None else list(_schedule)
 
 
 def loaded_tier() -> str | None:
@@ -162,7 +210,10 @@ def _load_or_warn(name: str, tier: str) -> ModuleType | None:
             module = _build(name, tier)
             if name == "quant_matmul" and tier == kernel_tier():
                 module.register_ops()  # the dispatcher's nanoserve::packed_matmul: this tier's
+            if _schedule is not None and hasattr(module, "set_schedule"):
+                module.set_schedule(_schedule)
             _loaded.add((name, tier))
+            _modules.append(module)
             return module
         except Exception as exc:  # a failed build must leave the plain path working
             reason = f"building {name} failed: {exc}"
@@ -246,6 +297,20 @@ def _build(name: str, tier: str) -> ModuleType:
         return load(name=f"nanoserve_{name}{suffix}", sources=[str(CSRC_DIR / f"{name}.cpp")],
                     extra_cflags=flags, extra_ldflags=["-fopenmp"],
                     build_directory=str(build_dir), verbose=False)
+
+
+@functools.cache
+def kernel_build_id() -> str:
+    """What the kernels' behaviour depends on besides the CPU: their sources, every tier's
+    flags and torch's version (the kernel tuner's cache key)."""
+    import torch
+
+    digest = hashlib.sha256()
+    for path in sorted(CSRC_DIR.glob("*")):
+        if path.suffix in (".h", ".cpp"):
+            digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    digest.update(repr((CPU_FLAGS, TIER_COMPILE_FLAGS, torch.__version__)).encode())
+    return digest.hexdigest()[:16]
 
 
 def _checkout_key() -> str:

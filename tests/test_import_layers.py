@@ -33,6 +33,10 @@ FORBIDDEN = {
     # asks them, never the other way
     ("spec", "engine"), ("spec", "entrypoints"), ("spec", "output"), ("spec", "model"),
     ("spec", "structured"), ("sample", "spec"), ("model", "spec"),
+    # the kernel tuner times the model's own weights and sets the kernels' schedule: the engine
+    # and the benchmarks call it; it reaches neither, and the model never asks it
+    ("kernel_tuning", "engine"), ("kernel_tuning", "entrypoints"), ("kernel_tuning", "bench"),
+    ("model", "kernel_tuning"), ("sample", "kernel_tuning"), ("structured", "kernel_tuning"),
 }
 
 

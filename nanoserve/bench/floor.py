@@ -18,22 +18,26 @@ takes at the rates measured here, whichever is longer.
   rate   the int8 matmul kernel's multiply-adds per second on the model's largest projection
          at 256 rows (the best of a few), where the kernel is bound by arithmetic
 
-floor = max(bytes / read, MACs / rate); `bench step` prints each step beside it.
+floor = max(bytes / read, MACs / rate); `bench step` prints each step beside it. Beside it
+too, the floor as the kernel sees it: the bytes over the rate the quantized matmul itself reads
+the step's weights at one row (its prefetch and schedule included: kernel_tuning/), measured
+in the same run. Both read rates are sampled between the steps being timed (`ReadProbe`), so
+a machine whose rate drifts (a neighbour's load, a cloud host's) moves them together.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from nanoserve.bench.timing import best_seconds
+from nanoserve.kernel_tuning.schedule import running_schedule
 from nanoserve.model.llama import CausalLM
 from nanoserve.model.quant_linear import QuantizedWeight
 
-# the kernel reads a 4-bit weight's wide form from this many rows on (csrc/quant_matmul.cpp)
-WIDE_MIN_ROWS = 16
 _MIN_READ_BYTES = 64 << 20  # a tiny model's step would measure L2's rate, not a stream's
 
 
@@ -42,6 +46,7 @@ class MachineRates:
     read_bytes_per_s: float
     macs_per_s: float  # the quantized kernel's (or oneDNN's, for float weights)
     read_buffer_bytes: int = 0  # the buffer the read rate was measured on
+    kernel_read_bytes_per_s: float = 0.0  # the matmul's own read of the weights at one row
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,12 @@ class StepFloor:
     @property
     def memory_seconds(self) -> float:
         return self.bytes_read / self.rates.read_bytes_per_s
+
+    @property
+    def kernel_memory_seconds(self) -> float:
+        """The bytes at the kernel's own read rate (0 where it was not measured)."""
+        rate = self.rates.kernel_read_bytes_per_s
+        return self.bytes_read / rate if rate else 0.0
 
     @property
     def compute_seconds(self) -> float:
@@ -99,7 +110,8 @@ def _shape(weight: Any) -> tuple[int, int]:
 
 def _weight_bytes(weight: Any, rows: int) -> int:
     if isinstance(weight, QuantizedWeight):
-        if rows >= WIDE_MIN_ROWS and weight.wide is not None:
+        # the kernel reads a 4-bit weight's wide form from the schedule's threshold on
+        if rows >= running_schedule().wide_min_rows and weight.wide is not None:
             return weight.wide.numel()
         return weight.data.numel() * weight.data.element_size()
     return weight.numel() * weight.element_size()
@@ -121,37 +133,81 @@ def step_floor(model: CausalLM, kv_cache: torch.Tensor, batch: int, context_len:
 
 def measure_rates(model: CausalLM, repeats: int = 5) -> MachineRates:
     """The read bandwidth and the matmul kernel's multiply-add rate, measured now."""
-    one_row = sum(_weight_bytes(w, 1) for w in _matmul_weights(model)) + _expert_reads(model, 1)[0]
-    buffer_bytes = max(_MIN_READ_BYTES, int(one_row))
-    read = _read_seconds(buffer_bytes, repeats)
+    probe = ReadProbe(model)
+    for _ in range(repeats):
+        probe.sample()
+    return probe.rates(macs_per_s(model, repeats))
+
+
+def macs_per_s(model: CausalLM, repeats: int = 5) -> float:
+    """The matmul kernel's multiply-adds per second on the model's largest projection at 256
+    rows (the best of `repeats`), where it is bound by arithmetic."""
     layer = model.decoder_layers[0]  # its MLP's gate/up, or its first expert's
     largest: Any = (layer.gate_up_proj if layer.moe is None
                     else layer.moe.experts[0].gate_up_proj)
     rows, (num_rows, in_features) = 256, _shape(largest)
     x = torch.randn(rows, in_features)
     matmul = largest.matmul if isinstance(largest, QuantizedWeight) else (lambda a: a @ largest.T)
-    seconds = best_seconds(lambda: matmul(x), repeats)
-    return MachineRates(buffer_bytes / read, rows * num_rows * in_features / seconds,
-                        buffer_bytes)
+    return rows * num_rows * in_features / best_seconds(lambda: matmul(x), repeats)
 
 
-def _read_seconds(num_bytes: int, repeats: int) -> float:
-    """The best time of one sum over a buffer of `num_bytes` (freed on return)."""
-    buffer = torch.ones(num_bytes // 4, dtype=torch.float32)  # pages faulted in
-    return best_seconds(buffer.sum, repeats)
+class ReadProbe:
+    """The two read rates, one sample of each per `sample()` call (between the steps a
+    benchmark times): a sum over a buffer of the step's weight bytes, and the quantized
+    matmul's own one-row pass over the model's packed weights (none for float weights)."""
+
+    def __init__(self, model: CausalLM) -> None:
+        from nanoserve.kernel_tuning.workloads import step_weights
+
+        one_row = (sum(_weight_bytes(w, 1) for w in _matmul_weights(model))
+                   + _expert_reads(model, 1)[0])
+        self.buffer_bytes = max(_MIN_READ_BYTES, int(one_row))
+        self._buffer = torch.ones(self.buffer_bytes // 4, dtype=torch.float32)  # faulted in
+        weights = step_weights(model)
+        self._kernel_bytes = weights.num_bytes
+        self._sweep = weights.sweep(1) if weights.weights else None
+        self._sums: list[float] = []
+        self._sweeps: list[float] = []
+        self._buffer.sum()
+        if self._sweep is not None:
+            self._sweep()
+
+    def sample(self) -> None:
+        self._sums.append(_seconds(self._buffer.sum))
+        if self._sweep is not None:
+            self._sweeps.append(_seconds(self._sweep))
+
+    def rates(self, macs: float) -> MachineRates:
+        """The read rates at the best of the samples, and `macs` (multiply-adds a second)."""
+        kernel = self._kernel_bytes / min(self._sweeps) if self._sweeps else 0.0
+        return MachineRates(self.buffer_bytes / min(self._sums), macs, self.buffer_bytes,
+                            kernel)
+
+
+def _seconds(fn: Any) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
 
 
 def format_floors(steps: list[tuple[int, float, StepFloor]], rates: MachineRates) -> str:
     """(batch, measured step seconds, floor) rows as a table."""
+    kernel = (f"; the matmul kernel's own one-row read of the weights: "
+              f"{rates.kernel_read_bytes_per_s / 1e9:.1f} GB/s (the kernel's floor)"
+              if rates.kernel_read_bytes_per_s else "")
     lines = [f"floor: max(bytes / {rates.read_bytes_per_s / 1e9:.1f} GB/s read (a sum over "
              f"{rates.read_buffer_bytes / 1e6:.0f} MB, the step's weights, again and again), "
              f"multiply-adds / {rates.macs_per_s / 1e9:.0f} GMAC/s of the matmul kernel), "
-             "both measured now",
-             "| batch | step | bytes | memory floor | multiply-adds | compute floor | "
-             "step / floor |", "|---:|---:|---:|---:|---:|---:|---:|"]
+             f"both measured now{kernel}",
+             "| batch | step | bytes | memory floor | kernel's floor | multiply-adds | "
+             "compute floor | step / floor | step / kernel's floor |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for batch, seconds, floor in steps:
+        kernel_floor = max(floor.kernel_memory_seconds, floor.compute_seconds)
+        versus_kernel = f"{seconds / kernel_floor:.2f}x" if floor.kernel_memory_seconds else ""
         lines.append(f"| {batch} | {seconds * 1e3:.1f} ms | {floor.bytes_read / 1e6:.0f} MB | "
-                     f"{floor.memory_seconds * 1e3:.2f} ms | {floor.macs / 1e9:.2f} G | "
+                     f"{floor.memory_seconds * 1e3:.2f} ms | "
+                     f"{floor.kernel_memory_seconds * 1e3:.2f} ms | {floor.macs / 1e9:.2f} G | "
                      f"{floor.compute_seconds * 1e3:.2f} ms | "
-                     f"{seconds / floor.seconds:.2f}x |")
+                     f"{seconds / floor.seconds:.2f}x | {versus_kernel} |")
     return "\n".join(lines)

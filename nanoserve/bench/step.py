@@ -18,7 +18,10 @@ The profiler adds a few microseconds per operator, so the buckets are scaled to 
 median step time, which is printed too.
 
 After the buckets, each measured step beside its floor (floor.py): the bytes it must read over
-the read bandwidth, its multiply-adds over the matmul kernel's rate, both measured in the run.
+the read bandwidth, its multiply-adds over the matmul kernel's rate, both measured in the run;
+and beside the kernel's floor, the bytes over the rate the matmul reads the weights at itself.
+The read rates are sampled between the timed steps (a drifting machine moves both), and the
+kernels' schedule (kernel_tuning/) is printed above the tables.
 
 `--compare-eager` times each batch size with the layers as one native call and as the Python
 loop, interleaved (eager.py); `--compare-compiled` the same with the kernels' layer loop
@@ -48,7 +51,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from nanoserve.bench.compiled import compare_compiled, format_compiled
 from nanoserve.bench.eager import compare_eager, format_eager
-from nanoserve.bench.floor import format_floors, measure_rates, step_floor
+from nanoserve.bench.floor import ReadProbe, format_floors, macs_per_s, step_floor
 from nanoserve.bench.roofline import start_decoding
 from nanoserve.bench.timing import median_seconds
 from nanoserve.engine.core import EngineCore
@@ -71,9 +74,12 @@ class StepProfile:
 
 
 def profile_decode_step(engine: EngineCore, batch: int, context_len: int,
-                        repeats: int = 10) -> StepProfile:
-    ids = start_decoding(engine, batch, context_len, 2 * repeats + 3, "profile")
-    step_seconds = median_seconds(engine.step, repeats)
+                        repeats: int = 10, probe: ReadProbe | None = None) -> StepProfile:
+    """`probe`: sampled between the timed steps (after each, the next step is run once
+    untimed, so that every timed step follows a step, as in a server)."""
+    ids = start_decoding(engine, batch, context_len, 3 * repeats + 3, "profile")
+    step_seconds = median_seconds(engine.step, repeats) if probe is None \
+        else _steps_beside(engine, repeats, probe)
     with without_usdt_lines():
         with profile(activities=[ProfilerActivity.CPU]):  # the profiler's own first-use costs
             engine.step()
@@ -86,6 +92,18 @@ def profile_decode_step(engine: EngineCore, batch: int, context_len: int,
     total = sum(raw.values())
     buckets = {name: raw[name] / total * step_seconds for name in BUCKETS}
     return StepProfile(batch, step_seconds, buckets)
+
+
+def _steps_beside(engine: EngineCore, repeats: int, probe: ReadProbe) -> float:
+    """The median step, each timed step after a read sample and an untimed step."""
+    times = []
+    for _ in range(repeats):
+        probe.sample()
+        engine.step()
+        started = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
 
 
 @contextlib.contextmanager
@@ -166,12 +184,14 @@ def run_step_profile(engine: EngineCore, args: argparse.Namespace) -> list[StepP
     sizes = [int(size) for size in args.batch_sizes.split(",")]
     print(f"decode step, context {args.context_len}, threads={torch.get_num_threads()}, "
           f"CPU kernels: {loaded_tier() or 'none'} (NANOSERVE_CPU_ISA to choose), "
-          f"median of {args.repeats}\n")
-    profiles = [profile_decode_step(engine, size, args.context_len, args.repeats)
+          f"median of {args.repeats}\nkernel schedule: "
+          f"{engine.kernel_schedule or 'none'} (--kernel-tuning)\n")
+    model = engine.loaded.model
+    probe = ReadProbe(model)  # read rates sampled between the timed steps
+    profiles = [profile_decode_step(engine, size, args.context_len, args.repeats, probe)
                 for size in sizes]
     print(format_profiles(profiles))
-    model = engine.loaded.model
-    rates = measure_rates(model)
+    rates = probe.rates(macs_per_s(model))
     key_cache = engine.runner.kv_caches[0][0]
     print()
     print(format_floors([(p.batch, p.step_seconds,

@@ -49,6 +49,7 @@ def build_engine_core(config: EngineConfig, *, engine_tokenizer: bool = False) -
         executor: Executor = (InProcessExecutor(worker) if ranks is None
                               else TPExecutor(worker, ranks))
         core = EngineCore(config, executor, loaded, rank0.num_blocks)
+        core.kernel_schedule = rank0.kernel_schedule
     except BaseException:
         if ranks is not None:
             ranks.shutdown()

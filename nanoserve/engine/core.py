@@ -97,6 +97,7 @@ class EngineCore:
             self.max_sampled_rows(config), config.model.torch_device,
             ReasoningTokens.of(loaded.tokenizer))
         self.compiling: dict[str, Request] = {}  # requests whose grammar is compiling
+        self.kernel_schedule = ""  # the CPU kernels' schedule in one line (kernel_tuning/)
         self.stats = SchedulerStats()  # brought up to date by every step and abort
 
     @staticmethod

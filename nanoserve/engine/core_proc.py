@@ -84,7 +84,8 @@ class EngineCoreProc:
             logits_processors=[f"{p.__module__}:{p.__qualname__}"
                                for p in map(type, core.sampler.processors)],
             hidden_size=core.loaded.arch.hidden_size, pooling=core.config.model.pooling,
-            engine_index=self.engine_index, cpu_isa=loaded_tier() or "")
+            engine_index=self.engine_index, cpu_isa=loaded_tier() or "",
+            kernel_schedule=core.kernel_schedule)
 
     # -- threads ------------------------------------------------------------------------------
     def _input_loop(self) -> None:

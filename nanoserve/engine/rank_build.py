@@ -9,6 +9,7 @@ in how it loads, which cache type it picks or whether the native layer stack may
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from nanoserve.config import EngineConfig
@@ -17,17 +18,23 @@ from nanoserve.engine.model_runner import (
     kv_cache_num_blocks,
     resolve_kv_cache_dtype,
 )
+from nanoserve.kernel_tuning.tuner import BUDGET_S, preferred_tier, tune_kernels
 from nanoserve.model.loader import LoadedModel, load_model
 from nanoserve.model.parallel import TensorParallelGroup
+from nanoserve.native import prefer_tier
+
+logger = logging.getLogger("nanoserve")
 
 
 @dataclass
 class RankBuild:
-    """One rank's model and runner, and the cache's block count (the same on every rank)."""
+    """One rank's model and runner, the cache's block count (the same on every rank) and the
+    kernels' schedule it runs (kernel_tuning/)."""
 
     loaded: LoadedModel
     runner: ModelRunner
     num_blocks: int
+    kernel_schedule: str = ""  # the schedule in one line ("" on a GPU or without kernels)
 
 
 def build_rank(config: EngineConfig, group: TensorParallelGroup | None, *,
@@ -37,6 +44,11 @@ def build_rank(config: EngineConfig, group: TensorParallelGroup | None, *,
     the tokenizer (an engine process, whose text is made by the API process)."""
     model, cache = config.model, config.cache
     device, dtype = model.torch_device, model.torch_dtype
+    is_alone = group is None or group.world_size == 1
+    if device.type == "cpu":  # the tier measured fastest here, before the first kernel loads
+        tier = preferred_tier(model.kernel_tuning)
+        if tier is not None:
+            prefer_tier(tier)
     loaded = load_model(model.model, device, dtype, model.max_model_len, model.quantization,
                         group, engine_tokenizer=engine_tokenizer)
     kv_dtype = resolve_kv_cache_dtype(cache.kv_cache_dtype, loaded.quantization, device, dtype)
@@ -51,4 +63,11 @@ def build_rank(config: EngineConfig, group: TensorParallelGroup | None, *,
         num_blocks = group.broadcast_int(num_blocks)
     runner = ModelRunner(loaded.model, num_blocks, cache.block_size, device, kv_dtype,
                          use_native_layers=not model.enforce_eager)
-    return RankBuild(loaded, runner, num_blocks)
+    schedule = ""
+    if device.type == "cpu":
+        # ranks of one host would time each other's noise: they read the cache, time nothing
+        mode = model.kernel_tuning if is_alone or model.kernel_tuning == "off" else "cached"
+        schedule = tune_kernels(loaded.model, runner, mode,
+                                budget_s=BUDGET_S if is_alone else 0.0).describe()
+        logger.info("CPU kernels: %s (--kernel-tuning %s)", schedule, model.kernel_tuning)
+    return RankBuild(loaded, runner, num_blocks, schedule)

@@ -18,7 +18,7 @@ from nanoserve.bench.cli import add_bench_commands
 from nanoserve.config import RequestLimits, ServerConfig, api_key_from_env
 from nanoserve.engine_args import EngineArgs
 from nanoserve.entrypoints.chat_defaults import chat_defaults, describe
-from nanoserve.native import cpu_tier
+from nanoserve.native import check_cpu_isa
 from nanoserve.parsers.reasoning import REASONING_PARSERS
 from nanoserve.parsers.tool_calls import TOOL_CALL_PARSERS
 from nanoserve.sampling_params import SamplingParams
@@ -104,6 +104,25 @@ def cmd_chat(args: argparse.Namespace) -> int:
             print(" [stopped]", end="")
         print()
         history.append({"role": "assistant", "content": "".join(reply)})
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    """`nanoserve tune`: every shape class of the model timed again (--kernel-tuning force),
+    the table printed; later starts on this machine read the choices."""
+    from nanoserve.engine.model_runner import ModelRunner
+    from nanoserve.kernel_tuning.report import format_result
+    from nanoserve.kernel_tuning.tuner import tune_kernels
+
+    if args.model_positional is not None:
+        args.model = args.model_positional
+    engine_args = replace(EngineArgs.from_cli_args(args), kernel_tuning="off")
+    llm = build_llm(engine_args)
+    runner = llm.engine.executor.local_worker.runner
+    assert isinstance(runner, ModelRunner), "a tuning run has a model (no zero-cost runner)"
+    result = tune_kernels(runner.model, runner, "force",
+                          log=lambda line: print(line, file=sys.stderr, flush=True))
+    print(format_result(result))
+    return 0
 
 
 def read_chat_template(value: str) -> str:
@@ -270,6 +289,13 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(func=cmd_chat, temperature=None, top_p=None, top_k=None, min_p=None,
                       repetition_penalty=None, max_tokens=None)
 
+    tune = sub.add_parser("tune", help="time the CPU kernels' schedules for a model on this "
+                          "machine, keep the fastest for later starts, print the table")
+    tune.add_argument("model_positional", nargs="?", metavar="MODEL", default=None,
+                      help="the model (default: --model, else the default model)")
+    EngineArgs.add_cli_args(tune)
+    tune.set_defaults(func=cmd_tune)
+
     bench = sub.add_parser("bench", help="benchmarks that print figures beside a peer's")
     add_bench_commands(bench, build_llm)
     return parser
@@ -279,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.raw_argv = list(sys.argv[1:] if argv is None else argv)  # for the router's models
     try:
-        cpu_tier()  # a tier asked for that the CPU lacks: an error now, not in the engine
+        check_cpu_isa()  # a tier asked for that the CPU lacks: an error now, not in the engine
         return int(args.func(args))
     except (FileNotFoundError, ValueError) as e:
         print(f"nanoserve: error: {e}", file=sys.stderr)

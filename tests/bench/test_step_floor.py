@@ -38,7 +38,13 @@ def test_the_floor_counts_the_packed_weights_the_cache_rows_and_the_products(
     slow_arithmetic = MachineRates(read_bytes_per_s=1e12, macs_per_s=1e6)
     assert step_floor(model, key_cache, 3, 40, slow_arithmetic).seconds == 3 * products / 1e6
     table = format_floors([(3, 2 * floor.seconds, floor)], rates)
-    assert table.splitlines()[-1].endswith("| 2.00x |")
+    assert table.splitlines()[-1].endswith("| 2.00x |  |")  # no kernel read rate measured
+    with_kernel = MachineRates(read_bytes_per_s=1e9, macs_per_s=1e9,
+                               kernel_read_bytes_per_s=0.5e9)
+    kernel_floor = step_floor(model, key_cache, 3, 40, with_kernel)
+    assert kernel_floor.kernel_memory_seconds == 2 * kernel_floor.memory_seconds
+    row = format_floors([(3, 2 * floor.seconds, kernel_floor)], with_kernel).splitlines()[-1]
+    assert row.endswith(f"| 2.00x | {floor.seconds / kernel_floor.kernel_memory_seconds:.2f}x |")
 
 
 def test_the_read_rate_is_measured_on_a_buffer_the_size_of_the_steps_weights(
@@ -54,4 +60,6 @@ def test_the_read_rate_is_measured_on_a_buffer_the_size_of_the_steps_weights(
     step_bytes = sum(w.data.numel() for w in [*weights, model.lm_head])
     assert rates.read_buffer_bytes == max(64 << 20, step_bytes)
     assert rates.read_bytes_per_s > 0 and rates.macs_per_s > 0
+    assert rates.kernel_read_bytes_per_s > 0  # the matmul's own pass over the packed weights
     assert "a sum over 67 MB, the step's weights" in format_floors([], rates)
+    assert "the matmul kernel's own one-row read" in format_floors([], rates)

@@ -2,7 +2,7 @@
 (NANOSERVE_CPU_ISA=auto): the same greedy and seeded completions with the same logprobs, bit for
 bit, one prompt alone and prompts batched (long enough that prefill takes the wide form), on
 the default float16 KV cache and on an int8 one (whose scores the avx512 tier sums with
-`vpdpbusd`), and /get_server_info names the tier each runs. Skipped, with the reason, on a CPU
+`vpdpbusd`), and /get_server_info names the tier and the kernel schedule each runs. Skipped, with the reason, on a CPU
 with only avx2."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import pytest
 from server_harness import RunningServer
 
 from nanoserve import native
+from nanoserve.kernel_tuning.tuner import preferred_tier
 
 PROMPTS = ["The capital of France is",
            "Write a short poem about the sea, in four lines, with a rhyme at the end of "
@@ -53,7 +54,11 @@ def test_each_server_names_its_tier(servers: dict[str, RunningServer]) -> None:
     info = {isa: httpx.get(s.url + "/get_server_info", timeout=10).json()
             for isa, s in servers.items()}
     assert info["avx2"]["cpu_isa"] == "avx2"
-    assert info["auto"]["cpu_isa"] == native.available_tiers()[-1]
+    # auto: the best tier, unless the kernel tuner measured another faster on this CPU
+    assert info["auto"]["cpu_isa"] == (preferred_tier("cached")
+                                       or native.available_tiers()[-1])
+    for served in info.values():  # the schedule the tuner chose (or read) for this CPU
+        assert "prefetch" in served["kernel_schedule"]
 
 
 @pytest.mark.parametrize("sampling", [{"temperature": 0.0},

@@ -193,3 +193,4 @@ class ServerInfoResponse(ResponseModel):
     max_model_len: int
     version: str
     cpu_isa: str  # the CPU kernels' tier (avx2, avx512), "" where none run (a GPU model)
+    kernel_schedule: str  # their schedule as tuned on this CPU (--kernel-tuning), "" where none

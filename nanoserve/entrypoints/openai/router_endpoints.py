@@ -81,7 +81,8 @@ def add_router_routes(app: FastAPI, ctx: ServerContext) -> None:
                 "instance_id": ctx.instance_id, "kv_block_size": block_size,
                 "effective_attention_block_size": block_size, "worker_type": "regular",
                 "max_model_len": ctx.max_model_len, "version": nanoserve.__version__,
-                "cpu_isa": ctx.engine.ready.cpu_isa}
+                "cpu_isa": ctx.engine.ready.cpu_isa,
+                "kernel_schedule": ctx.engine.ready.kernel_schedule}
 
     @app.get("/kv_event_sources",
              responses=responses(KVEventSourcesResponse, 401, 404))

@@ -1,0 +1,1 @@
+"""Kernels that tune themselves on the CPU they run on (see tuner.py)."""

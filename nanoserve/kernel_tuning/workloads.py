@@ -1,0 +1,150 @@
+"""What the tuner times: the loaded model's own work, as a decode step does it.
+
+- `StepWeights`: the model's packed weights, swept in a step's order at a number of
+  activation rows, as a step reads them: at one row, gigabytes of a larger model stream from
+  DRAM, and the prefetch decides how fast.
+- `AttentionWork`: decode attention over every layer's cache at one long context and at a batch
+  of short ones, on synthetic caches of the model's shape and the cache's dtype, with their
+  blocks scattered as a paged cache's are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nanoserve.kernel_tuning.schedule import LAYOUT_OF_TYPE, TYPE_NAMES
+from nanoserve.model.llama import CausalLM
+from nanoserve.model.quant_linear import QuantizedWeight
+
+LONG_CONTEXT = 4096
+SHORT_CONTEXT, SHORT_BATCH = 512, 8
+
+
+@dataclass
+class StepWeights:
+    """The model's packed weights in the order a decode step reads them: every layer's
+    projections, then the LM head (a MoE layer's experts are read per token, and left out).
+    The tuner times a candidate for one layout on the whole sweep, so each weight meets the
+    caches as a step leaves them (an LM head swept alone would sit in L3)."""
+
+    weights: list[QuantizedWeight] = field(default_factory=list)
+
+    @property
+    def layouts(self) -> list[str]:
+        return list(dict.fromkeys(LAYOUT_OF_TYPE[w.ggml_type] for w in self.weights))
+
+    def type_names(self, layout: str) -> str:
+        return "/".join(sorted({TYPE_NAMES[w.ggml_type] for w in self.weights
+                                if LAYOUT_OF_TYPE[w.ggml_type] == layout}))
+
+    @property
+    def num_bytes(self) -> int:
+        """The packed bytes one sweep reads (the narrow form)."""
+        return sum(w.data.numel() for w in self.weights)
+
+    def macs(self, rows: int) -> int:
+        return rows * sum(w.shape[0] * w.shape[1] for w in self.weights)
+
+    def sweep(self, rows: int, module: Any = None) -> Callable[[], None]:
+        """One pass over the weights at `rows` activation rows: through each weight's own
+        `matmul` (the process's tier), or `module`'s packed_matmul (a tier's module)."""
+        inputs = {k: torch.randn(rows, k) for k in {w.shape[1] for w in self.weights}}
+        calls = [(w, inputs[w.shape[1]]) for w in self.weights]
+
+        def run() -> None:
+            for weight, x in calls:
+                if module is None:
+                    weight.matmul(x)
+                else:
+                    module.packed_matmul(x, *weight.packed_args())
+        return run
+
+
+def step_weights(model: CausalLM) -> StepWeights:
+    """See `StepWeights`."""
+    step = StepWeights()
+    for layer in model.decoder_layers:
+        for weight in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
+            _add(step, weight)
+    _add(step, model.lm_head)
+    return step
+
+
+def _add(step: StepWeights, weight: Any) -> None:
+    if isinstance(weight, QuantizedWeight) and weight.is_packed:
+        step.weights.append(weight)
+
+
+@dataclass
+class AttentionWork:
+    """Decode attention over synthetic caches of the model's shape (see the module)."""
+
+    module: Any  # the paged_attention kernels
+    k_caches: list[torch.Tensor]
+    v_caches: list[torch.Tensor]
+    num_heads: int
+    head_dim: int
+    block_size: int
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.k_caches[0].dtype).removeprefix("torch.")
+
+    def sweep(self, batch: int, context: int) -> Callable[[], None]:
+        """Every layer's attention for `batch` requests of `context` tokens each."""
+        blocks = context // self.block_size
+        order = torch.randperm(self.k_caches[0].shape[1], generator=torch.Generator()
+                               .manual_seed(0))[: batch * blocks]
+        table = order.to(torch.int32).reshape(batch, blocks)
+        lens = torch.full((batch,), context, dtype=torch.int32)
+        q = torch.randn(batch, self.num_heads, self.head_dim)
+        out = torch.empty_like(q)
+        scale = self.head_dim ** -0.5
+        pairs = list(zip(self.k_caches, self.v_caches, strict=True))
+
+        def run() -> None:
+            for k, v in pairs:
+                self.module.decode_attention(q, k, v, table, lens, scale, out)
+        return run
+
+
+def attention_work(runner: Any, model: CausalLM) -> AttentionWork | None:
+    """The workload for the runner's attention, where it is the CPU kernel (else None)."""
+    from nanoserve.model.attention.cpu_paged import CpuPagedBackend
+    from nanoserve.native import load_kernels
+
+    if not isinstance(runner.attention, CpuPagedBackend):
+        return None
+    module = load_kernels("paged_attention")
+    if module is None:
+        return None
+    k_cache = runner.kv_caches[0][0]  # [Hkv, blocks, block_size, row]
+    num_kv_heads, _, block_size, row = k_cache.shape
+    blocks = max(LONG_CONTEXT, SHORT_CONTEXT * SHORT_BATCH) // block_size
+    shape = (num_kv_heads, blocks, block_size, row)
+    layers = len(model.decoder_layers)
+    return AttentionWork(module, [torch.zeros(shape, dtype=k_cache.dtype) for _ in range(layers)],
+                         [torch.zeros(shape, dtype=k_cache.dtype) for _ in range(layers)],
+                         model.arch.num_heads, model.arch.head_dim, block_size)
+
+
+def l3_bytes() -> int | None:
+    """The last-level cache's size, from sysfs (None where it does not say)."""
+    base = Path("/sys/devices/system/cpu/cpu0/cache")
+    sizes = []
+    for index in base.glob("index*"):
+        try:
+            text = (index / "size").read_text().strip()
+            level = int((index / "level").read_text())
+        except (OSError, ValueError):
+            continue
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            sizes.append((level, int(digits) * scale))
+    return max(sizes)[1] if sizes else None
