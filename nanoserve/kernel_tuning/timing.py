@@ -54,3 +54,17 @@ def choose(timed: Sequence[Timed[Candidate]], default: Candidate) -> Candidate:
     if baseline is None or best.seconds < baseline.seconds * (1 - MIN_GAIN):
         return best.candidate
     return default
+
+
+def best_threshold(candidates: Sequence[int], above: dict[int, float],
+                   below: dict[int, float], default: int) -> int:
+    """The threshold t (one of `candidates`) for a choice between two kernels, the `above`
+    one from t rows on: the one whose kernels, at the measured row counts (`above[rows]`,
+    `below[rows]`: each kernel's seconds there), sum the least time, each count weighed
+    alike (as a ratio to its faster kernel). `default` unless another sums MIN_GAIN less."""
+    def cost(threshold: int) -> float:
+        return sum((above[rows] if rows >= threshold else below[rows])
+                   / min(above[rows], below[rows]) for rows in above)
+
+    best = min(candidates, key=cost)
+    return best if cost(best) < cost(default) * (1 - MIN_GAIN) else default

@@ -45,7 +45,7 @@ from nanoserve.kernel_tuning.schedule import (
     Prefetch,
     Schedule,
 )
-from nanoserve.kernel_tuning.timing import MIN_GAIN, Timed, choose, time_interleaved
+from nanoserve.kernel_tuning.timing import Timed, best_threshold, choose, time_interleaved
 from nanoserve.kernel_tuning.tune_cache import cache_file, machine_key, read_entries, write_entries
 from nanoserve.kernel_tuning.workloads import (
     LONG_CONTEXT,
@@ -64,7 +64,7 @@ MODES = ("cached", "force", "off")
 BUDGET_S = 60.0
 ROUNDS = 4
 _STREAMING = 1 << 30  # a wide threshold no step reaches: every matmul streams
-_WIDE_ROWS = (16, 24, 32, 48)  # where the wide threshold is measured
+_WIDE_ROWS = (16, 24, 32, 48, 64, 128)  # where the wide threshold is measured
 _TIER_ROWS = (1, 64)
 
 
@@ -192,9 +192,8 @@ class _Run:
             name = f"{self.tier} wide {'+'.join(step.layouts)} {where}"
             classes.append(_Class(name, partial(self._wide, step, name), self._set_wide))
         if attention is not None:
-            name = (f"attention {attention.dtype_name} {attention.k_caches[0].shape[0]}x"
-                    f"{attention.head_dim}")
-            classes.append(_Class(name, partial(self._attention, attention, name),
+            classes.append(_Class(attention.name, partial(self._attention, attention,
+                                                          attention.name),
                                   self._set_attention))
         if step.weights and len(native.available_tiers()) > 1 and not native.tier_is_forced():
             classes.append(_Class("tier", partial(self._tier, step), self._set_tier))
@@ -243,7 +242,8 @@ class _Run:
     def _pairs(self, step: StepWeights, name: str) -> dict[str, Any]:
         base = self.result.schedule
         single = DEFAULT.pairs_min_rows
-        faster: dict[int, bool] = {}
+        pairs: dict[int, float] = {}
+        one: dict[int, float] = {}
         for rows in (1, 2, 4, 8):
             sweep = step.sweep(rows)
 
@@ -252,14 +252,12 @@ class _Run:
                 sweep()
 
             timed = time_interleaved([1, single], run, ROUNDS)
-            pairs, one = (t.seconds for t in timed)
-            faster[rows] = pairs < one * (1 - MIN_GAIN)  # ties go to the default's kernel
+            pairs[rows], one[rows] = (t.seconds for t in timed)
             self.result.rows += [Row(f"{name} at {_row_label(rows)}", label, t.seconds,
                                      f"{step.num_bytes / t.seconds / 1e9:.1f} GB/s", False)
                                  for label, t in (("pairs (512-bit)", timed[0]),
                                                   ("one group (256-bit)", timed[1]))]
-        threshold = next((t for t in PAIRS_MIN_ROWS
-                          if all(ok for rows, ok in faster.items() if rows >= t)), single)
+        threshold = best_threshold(PAIRS_MIN_ROWS, pairs, one, single)
         native.set_kernel_schedule(base.flat())
         self.result.rows.append(Row(name, f"pairs from {threshold} rows", 0.0, "", True))
         return {"pairs_min_rows": threshold}
@@ -271,7 +269,8 @@ class _Run:
     # -- the wide threshold ---------------------------------------------------------------------
     def _wide(self, step: StepWeights, name: str) -> dict[str, Any]:
         base = self.result.schedule
-        faster: dict[int, bool] = {}
+        wide: dict[int, float] = {}
+        streaming: dict[int, float] = {}
         for rows in _WIDE_ROWS:
             sweep = step.sweep(rows)
 
@@ -280,16 +279,13 @@ class _Run:
                 sweep()
 
             timed = time_interleaved([WIDE_MIN_ROWS[0], _STREAMING], run, ROUNDS)
-            wide, streaming = (t.seconds for t in timed)
-            faster[rows] = wide < streaming * (1 + MIN_GAIN)  # ties go to the default's form
+            wide[rows], streaming[rows] = (t.seconds for t in timed)
             macs = step.macs(rows)
             self.result.rows += [Row(f"{name} at {rows} rows", label, t.seconds,
                                      f"{macs / t.seconds / 1e9:.0f} GMAC/s", False)
                                  for label, t in (("wide form / pairs", timed[0]),
                                                   ("streaming", timed[1]))]
-        threshold = next((t for t in WIDE_MIN_ROWS
-                          if all(ok for rows, ok in faster.items() if rows >= t)),
-                         WIDE_MIN_ROWS[-1])
+        threshold = best_threshold(WIDE_MIN_ROWS, wide, streaming, DEFAULT.wide_min_rows)
         native.set_kernel_schedule(base.flat())
         self.result.rows.append(Row(name, f"wide from {threshold} rows", 0.0, "", True))
         return {"wide_min_rows": threshold}
@@ -310,8 +306,8 @@ class _Run:
 
         timed = time_interleaved(list(ATTENTION_HINTS), run, ROUNDS)
         chosen = choose(timed, DEFAULT.attention_hint)
-        cache_bytes = 2 * sum(k.numel() * k.element_size() for k in work.k_caches)
-        self._rows(name, timed, chosen, lambda t: f"{cache_bytes / t / 1e9:.1f} GB/s",
+        # (the long context and the short ones each read every cache row once)
+        self._rows(name, timed, chosen, lambda t: f"{2 * work.num_bytes / t / 1e9:.1f} GB/s",
                    str.upper)
         native.set_kernel_schedule(base.flat())
         return {"hint": chosen}

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -82,33 +83,45 @@ def _add(step: StepWeights, weight: Any) -> None:
 
 @dataclass
 class AttentionWork:
-    """Decode attention over synthetic caches of the model's shape (see the module)."""
+    """Decode attention over synthetic caches of the model's shape (see the module), made at
+    the first sweep: a start that reads its choice from the cache allocates nothing."""
 
     module: Any  # the paged_attention kernels
-    k_caches: list[torch.Tensor]
-    v_caches: list[torch.Tensor]
+    cache_shape: tuple[int, int, int, int]  # one layer's [Hkv, blocks, block_size, row]
+    dtype: torch.dtype
+    num_layers: int
     num_heads: int
     head_dim: int
-    block_size: int
+    _caches: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
     @property
-    def dtype_name(self) -> str:
-        return str(self.k_caches[0].dtype).removeprefix("torch.")
+    def name(self) -> str:
+        kv_heads = self.cache_shape[0]
+        return f"attention {str(self.dtype).removeprefix('torch.')} {kv_heads}x{self.head_dim}"
+
+    @property
+    def num_bytes(self) -> int:
+        """Every layer's keys and values."""
+        return 2 * self.num_layers * math.prod(self.cache_shape) * self.dtype.itemsize
 
     def sweep(self, batch: int, context: int) -> Callable[[], None]:
         """Every layer's attention for `batch` requests of `context` tokens each."""
-        blocks = context // self.block_size
-        order = torch.randperm(self.k_caches[0].shape[1], generator=torch.Generator()
+        if not self._caches:
+            self._caches = [(torch.zeros(self.cache_shape, dtype=self.dtype),
+                             torch.zeros(self.cache_shape, dtype=self.dtype))
+                            for _ in range(self.num_layers)]
+        block_size = self.cache_shape[2]
+        blocks = context // block_size
+        order = torch.randperm(self.cache_shape[1], generator=torch.Generator()
                                .manual_seed(0))[: batch * blocks]
         table = order.to(torch.int32).reshape(batch, blocks)
         lens = torch.full((batch,), context, dtype=torch.int32)
         q = torch.randn(batch, self.num_heads, self.head_dim)
         out = torch.empty_like(q)
         scale = self.head_dim ** -0.5
-        pairs = list(zip(self.k_caches, self.v_caches, strict=True))
 
         def run() -> None:
-            for k, v in pairs:
+            for k, v in self._caches:
                 self.module.decode_attention(q, k, v, table, lens, scale, out)
         return run
 
@@ -126,11 +139,8 @@ def attention_work(runner: Any, model: CausalLM) -> AttentionWork | None:
     k_cache = runner.kv_caches[0][0]  # [Hkv, blocks, block_size, row]
     num_kv_heads, _, block_size, row = k_cache.shape
     blocks = max(LONG_CONTEXT, SHORT_CONTEXT * SHORT_BATCH) // block_size
-    shape = (num_kv_heads, blocks, block_size, row)
-    layers = len(model.decoder_layers)
-    return AttentionWork(module, [torch.zeros(shape, dtype=k_cache.dtype) for _ in range(layers)],
-                         [torch.zeros(shape, dtype=k_cache.dtype) for _ in range(layers)],
-                         model.arch.num_heads, model.arch.head_dim, block_size)
+    return AttentionWork(module, (num_kv_heads, blocks, block_size, row), k_cache.dtype,
+                         len(model.decoder_layers), model.arch.num_heads, model.arch.head_dim)
 
 
 def l3_bytes() -> int | None:

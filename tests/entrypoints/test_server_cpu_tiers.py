@@ -2,8 +2,8 @@
 (NANOSERVE_CPU_ISA=auto): the same greedy and seeded completions with the same logprobs, bit for
 bit, one prompt alone and prompts batched (long enough that prefill takes the wide form), on
 the default float16 KV cache and on an int8 one (whose scores the avx512 tier sums with
-`vpdpbusd`), and /get_server_info names the tier and the kernel schedule each runs. Skipped, with the reason, on a CPU
-with only avx2."""
+`vpdpbusd`), and /get_server_info names the tier and the kernel schedule each runs. Skipped,
+with the reason, on a CPU with only avx2."""
 
 from __future__ import annotations
 
