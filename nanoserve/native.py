@@ -41,17 +41,28 @@ CPU_FLAGS = ["-O3", "-fopenmp", "-std=c++17"]
 
 # each tier: the compiler flags its modules are built with, and the /proc/cpuinfo flags the CPU
 # must show (every one the compiler flags let it emit). Worst first.
+_AVX512_FLAGS = ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
+                 "-mavx512dq", "-mavx512vnni")
+_AVX512_CPU = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq",
+               "avx512_vnni")
 TIER_COMPILE_FLAGS: dict[str, tuple[str, ...]] = {
     "avx2": ("-mavx2", "-mfma", "-mf16c"),
-    "avx512": ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
-               "-mavx512dq", "-mavx512vnni"),
+    "avx512": _AVX512_FLAGS,
+    # AMX tiles for 16 rows and more (csrc/matmul_amx.h), the avx512 kernels below
+    "amx": (*_AVX512_FLAGS, "-mamx-tile", "-mamx-int8"),
+    # the same source on amx_shim.h's emulator: what the tests compare on any AVX-512 CPU
+    "amx-emu": (*_AVX512_FLAGS, "-DNANOSERVE_AMX_EMU"),
 }
 TIER_CPU_FLAGS: dict[str, tuple[str, ...]] = {
     "avx2": ("avx2", "fma", "f16c"),
-    "avx512": ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq",
-               "avx512_vnni"),
+    "avx512": _AVX512_CPU,
+    "amx": (*_AVX512_CPU, "amx_tile", "amx_int8"),
+    "amx-emu": _AVX512_CPU,
 }
 TIERS: tuple[str, ...] = tuple(TIER_COMPILE_FLAGS)
+# the tiers `auto` may choose, worst first (amx-emu runs only where NANOSERVE_CPU_ISA names it)
+AUTO_TIERS: tuple[str, ...] = ("avx2", "avx512", "amx")
+_AMX_TIERS = ("amx", "amx-emu")
 # the kernels with a module per tier (the quantized matmul's tiles: matmul_tiles.h)
 TIERED_KERNELS = frozenset({"quant_matmul", "decode_layers"})
 
@@ -141,12 +152,17 @@ def cpu_tier() -> str:
         return asked
     if _preferred_tier is not None:
         return _preferred_tier
-    return next((t for t in reversed(TIERS) if not tier_missing(t)), "avx2")
+    return next((t for t in reversed(AUTO_TIERS) if not tier_missing(t)), "avx2")
 
 
 def available_tiers() -> list[str]:
-    """Every tier this CPU can run, worst first."""
+    """Every tier this CPU can run, worst first (amx-emu last, where the CPU has AVX-512)."""
     return [t for t in TIERS if not tier_missing(t)]
+
+
+def available_auto_tiers() -> list[str]:
+    """The tiers `auto` may choose on this CPU, worst first."""
+    return [t for t in AUTO_TIERS if not tier_missing(t)]
 
 
 def missing_build_tool() -> str | None:
@@ -225,20 +241,37 @@ def _load_or_warn(name: str, tier: str) -> ModuleType | None:
 @functools.cache
 def kernel_tier() -> str:
     """The tier the quantized kernels run in this process: `cpu_tier()`, unless its modules
-    fail to build or to prove themselves against avx2's (then avx2, with one warning)."""
-    tier = cpu_tier()
-    if tier == "avx2" or missing_build_tool() is not None:
+    fail to build, to find the CPU ready (amx: its tiles' checks) or to prove themselves
+    against avx2's (then the next tier down, with one warning)."""
+    if missing_build_tool() is not None:
         return "avx2"
+    tier = cpu_tier()
+    while tier != "avx2":
+        refused = _tier_refused(tier)
+        if not refused:
+            return tier
+        lower = "avx512" if tier in _AMX_TIERS and not tier_missing("avx512") else "avx2"
+        warnings.warn(f"nanoserve: the {tier} kernels are not used ({refused}); using "
+                      f"{lower}", RuntimeWarning, stacklevel=2)
+        tier = lower
+    return "avx2"
+
+
+def _tier_refused(tier: str) -> str | None:
+    """Why `tier`'s modules cannot run here, or None: a failed build; for the amx tiers, a CPU
+    whose tiles are not ready or whose tiles differ from the emulator; products that differ
+    from avx2's."""
     try:
-        differs = _tier_differs(_build("quant_matmul", tier), _build("quant_matmul", "avx2"))
+        module = _build("quant_matmul", tier)
+        if tier in _AMX_TIERS:
+            refused = module.amx_not_ready() or module.tile_conformance()
+            if refused:
+                return str(refused)
+        differs = _tier_differs(module, _build("quant_matmul", "avx2"))
         _build("decode_layers", tier)
     except Exception as exc:
-        differs = f"its build failed: {exc}"
-    if differs:
-        warnings.warn(f"nanoserve: the {tier} kernels are not used ({differs}); using avx2",
-                      RuntimeWarning, stacklevel=2)
-        return "avx2"
-    return tier
+        return f"its build failed: {exc}"
+    return differs
 
 
 # a few rows of every layout the kernels run: (ggml type, elements and bytes a block, the byte
@@ -286,7 +319,7 @@ def _build(name: str, tier: str) -> ModuleType:
     bin_dir = str(Path(sys.executable).parent)
     if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
-    suffix = "" if tier == "avx2" else f"_{tier}"
+    suffix = "" if tier == "avx2" else "_" + tier.replace("-", "_")
     build_dir = cache_dir() / f"{name}{suffix}-{_checkout_key()}"
     # torch rebuilds when a source or a flag changes, and sees only the .cpp: the headers'
     # hash, as a flag, makes an edited header rebuild the kernels that include it
@@ -329,9 +362,18 @@ KERNEL_NAMES: tuple[str, ...] = ("fused_ops", "paged_attention", "quant_matmul",
                                  "decode_layers")
 
 
+def build_tiers() -> list[str]:
+    """The tiers `make install` builds: every one this CPU runs, and on an AVX-512 CPU without
+    tiles the amx tier too (built, never run here: so its source is known to compile)."""
+    tiers = available_tiers()
+    if "avx512" in tiers and "amx" not in tiers:
+        tiers.append("amx")
+    return tiers
+
+
 if __name__ == "__main__":  # make install: every kernel, tiered ones for each tier the CPU has
     for kernel in KERNEL_NAMES:
-        for kernel_tier_name in available_tiers() if kernel in TIERED_KERNELS else ["avx2"]:
+        for kernel_tier_name in build_tiers() if kernel in TIERED_KERNELS else ["avx2"]:
             built = load_kernels(kernel, kernel_tier_name) is not None
             print(kernel, kernel_tier_name, "ok" if built else "unavailable")
     print("the tier this machine runs:", kernel_tier())

@@ -89,30 +89,37 @@ inline void or_high_bits(const uint8_t* high_a, const uint8_t* high_b, __m512i* 
   }
 }
 
+// Two groups' blocks of a 4- or 5-bit layout as 8 vectors of u8 values: wq[j] lane i (a dword)
+// holds output i's inputs 4j..4j+3 (lanes 0-7 the first group's outputs, 8-15 the second's).
+template <Layout L, bool Wide>
+inline void unpack_pair(const uint8_t* ba, const uint8_t* bb, __m512i* wq) {
+  const uint8_t *qa = ba + qs_offset(L), *qb = bb + qs_offset(L);
+  if constexpr (Wide) {
+    for (int t = 0; t < 8; ++t) wq[t] = load_pair(qa + 32 * t, qb + 32 * t);
+  } else {
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    for (int t = 0; t < 4; ++t) {
+      const __m512i raw = load_pair(qa + 32 * t, qb + 32 * t);
+      wq[t] = _mm512_and_si512(raw, nibble);
+      wq[t + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
+    }
+    if constexpr (is_u5(L)) or_high_bits(ba + high_bits_offset(L), bb + high_bits_offset(L), wq);
+  }
+}
+
 // w = d*q + m with unsigned q, 4 or 5 bits (u8 0..31 straight into vpdpbusd: int32 sums).
 template <Layout L, int R, bool Wide, bool Stream>
 void u4_pair(const uint8_t* wa, const uint8_t* wb, int64_t KB, const RowPtrs& rows,
              const schedule::Prefetch& pf) {
   constexpr int64_t BPB = block_bytes<L, Wide>();
-  const __m512i nibble = _mm512_set1_epi8(0x0F);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < KB; ++b) {
     const uint8_t *ba = wa + b * BPB, *bb = wb + b * BPB;
     stream_ahead<Stream, BPB>(ba, bb, pf);
-    const uint8_t *qa = ba + qs_offset(L), *qb = bb + qs_offset(L);
     __m512i wq[8];  // wq[j] lane i: output i's inputs 4j..4j+3
-    if constexpr (Wide) {
-      for (int t = 0; t < 8; ++t) wq[t] = load_pair(qa + 32 * t, qb + 32 * t);
-    } else {
-      for (int t = 0; t < 4; ++t) {
-        const __m512i raw = load_pair(qa + 32 * t, qb + 32 * t);
-        wq[t] = _mm512_and_si512(raw, nibble);
-        wq[t + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
-      }
-      if constexpr (is_u5(L)) or_high_bits(ba + high_bits_offset(L), bb + high_bits_offset(L), wq);
-    }
-  __m512 dw, mw;
+    unpack_pair<L, Wide>(ba, bb, wq);
+    __m512 dw, mw;
     pair_scales<L>(ba, bb, dw, mw);
     for (int r = 0; r < R; ++r) {
       const int8_t* a = rows.q[r] + b * QK;

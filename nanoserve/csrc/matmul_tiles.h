@@ -4,7 +4,8 @@
 // decode_layers.cpp's one-region forward hands each thread its share. One definition for both,
 // so the two give the same bits. In a module built for the avx512 tier (native.py) the block
 // dots below are vpdpbusd, and from the schedule's wide_min_rows rows matmul_groups runs
-// matmul_pairs_avx512.h's kernels instead: the same bits again.
+// matmul_pairs_avx512.h's kernels instead; in the amx tiers, from its amx_min_rows rows,
+// matmul_amx.h's tiles: the same bits again.
 #pragma once
 
 #include <immintrin.h>
@@ -22,6 +23,9 @@
     defined(__AVX512DQ__)
 #define NANOSERVE_MATMUL_AVX512 1
 #include "matmul_pairs_avx512.h"
+#if defined(NANOSERVE_AMX_EMU) || (defined(__AMX_TILE__) && defined(__AMX_INT8__))
+#include "matmul_amx.h"  // the amx tiers (defines NANOSERVE_MATMUL_AMX)
+#endif
 #endif
 
 namespace matmul_tiles {
@@ -252,6 +256,11 @@ inline void group_kernel(const uint8_t* w, int64_t KB, const RowPtrs& rows,
 template <Layout L, bool Wide, bool Stream>
 void matmul_groups(const uint8_t* packed, const int8_t* q, const float* d, const float* s,
                    int64_t M, int64_t N, int64_t K, float* y, int64_t g0, int64_t g1) {
+#ifdef NANOSERVE_MATMUL_AMX
+  // the amx tiers: tiles from the schedule's amx_min_rows rows (matmul_amx.h)
+  if (M >= schedule::current().amx_min_rows)
+    return matmul_amx::matmul_groups<L, Wide>(packed, q, d, s, M, N, K, y, g0, g1);
+#endif
 #ifdef NANOSERVE_MATMUL_AVX512
   // Where the kernel is bound by arithmetic, the pairs. Where it waits on memory (few rows),
   // one group at a time as below, in 256-bit registers with vpdpbusd, unless the schedule

@@ -15,6 +15,7 @@
 //   pairs_min_rows              (avx512 tier) from this many rows a streamed weight is read by
 //                               the pairs kernel, two groups a 512-bit register, not one a
 //                               256-bit one (both give the same bits)
+//   amx_min_rows                (amx tiers) from this many rows the matmul runs on tiles
 //   spin_us                     how long a one-region barrier spins before it sleeps
 //   grain_bytes                 the weight bytes a matmul thread task takes at least
 #pragma once
@@ -58,6 +59,7 @@ struct Schedule {
   int32_t attention_hint;
   int64_t wide_min_rows;
   int64_t pairs_min_rows;
+  int64_t amx_min_rows;
   int32_t spin_us;
   int64_t grain_bytes;
 };
@@ -72,6 +74,7 @@ inline Schedule defaults() {
   s.attention_hint = kT1;
   s.wide_min_rows = kMinWideRows;
   s.pairs_min_rows = kMinWideRows;
+  s.amx_min_rows = 16;  // below, a tile's fixed costs lose to vpdpbusd (cpu-tiers prototype)
   s.spin_us = 10;
   s.grain_bytes = 16384;
   return s;
@@ -87,8 +90,8 @@ inline const Prefetch& weights(int layout, int64_t rows) {
 }
 
 // As a flat list for Python: per layout, per row class, hint then bytes; then attention_hint,
-// wide_min_rows, pairs_min_rows, spin_us, grain_bytes.
-constexpr size_t kFlatSize = kNumLayouts * kRowClasses * 2 + 5;
+// wide_min_rows, pairs_min_rows, amx_min_rows, spin_us, grain_bytes.
+constexpr size_t kFlatSize = kNumLayouts * kRowClasses * 2 + 6;
 
 inline std::vector<int64_t> flat(const Schedule& s) {
   std::vector<int64_t> out;
@@ -97,8 +100,8 @@ inline std::vector<int64_t> flat(const Schedule& s) {
       out.push_back(rows.hint);
       out.push_back(rows.bytes);
     }
-  out.insert(out.end(),
-             {s.attention_hint, s.wide_min_rows, s.pairs_min_rows, s.spin_us, s.grain_bytes});
+  out.insert(out.end(), {s.attention_hint, s.wide_min_rows, s.pairs_min_rows, s.amx_min_rows,
+                         s.spin_us, s.grain_bytes});
   return out;
 }
 
@@ -119,14 +122,16 @@ inline void set_flat(const std::vector<int64_t>& v) {
   TORCH_CHECK(v[i + 1] >= kMinWideRows, "schedule: wide_min_rows is at least ", kMinWideRows,
               ", got ", v[i + 1]);
   TORCH_CHECK(v[i + 2] >= 1, "schedule: pairs_min_rows is at least 1, got ", v[i + 2]);
-  TORCH_CHECK(v[i + 3] >= 0 && v[i + 3] <= 100000, "schedule: spin_us is 0-100000, got ",
-              v[i + 3]);
-  TORCH_CHECK(v[i + 4] >= 1, "schedule: grain_bytes is at least 1, got ", v[i + 4]);
+  TORCH_CHECK(v[i + 3] >= 1, "schedule: amx_min_rows is at least 1, got ", v[i + 3]);
+  TORCH_CHECK(v[i + 4] >= 0 && v[i + 4] <= 100000, "schedule: spin_us is 0-100000, got ",
+              v[i + 4]);
+  TORCH_CHECK(v[i + 5] >= 1, "schedule: grain_bytes is at least 1, got ", v[i + 5]);
   s.attention_hint = int32_t(v[i]);
   s.wide_min_rows = v[i + 1];
   s.pairs_min_rows = v[i + 2];
-  s.spin_us = int32_t(v[i + 3]);
-  s.grain_bytes = v[i + 4];
+  s.amx_min_rows = v[i + 3];
+  s.spin_us = int32_t(v[i + 4]);
+  s.grain_bytes = v[i + 5];
   current() = s;
 }
 

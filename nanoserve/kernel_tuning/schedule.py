@@ -27,6 +27,8 @@ PREFETCH_BYTES = (512, 1024, 2048, 4096, 8192, 16384)
 ATTENTION_HINTS = ("t1", "t0", "t2", "nta", "none")
 WIDE_MIN_ROWS = (16, 24, 32, 48, 64, 128, 256)
 PAIRS_MIN_ROWS = (1, 2, 4, 8, 16)  # the avx512 tier's pairs kernel from this many rows
+AMX_MIN_ROWS = (1, 4, 8, 16, 32, 64, 128)  # the amx tiers' tiles from this many rows
+DEFAULT_AMX_MIN_ROWS = 16
 SPIN_US = (0, 5, 10, 20, 50)
 GRAIN_BYTES = (4096, 16384, 65536)
 
@@ -68,6 +70,7 @@ class Schedule:
     attention_hint: str = "t1"
     wide_min_rows: int = 16
     pairs_min_rows: int = 16
+    amx_min_rows: int = DEFAULT_AMX_MIN_ROWS
     spin_us: int = 10
     grain_bytes: int = 16384
 
@@ -95,11 +98,11 @@ class Schedule:
     def from_flat(cls, flat: list[int]) -> Schedule:
         """The inverse of `flat`."""
         names = {number: name for name, number in HINTS.items()}
-        pairs = iter(zip(flat[0:-5:2], flat[1:-5:2], strict=True))
+        pairs = iter(zip(flat[0:-6:2], flat[1:-6:2], strict=True))
         weights = tuple(tuple(Prefetch(names[h], b) for h, b in (next(pairs), next(pairs)))
                         for _ in LAYOUTS)
-        attention, wide, pairs_from, spin, grain = flat[-5:]
-        return cls(weights, names[attention], wide, pairs_from, spin, grain)
+        attention, wide, pairs_from, amx_from, spin, grain = flat[-6:]
+        return cls(weights, names[attention], wide, pairs_from, amx_from, spin, grain)
 
     def flat(self) -> list[int]:
         """What `set_schedule` takes (schedule.h's `set_flat`)."""
@@ -108,12 +111,15 @@ class Schedule:
             for p in layout:
                 out += [HINTS[p.hint], p.bytes]
         return [*out, HINTS[self.attention_hint], self.wide_min_rows, self.pairs_min_rows,
-                self.spin_us, self.grain_bytes]
+                self.amx_min_rows, self.spin_us, self.grain_bytes]
 
-    def describe(self, layouts: list[str] | None = None) -> str:
-        """One line for logs and /get_server_info: the prefetch of the given layouts (all that
-        differ from the defaults when None), then the rest."""
+    def describe(self, layouts: list[str] | None = None, tier: str | None = None) -> str:
+        """One line for logs and /get_server_info: which kernel runs which rows in `tier`, the
+        prefetch of the given layouts (all that differ from the defaults when None), then the
+        rest."""
         parts = []
+        if tier in ("amx", "amx-emu"):
+            parts.append(f"{tier} tiles from {self.amx_min_rows} rows, avx512 below")
         for layout in LAYOUTS:
             rows = self.weights[LAYOUTS.index(layout)]
             if (layouts is None and rows != _DEFAULT_WEIGHTS[0]) or (layouts and layout

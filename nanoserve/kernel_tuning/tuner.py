@@ -5,8 +5,9 @@ the model's own work and run the fastest; later starts read the choices from the
 kernel module (`native.set_kernel_schedule`). Per shape class (tune_cache.py keeps one entry
 each):
 
-- the pairs kernel (avx512 tier): from how many rows two 8-row groups in a 512-bit register
-  beat one group in a 256-bit one where the weights stream (few rows);
+- the pairs kernel (avx512 and amx tiers): from how many rows two 8-row groups in a 512-bit
+  register beat one group in a 256-bit one where the weights stream (few rows);
+- the tiles (amx tier): from how many rows AMX tile products beat the avx512 kernels;
 - weights, per packed layout at 1 row and at 8: the prefetch hint and distance of the streamed
   weights (first each hint at two distances, then the best hint's distances);
 - the wide threshold: from how many rows the wide form / pairs kernel beats streaming;
@@ -16,7 +17,8 @@ each):
   runs one tier, chosen before its first kernel loads: `preferred_tier`).
 
 Modes (`--kernel-tuning`): `cached` (the default: what the cache holds, timing only what it
-lacks), `force` (time every class again), `off` (today's constants, for A/B runs). Timing is
+lacks), `force` (time every class again), `off` (today's constants, for A/B runs; also what
+the `amx-emu` tier runs, whose emulated tiles' times mean nothing). Timing is
 interleaved (`timing.py`) and bounded: past `budget_s` the classes not yet timed keep their
 defaults and are not cached. No schedule changes an output: only its speed.
 """
@@ -35,6 +37,7 @@ import torch
 
 import nanoserve.native as native
 from nanoserve.kernel_tuning.schedule import (
+    AMX_MIN_ROWS,
     ATTENTION_HINTS,
     DEFAULT,
     PAIRS_MIN_ROWS,
@@ -94,7 +97,7 @@ class TuneResult:
 
     def describe(self) -> str:
         """The schedule in one line, as the start-up log and /get_server_info show it."""
-        return self.schedule.describe(self.layouts)
+        return self.schedule.describe(self.layouts, native.loaded_tier())
 
 
 def preferred_tier(mode: str, cache_dir: Path | None = None) -> str | None:
@@ -116,7 +119,7 @@ def tune_kernels(model: Any, runner: Any, mode: str = "cached", *, budget_s: flo
         raise ValueError(f"kernel tuning {mode!r} is not one of {list(MODES)}")
     step = step_weights(model)
     result = TuneResult(DEFAULT, step.layouts)
-    if mode == "off":
+    if mode == "off" or native.loaded_tier() == "amx-emu":  # (the emulator's times mean nothing)
         native.set_kernel_schedule(DEFAULT.flat())
         return result
     started = time.monotonic()
@@ -180,9 +183,12 @@ class _Run:
         # where a step's weights come from: DRAM, or caches that hold them all (a server L3)
         where = "dram" if step.num_bytes > (l3_bytes() or 32 << 20) else "cache"
         classes = []
-        if step.weights and self.tier == "avx512":
+        if step.weights and self.tier in ("avx512", "amx"):
             name = f"{self.tier} pairs {'+'.join(step.layouts)} {where}"
             classes.append(_Class(name, partial(self._pairs, step, name), self._set_pairs))
+        if step.weights and self.tier == "amx":
+            name = f"{self.tier} tiles {'+'.join(step.layouts)} {where}"
+            classes.append(_Class(name, partial(self._tiles, step, name), self._set_tiles))
         for layout in step.layouts:
             for rows in ROW_CLASSES:
                 name = f"{self.tier} weights {layout} {_row_label(rows)} {where}"
@@ -195,7 +201,8 @@ class _Run:
             classes.append(_Class(attention.name, partial(self._attention, attention,
                                                           attention.name),
                                   self._set_attention))
-        if step.weights and len(native.available_tiers()) > 1 and not native.tier_is_forced():
+        if (step.weights and len(native.available_auto_tiers()) > 1
+                and not native.tier_is_forced()):
             classes.append(_Class("tier", partial(self._tier, step), self._set_tier))
         return classes
 
@@ -266,6 +273,33 @@ class _Run:
         self.result.schedule = replace(self.result.schedule,
                                        pairs_min_rows=int(entry["pairs_min_rows"]))
 
+    # -- the amx tier's tiles: from how many rows ------------------------------------------------
+    def _tiles(self, step: StepWeights, name: str) -> dict[str, Any]:
+        base = self.result.schedule
+        never = 1 << 30
+        tiles: dict[int, float] = {}
+        vectors: dict[int, float] = {}
+        for rows in (4, 8, 16, 32, 64):
+            sweep = step.sweep(rows)
+
+            def run(threshold: int, sweep: Callable[[], None] = sweep) -> None:
+                native.set_kernel_schedule(replace(base, amx_min_rows=threshold).flat())
+                sweep()
+
+            timed = time_interleaved([1, never], run, ROUNDS)
+            tiles[rows], vectors[rows] = (t.seconds for t in timed)
+            self.result.rows += [Row(f"{name} at {_row_label(rows)}", label, t.seconds,
+                                     f"{step.macs(rows) / t.seconds / 1e9:.0f} GMAC/s", False)
+                                 for label, t in (("tiles", timed[0]), ("avx512", timed[1]))]
+        threshold = best_threshold(AMX_MIN_ROWS, tiles, vectors, DEFAULT.amx_min_rows)
+        native.set_kernel_schedule(base.flat())
+        self.result.rows.append(Row(name, f"tiles from {threshold} rows", 0.0, "", True))
+        return {"amx_min_rows": threshold}
+
+    def _set_tiles(self, entry: dict[str, Any]) -> None:
+        self.result.schedule = replace(self.result.schedule,
+                                       amx_min_rows=int(entry["amx_min_rows"]))
+
     # -- the wide threshold ---------------------------------------------------------------------
     def _wide(self, step: StepWeights, name: str) -> dict[str, Any]:
         base = self.result.schedule
@@ -317,7 +351,7 @@ class _Run:
 
     # -- the tier (from the next start) ---------------------------------------------------------
     def _tier(self, step: StepWeights) -> dict[str, Any]:
-        tiers = native.available_tiers()
+        tiers = native.available_auto_tiers()
         modules = {t: native.load_kernels("quant_matmul", t) for t in tiers}
         sweeps = {t: [step.sweep(rows, modules[t]) for rows in _TIER_ROWS]
                   for t in tiers if modules[t] is not None}

@@ -1,12 +1,14 @@
 """The quantized matmul's instruction-set tiers (native.py): every tier this CPU has gives
 `torch.equal` products to the avx2 tier's, for every weight layout, row counts around the
-kernels' tile edges (4 rows, 16 for the wide form), output counts that leave a pair of 8-row
-groups incomplete, extreme blocks, and a real file's blocks; the one-region decode stack and the
-whole model give the same bits; and NANOSERVE_CPU_ISA chooses a tier or fails at start-up
-naming what is missing.
+kernels' tile edges (4 rows, 16 for the wide form and the AMX tiles, 513 for a last partial
+tile of rows), output counts that leave a pair of 8-row groups incomplete (the amx-emu tier's
+emulated tiles included, on any AVX-512 CPU), extreme blocks, and a real file's blocks; the
+one-region decode stack and the whole model give the same bits; and NANOSERVE_CPU_ISA chooses
+a tier or fails at start-up naming what is missing.
 
 A tier the CPU lacks is skipped with its missing flags in the reason: such a module must never
-be loaded here."""
+be loaded here (the amx tier's module is built on any AVX-512 CPU, and only asked why it cannot
+run)."""
 
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ from nanoserve.model.quant_linear import (
 )
 
 WIDER_TIERS = [tier for tier in native.TIERS if tier != "avx2"]
-ROW_COUNTS = [1, 2, 3, 4, 5, 15, 16, 17, 31, 32, 33, 128]
+ROW_COUNTS = [1, 2, 3, 4, 5, 15, 16, 17, 31, 32, 33, 64, 128, 513]
 
 
 def tier_modules(tier: str, kernel: str = "quant_matmul") -> tuple[Any, Any]:
@@ -150,7 +152,8 @@ def run_cli(*args: str, isa: str) -> subprocess.CompletedProcess[str]:
 def test_an_unknown_tier_is_a_start_up_error() -> None:
     out = run_cli("serve", "--port", "1", isa="avx9000")
     assert out.returncode == 2
-    assert "NANOSERVE_CPU_ISA='avx9000' is not a tier: one of avx2, avx512 or auto" in out.stderr
+    assert ("NANOSERVE_CPU_ISA='avx9000' is not a tier: one of avx2, avx512, amx, amx-emu or "
+            "auto") in out.stderr
 
 
 def test_a_tier_the_cpu_lacks_is_a_start_up_error_naming_what_is_missing() -> None:
@@ -174,5 +177,19 @@ def test_auto_is_the_best_tier_the_cpu_has() -> None:
         assert out.returncode == 0, out.stderr
         chosen[isa] = out.stdout.split()
     assert chosen["avx2"] == ["avx2", "avx2"]
-    best = native.available_tiers()[-1]
+    best = native.available_auto_tiers()[-1]  # never amx-emu
     assert chosen["auto"] == [best, best]
+
+
+def test_the_amx_tier_builds_and_says_why_it_cannot_run_here() -> None:
+    """`make install` builds the amx tier on any AVX-512 CPU, so its source is known to compile
+    where no tiles are; such a module only answers why it cannot run, and auto never picks it."""
+    if not native.tier_missing("amx"):
+        pytest.skip("this CPU has AMX: the tier runs here (the other tests)")
+    if native.tier_missing("avx512"):
+        pytest.skip(f"the amx tier builds only with AVX-512 (this CPU lacks "
+                    f"{', '.join(native.tier_missing('avx512'))})")
+    module = native.load_kernels("quant_matmul", "amx")
+    assert module is not None and module.cpu_tier == "amx"
+    assert module.amx_not_ready()  # a reason: CPUID, XCR0, the palette or the permission
+    assert "amx" not in native.available_auto_tiers()

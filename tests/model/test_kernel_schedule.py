@@ -18,6 +18,7 @@ from test_quant_kernels import ALL_TYPES, TYPE_IDS, make_raw
 
 from nanoserve import native
 from nanoserve.kernel_tuning.schedule import (
+    AMX_MIN_ROWS,
     ATTENTION_HINTS,
     DEFAULT,
     GRAIN_BYTES,
@@ -53,12 +54,14 @@ def modules(kernel: str) -> list[Any]:
 
 def every_weight_schedule(ggml_type: int) -> list[Schedule]:
     """Every prefetch candidate for this type's layout (at one row and at more), with the
-    pairs kernel from one row and from 16, every wide threshold and every task grain."""
+    pairs kernel from one row and from 16, every pairs, tiles (amx tiers) and wide threshold
+    and every task grain."""
     layout = LAYOUT_OF_TYPE[ggml_type]
     out = [dataclasses.replace(DEFAULT.with_prefetch(layout, 1, p).with_prefetch(layout, 8, p),
                                pairs_min_rows=pairs)
            for p in prefetch_candidates() for pairs in (PAIRS_MIN_ROWS[0], PAIRS_MIN_ROWS[-1])]
     out += [dataclasses.replace(DEFAULT, pairs_min_rows=pairs) for pairs in PAIRS_MIN_ROWS]
+    out += [dataclasses.replace(DEFAULT, amx_min_rows=rows) for rows in AMX_MIN_ROWS]
     out += [dataclasses.replace(DEFAULT, wide_min_rows=w) for w in WIDE_MIN_ROWS]
     out += [dataclasses.replace(DEFAULT, grain_bytes=g) for g in GRAIN_BYTES]
     return out
@@ -71,7 +74,7 @@ def test_a_module_starts_on_the_default_schedule() -> None:
             assert module.get_schedule() == DEFAULT.flat(), kernel
     with pytest.raises(RuntimeError, match="wide_min_rows is at least 16"):
         modules("quant_matmul")[0].set_schedule(
-            [*DEFAULT.flat()[:-4], 8, *DEFAULT.flat()[-3:]])
+            [*DEFAULT.flat()[:-5], 8, *DEFAULT.flat()[-4:]])
 
 
 @pytest.mark.parametrize("ggml_type", ALL_TYPES, ids=TYPE_IDS)
