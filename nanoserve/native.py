@@ -45,13 +45,17 @@ _AVX512_FLAGS = ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx5
                  "-mavx512dq", "-mavx512vnni")
 _AVX512_CPU = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq",
                "avx512_vnni")
+# (csrc/tier.h: NANOSERVE_TIER_AVX512 picks the avx512 tier's header, NANOSERVE_TIER_AMX adds
+# the tiles)
 TIER_COMPILE_FLAGS: dict[str, tuple[str, ...]] = {
     "avx2": ("-mavx2", "-mfma", "-mf16c"),
-    "avx512": _AVX512_FLAGS,
+    "avx512": (*_AVX512_FLAGS, "-DNANOSERVE_TIER_AVX512"),
     # AMX tiles for 16 rows and more (csrc/matmul_amx.h), the avx512 kernels below
-    "amx": (*_AVX512_FLAGS, "-mamx-tile", "-mamx-int8"),
+    "amx": (*_AVX512_FLAGS, "-mamx-tile", "-mamx-int8", "-DNANOSERVE_TIER_AVX512",
+            "-DNANOSERVE_TIER_AMX"),
     # the same source on amx_shim.h's emulator: what the tests compare on any AVX-512 CPU
-    "amx-emu": (*_AVX512_FLAGS, "-DNANOSERVE_AMX_EMU"),
+    "amx-emu": (*_AVX512_FLAGS, "-DNANOSERVE_TIER_AVX512", "-DNANOSERVE_TIER_AMX",
+                "-DNANOSERVE_AMX_EMU"),
 }
 TIER_CPU_FLAGS: dict[str, tuple[str, ...]] = {
     "avx2": ("avx2", "fma", "f16c"),

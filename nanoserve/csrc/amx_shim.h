@@ -355,8 +355,6 @@ inline void dot_signed_signed() { amx_emu::dot(amx_emu::Signs::kSignedSigned, C,
 
 #if defined(NANOSERVE_AMX_EMU)
 namespace amx_tiles = amx_emu_api;
-#define NANOSERVE_MATMUL_AMX 1
 #elif defined(__AMX_TILE__) && defined(__AMX_INT8__)
 namespace amx_tiles = amx_native;
-#define NANOSERVE_MATMUL_AMX 1
 #endif

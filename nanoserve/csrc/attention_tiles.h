@@ -16,6 +16,7 @@
 #include "kv_int8.h"
 #include "schedule.h"
 #include "simd_exp.h"
+#include "tier.h"
 #include "simd_reduce.h"
 
 namespace attention_tiles {
@@ -130,7 +131,6 @@ void score_tile_int8(const int8_t* q8, const int8_t* const* keys, int64_t n, int
                      const NextRows<int8_t>& next, float* scores) {
   constexpr int kKeys = 4;
   const int64_t row = row_elements<int8_t>(dim);
-  const __m256i ones = _mm256_set1_epi16(1);
   __m128 q_scale[GB];
   for (int g = 0; g < GB; ++g) q_scale[g] = _mm_set1_ps(kv_int8::row_scale(q8 + g * row, dim));
   alignas(16) float tail[GB][kKeys];
@@ -152,14 +152,9 @@ void score_tile_int8(const int8_t* q8, const int8_t* const* keys, int64_t n, int
         const __m256i k_abs = _mm256_abs_epi8(kv);
         for (int g = 0; g < GB; ++g) {
           const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q8 + g * row + d));
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-          // the same exact int32 sums in one instruction (the avx512 tier's build)
-          acc[g][i] = _mm256_dpbusd_epi32(acc[g][i], k_abs, _mm256_sign_epi8(qv, kv));
-#else
-          // |k| * (q with k's sign): pairs sum to at most 2 * 128 * 127, within int16
-          const __m256i pairs = _mm256_maddubs_epi16(k_abs, _mm256_sign_epi8(qv, kv));
-          acc[g][i] = _mm256_add_epi32(acc[g][i], _mm256_madd_epi16(pairs, ones));
-#endif
+          // |k| * (q with k's sign), exact int32 sums in every tier (AVX2's pairs: at most
+          // 2 * 128 * 127, within int16)
+          acc[g][i] = tier::add_dots(acc[g][i], k_abs, _mm256_sign_epi8(qv, kv));
         }
       }
     }

@@ -1,4 +1,4 @@
-// The amx tiers' tile kernel (matmul_tiles.h includes it in a module built for `amx` or
+// The amx tiers' tile kernel (tier_avx512.h includes it in a module built for `amx` or
 // `amx-emu`; amx_shim.h's `amx_tiles` is the real instructions or the emulator): from the
 // schedule's amx_min_rows rows, the int8 block products of a pair of 8-row groups (16 outputs)
 // as tile dot products, 16 activation rows a tile.

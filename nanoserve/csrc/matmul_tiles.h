@@ -2,10 +2,10 @@
 // activations' int8 quantization, the tile kernels over one packed 8-row group, and a range of
 // groups against all activation rows. quant_matmul.cpp splits the groups with at::parallel_for;
 // decode_layers.cpp's one-region forward hands each thread its share. One definition for both,
-// so the two give the same bits. In a module built for the avx512 tier (native.py) the block
-// dots below are vpdpbusd, and from the schedule's wide_min_rows rows matmul_groups runs
-// matmul_pairs_avx512.h's kernels instead; in the amx tiers, from its amx_min_rows rows,
-// matmul_amx.h's tiles: the same bits again.
+// so the two give the same bits. The block dots are the tier's (tier.h: maddubs chains in the
+// avx2 build, vpdpbusd in the avx512 and amx builds), and a tier with kernels of its own runs
+// them for the rows they serve (tier_avx512.h: the pairs, and in the amx tiers the tiles): the
+// same bits again.
 #pragma once
 
 #include <immintrin.h>
@@ -17,16 +17,8 @@
 #include "gguf_blocks.h"
 #include "schedule.h"
 #include "simd_reduce.h"
+#include "tier.h"
 #include "tile_rows.h"
-
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
-    defined(__AVX512DQ__)
-#define NANOSERVE_MATMUL_AVX512 1
-#include "matmul_pairs_avx512.h"
-#if defined(NANOSERVE_AMX_EMU) || (defined(__AMX_TILE__) && defined(__AMX_INT8__))
-#include "matmul_amx.h"  // the amx tiers (defines NANOSERVE_MATMUL_AMX)
-#endif
-#endif
 
 namespace matmul_tiles {
 
@@ -123,17 +115,15 @@ inline void or_high_bits(const uint8_t* high, __m256i* wq) {
   wq[7] = _mm256_or_si256(wq[7], _mm256_and_si256(_mm256_srli_epi16(bits, 3), bit4));
 }
 
-// w = d*q + m with unsigned q, 4 or 5 bits (nibbles, plus 5th bits for U5H / U5F). AVX2 sums
-// maddubs products in int16: eight of 4-bit q stay within it (8 * 2 * 15 * 127 = 30480), four
-// of 5-bit q (4 * 2 * 31 * 127 = 31496), so the two chains of four are widened apart there.
-// The 8 unpacked weight vectors stay in registers while the R activation rows pass over them
+// w = d*q + m with unsigned q, 4 or 5 bits (nibbles, plus 5th bits for U5H / U5F): the
+// tier's u4_sums (AVX2's int16 chains stay within int16: eight of 4-bit q, 8 * 2 * 15 * 127 =
+// 30480, four of 5-bit q, 4 * 2 * 31 * 127 = 31496). The 8 unpacked weight vectors stay in registers while the R activation rows pass over them
 // (measured 8% faster than unpacking per row pair: fewer spills).
 template <Layout L, int R, bool Wide, bool Stream>
 void u4_group(const uint8_t* w, int64_t KB, const RowPtrs& rows,
               const schedule::Prefetch& pf) {
   constexpr int64_t BPB = block_bytes<L, Wide>();
   const __m256i nibble = _mm256_set1_epi8(0x0F);
-  const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[R] = {};  // zeroed
   for (int64_t b = 0; b < KB; ++b) {
     const uint8_t* blk = w + b * BPB;
@@ -155,31 +145,7 @@ void u4_group(const uint8_t* w, int64_t KB, const RowPtrs& rows,
     load_scales<L>(blk, dw, mw);
     for (int r = 0; r < R; ++r) {
       const int8_t* a = rows.q[r] + b * QK;
-#ifdef NANOSERVE_MATMUL_AVX512
-      // vpdpbusd: four products summed straight into each int32 lane (the same exact sums)
-      const __m256i zero = _mm256_setzero_si256();
-      __m256i s0 = _mm256_dpbusd_epi32(zero, wq[0], _mm256_set1_epi32(load_i32(a)));
-      __m256i s1 = _mm256_dpbusd_epi32(zero, wq[1], _mm256_set1_epi32(load_i32(a + 4)));
-      for (int j = 2; j < 8; j += 2) {
-        s0 = _mm256_dpbusd_epi32(s0, wq[j], _mm256_set1_epi32(load_i32(a + 4 * j)));
-        s1 = _mm256_dpbusd_epi32(s1, wq[j + 1], _mm256_set1_epi32(load_i32(a + 4 * j + 4)));
-      }
-      const __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1));
-#else
-      // two chains of four, so that the adds do not wait on each other
-      __m256i s0 = _mm256_maddubs_epi16(wq[0], _mm256_set1_epi32(load_i32(a)));
-      __m256i s1 = _mm256_maddubs_epi16(wq[1], _mm256_set1_epi32(load_i32(a + 4)));
-      for (int j = 2; j < 8; j += 2) {
-        s0 = _mm256_add_epi16(
-            s0, _mm256_maddubs_epi16(wq[j], _mm256_set1_epi32(load_i32(a + 4 * j))));
-        s1 = _mm256_add_epi16(
-            s1, _mm256_maddubs_epi16(wq[j + 1], _mm256_set1_epi32(load_i32(a + 4 * j + 4))));
-      }
-      const __m256i sum = is_u5(L) ? _mm256_add_epi32(_mm256_madd_epi16(s0, ones),
-                                                      _mm256_madd_epi16(s1, ones))
-                                   : _mm256_madd_epi16(_mm256_add_epi16(s0, s1), ones);
-      const __m256 dot = _mm256_cvtepi32_ps(sum);
-#endif
+      const __m256 dot = _mm256_cvtepi32_ps(tier::u4_sums<is_u5(L)>(wq, a));
       acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(dw, _mm256_set1_ps(rows.d[r][b])), acc[r]);
       acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(rows.s[r][b]), acc[r]);
     }
@@ -187,40 +153,26 @@ void u4_group(const uint8_t* w, int64_t KB, const RowPtrs& rows,
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(rows.y[r], acc[r]);
 }
 
-// w = d*q with signed q: maddubs(|q|, sign(a, q)). Q8_0 widens each product pair to int32 at
-// once (two could overflow int16); Q6_K's |q| <= 32 lets four sum in int16 (4*2*32*127 = 32512).
+// w = d*q with signed q: the tier's sums of |q| times a with q's sign (AVX2: Q8_0 widens each
+// product pair to int32 at once, two could overflow int16; Q6_K's |q| <= 32 lets four sum in
+// int16, 4*2*32*127 = 32512).
 template <Layout L, int R, bool Stream>
 void s8_group(const uint8_t* w, int64_t KB, const RowPtrs& rows,
               const schedule::Prefetch& pf) {
   constexpr int64_t BPB = packed_block_bytes(L);
   constexpr bool kPerHalf = L == Layout::S8F2;
-  const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[R] = {};  // zeroed
   for (int64_t b = 0; b < KB; ++b) {
     const uint8_t* blk = w + b * BPB;
     prefetch_ahead<Stream, BPB>(blk, pf);
     const uint8_t* qs = blk + qs_offset(L);
-    __m256i sum[R][2];
+    tier::S8Sums<kPerHalf> sum[R];
     for (int t = 0; t < 8; ++t) {
       const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * t));
       const __m256i q_abs = _mm256_abs_epi8(q);
       for (int r = 0; r < R; ++r) {
         const __m256i a = _mm256_set1_epi32(load_i32(rows.q[r] + b * QK + 4 * t));
-#ifdef NANOSERVE_MATMUL_AVX512
-        // int32 sums from the start (vpdpbusd): Q8_0's in one, Q6_K's a half each
-        const int h = kPerHalf ? t / 4 : 0;
-        const bool first = kPerHalf ? t % 4 == 0 : t == 0;
-        sum[r][h] = _mm256_dpbusd_epi32(first ? _mm256_setzero_si256() : sum[r][h], q_abs,
-                                        _mm256_sign_epi8(a, q));
-#else
-        const __m256i p = _mm256_maddubs_epi16(q_abs, _mm256_sign_epi8(a, q));
-        if constexpr (kPerHalf) {
-          sum[r][t / 4] = t % 4 == 0 ? p : _mm256_add_epi16(sum[r][t / 4], p);
-        } else {
-          const __m256i p32 = _mm256_madd_epi16(p, ones);
-          sum[r][0] = t == 0 ? p32 : _mm256_add_epi32(sum[r][0], p32);
-        }
-#endif
+        sum[r].add(t, q_abs, _mm256_sign_epi8(a, q));
       }
     }
     __m256 d0, d1;
@@ -228,16 +180,13 @@ void s8_group(const uint8_t* w, int64_t KB, const RowPtrs& rows,
     for (int r = 0; r < R; ++r) {
       const __m256 da = _mm256_set1_ps(rows.d[r][b]);
       if constexpr (kPerHalf) {
-#ifdef NANOSERVE_MATMUL_AVX512
-        const __m256 lo = _mm256_cvtepi32_ps(sum[r][0]), hi = _mm256_cvtepi32_ps(sum[r][1]);
-#else
-        const __m256 lo = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum[r][0], ones));
-        const __m256 hi = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum[r][1], ones));
-#endif
+        const __m256 lo = _mm256_cvtepi32_ps(sum[r].sums(0));
+        const __m256 hi = _mm256_cvtepi32_ps(sum[r].sums(1));
         acc[r] = _mm256_fmadd_ps(lo, _mm256_mul_ps(d0, da), acc[r]);
         acc[r] = _mm256_fmadd_ps(hi, _mm256_mul_ps(d1, da), acc[r]);
       } else {
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r][0]), _mm256_mul_ps(d0, da), acc[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r].sums(0)), _mm256_mul_ps(d0, da),
+                                 acc[r]);
       }
     }
   }
@@ -256,24 +205,8 @@ inline void group_kernel(const uint8_t* w, int64_t KB, const RowPtrs& rows,
 template <Layout L, bool Wide, bool Stream>
 void matmul_groups(const uint8_t* packed, const int8_t* q, const float* d, const float* s,
                    int64_t M, int64_t N, int64_t K, float* y, int64_t g0, int64_t g1) {
-#ifdef NANOSERVE_MATMUL_AMX
-  // the amx tiers: tiles from the schedule's amx_min_rows rows (matmul_amx.h)
-  if (M >= schedule::current().amx_min_rows)
-    return matmul_amx::matmul_groups<L, Wide>(packed, q, d, s, M, N, K, y, g0, g1);
-#endif
-#ifdef NANOSERVE_MATMUL_AVX512
-  // Where the kernel is bound by arithmetic, the pairs. Where it waits on memory (few rows),
-  // one group at a time as below, in 256-bit registers with vpdpbusd, unless the schedule
-  // runs the pairs from fewer rows (pairs_min_rows): on a Zen 4 the pairs' two interleaved
-  // streams read DRAM at ~0.7x the rate of one (one row over 96 MB of Q4_1 weights: 20
-  // against 28 GB/s), on a core with full-width AVX-512 units they may do more a cycle.
-  if constexpr (!Stream)
-    return matmul_pairs_avx512::matmul_groups<L, Wide, false>(packed, q, d, s, M, N, K, y, g0,
-                                                              g1);
-  if (M >= schedule::current().pairs_min_rows)
-    return matmul_pairs_avx512::matmul_groups<L, Wide, true>(packed, q, d, s, M, N, K, y, g0,
-                                                             g1);
-#endif
+  // the tier's own kernels for this range, where it has them (tier_avx512.h: the pairs, tiles)
+  if (tier::other_kernel<L, Wide, Stream>(packed, q, d, s, M, N, K, y, g0, g1)) return;
   const int64_t KB = K / QK, group_bytes = KB * block_bytes<L, Wide>();
   const schedule::Prefetch pf = schedule::weights(int(L), M);
   // a few groups stay in L1/L2 while every tile of activation rows passes over them

@@ -239,7 +239,7 @@ void register_ops() {
   impls->impl("packed_matmul", &packed_matmul);
 }
 
-#ifdef NANOSERVE_MATMUL_AMX
+#ifdef NANOSERVE_TIER_AMX
 #include "amx_tests.h"  // the amx tiers' readiness, conformance and emulator entry points
 #endif
 
@@ -263,7 +263,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("get_schedule", [] { return schedule::flat(schedule::current()); },
         "this module's kernel schedule, flat (schedule.h)");
   m.def("set_schedule", &schedule::set_flat, "set this module's kernel schedule (flat)");
-#ifdef NANOSERVE_MATMUL_AMX
+#ifdef NANOSERVE_TIER_AMX
   amx_tests::define(m);
 #endif
   m.attr("cpu_tier") = NANOSERVE_TIER_NAME(NANOSERVE_CPU_TIER);  // the tier it was built for
