@@ -6,7 +6,9 @@
 // Per 32-input block: A = the activations' int8 rows (up to 16 rows x 32 bytes, loaded from the
 // quantized rows with their own stride), B = the pair's weights as 8 rows x 64 bytes in the
 // dot products' layout (row k: each output's inputs 4k..4k+3, matmul_pairs_avx512's
-// `unpack_pair` vectors stored as rows), C = rows x 16 int32, the exact integer sum of each
+// `unpack_pair` vectors stored as rows; a weight whose blocks already hold such rows, a 4- or
+// 5-bit weight's wide form or Q8_0's packed bytes, is read as it is, a dot product of 8 outputs
+// per group: `is_direct`), C = rows x 16 int32, the exact integer sum of each
 // output's block: TDPBSUD for the unsigned 4- and 5-bit layouts (activations signed, weights
 // unsigned), TDPBSSD for Q8_0 and Q6_K, whose two 16-input halves keep their sums apart (two
 // dot products of K = 16). Each block's integer sums are the same as every other tier's, and the
@@ -41,10 +43,25 @@ constexpr int kTileRows = 16;  // activation rows a tile
 constexpr int kBatch = 16;     // blocks a phase
 constexpr int kBTileBytes = 8 * 64;
 
-// Tiles: C 0, A 1, B 2; Q6_K's second half C 3, A 4, B 5.
-inline TileConfig config(int rows, bool halves) {
+// Where a block's B rows lie in memory as they are (a 4- or 5-bit weight's wide form, Q8_0's
+// packed bytes: row k of a group is its 32 bytes at 32 k), each group of the pair is its own
+// 8-output dot product straight from the weight: nothing is unpacked per call.
+template <Layout L, bool Wide>
+constexpr bool is_direct() { return (is_unsigned(L) && Wide) || L == Layout::S8H; }
+
+enum class Shape { kPair, kDirect, kHalves };
+
+// Tiles: C 0, A 1, B 2, and where a block takes two dot products C 3, A 4, B 5: the second
+// group's (direct, each C rows x 8 int32) or Q6_K's second half.
+inline TileConfig config(int rows, Shape shape) {
   TileConfig cfg;
-  if (halves) {
+  if (shape == Shape::kDirect) {
+    for (int t = 0; t < 6; t += 3) {
+      cfg.set(t, rows, 32);      // C: rows x 8 int32
+      cfg.set(t + 1, rows, 32);  // A: rows x 32 int8
+      cfg.set(t + 2, 8, 32);     // B: 8 x (8 outputs x 4 bytes)
+    }
+  } else if (shape == Shape::kHalves) {
     for (int t = 0; t < 6; t += 3) {
       cfg.set(t, rows, 64);      // C: rows x 16 int32
       cfg.set(t + 1, rows, 16);  // A: rows x 16 int8 (one half of the block)
@@ -78,20 +95,36 @@ void row_tile(const uint8_t* wa, const uint8_t* wb, int64_t KB, const int8_t* q,
               const float* s, int64_t K, int rows, float* const* out, int outputs) {
   constexpr int64_t BPB = block_bytes<L, Wide>();
   constexpr bool kHalves = L == Layout::S8F2;
-  alignas(64) uint8_t b_tiles[kBatch][kBTileBytes];
+  constexpr bool kDirect = is_direct<L, Wide>();
+  alignas(64) uint8_t b_tiles[kDirect ? 1 : kBatch][kBTileBytes];
   alignas(64) int32_t sums[kBatch][kTileRows][16];
   alignas(64) int32_t high_sums[kHalves ? kBatch : 1][kTileRows][16];
   __m512 acc[kTileRows];
   for (int r = 0; r < rows; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b0 = 0; b0 < KB; b0 += kBatch) {
     const int count = int(std::min<int64_t>(kBatch, KB - b0));
-    for (int i = 0; i < count; ++i)
-      b_tile<L, Wide>(wa + (b0 + i) * BPB, wb + (b0 + i) * BPB, b_tiles[i]);
+    if constexpr (!kDirect)
+      for (int i = 0; i < count; ++i)
+        b_tile<L, Wide>(wa + (b0 + i) * BPB, wb + (b0 + i) * BPB, b_tiles[i]);
     // the tile phase
     for (int i = 0; i < count; ++i) {
       const int8_t* a = q + (b0 + i) * QK;
       amx_tiles::zero<0>();
-      if constexpr (kHalves) {
+      if constexpr (kDirect) {  // the two groups' dot products, into one row of 16 sums
+        amx_tiles::zero<3>();
+        amx_tiles::load<1>(a, K);
+        amx_tiles::load<4>(a, K);
+        amx_tiles::load<2>(wa + (b0 + i) * BPB + qs_offset(L), 32);
+        amx_tiles::load<5>(wb + (b0 + i) * BPB + qs_offset(L), 32);
+        if constexpr (is_unsigned(L)) {
+          amx_tiles::dot_signed_unsigned<0, 1, 2>();
+          amx_tiles::dot_signed_unsigned<3, 4, 5>();
+        } else {
+          amx_tiles::dot_signed_signed<0, 1, 2>();
+          amx_tiles::dot_signed_signed<3, 4, 5>();
+        }
+        amx_tiles::store<3>(reinterpret_cast<uint8_t*>(sums[i]) + 32, 64);
+      } else if constexpr (kHalves) {
         amx_tiles::zero<3>();
         amx_tiles::load<1>(a, K);
         amx_tiles::load<4>(a + 16, K);
@@ -144,7 +177,9 @@ void matmul_groups(const uint8_t* packed, const int8_t* q, const float* d, const
   for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
     const int rows = int(std::min<int64_t>(kTileRows, M - m0));
     if (rows != configured_rows) {
-      amx_tiles::load_config(config(rows, L == Layout::S8F2));
+      amx_tiles::load_config(config(rows, is_direct<L, Wide>() ? Shape::kDirect
+                                          : L == Layout::S8F2 ? Shape::kHalves
+                                                              : Shape::kPair));
       configured_rows = rows;
     }
     for (int64_t g = g0; g < g1; g += 2) {
