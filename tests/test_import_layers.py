@@ -242,3 +242,79 @@ def test_the_model_never_reaches_the_engine() -> None:
         module = _module_name(path)
         reached = {m for m in _reachable(module) if m.startswith("nanoserve.engine")}
         assert not reached, f"{module} imports {sorted(reached)}"
+
+
+# entrypoints/: each folder a part of its own, the files directly in it one part more, the top
+# floor (the command line and the app, which may import every folder and which no folder
+# imports); serving/ is the pipeline every wire format stands on and imports none of them.
+TOP_FLOOR = "entrypoints"
+WIRE_FORMATS = ("openai", "responses", "anthropic", "ollama")
+
+
+def entrypoint_part(module: str) -> str | None:
+    """'nanoserve.entrypoints.openai.routes' -> 'openai'; a module directly in entrypoints/ ->
+    the top floor; None outside entrypoints/."""
+    names = module.split(".")
+    if names[:2] != ["nanoserve", "entrypoints"] or len(names) < 3:
+        return None
+    return TOP_FLOOR if len(names) == 3 else names[2]
+
+
+def entrypoint_edges(package_dir: Path = PACKAGE_DIR) -> dict[tuple[str, str], list[str]]:
+    """(importer part, imported part) within entrypoints/, each with the files that import."""
+    edges: dict[tuple[str, str], list[str]] = {}
+    for path in sorted((package_dir / "entrypoints").rglob("*.py")):
+        module = _module_name(path, package_dir)
+        if path.name == "__init__.py" and module.count(".") <= 2:
+            continue  # a folder's own (empty) __init__ is no import of anything
+        source_part = entrypoint_part(module)
+        for imported in imported_modules(path.read_text(), module, path.name == "__init__.py"):
+            target = entrypoint_part(imported)
+            if source_part and target and target != source_part:
+                edges.setdefault((source_part, target), []).append(
+                    str(path.relative_to(package_dir)))
+    return edges
+
+
+def entrypoint_violations(edges: dict[tuple[str, str], list[str]]) -> list[str]:
+    """Every arrow into the top floor, every arrow from serving/ up into a wire format, and a
+    loop between parts, described."""
+    found = [f"{a} -> {b} ({', '.join(files)})" for (a, b), files in sorted(edges.items())
+             if b == TOP_FLOOR or (a == "serving" and b in WIRE_FORMATS)]
+    cycle = find_cycle(set(edges))
+    if cycle:
+        found.append("a loop: " + " -> ".join(cycle))
+    return found
+
+
+def test_the_entrypoints_floors_hold() -> None:
+    assert entrypoint_violations(entrypoint_edges()) == []
+    edges = entrypoint_edges()
+    assert ("openai", "serving") in edges and ("anthropic", "serving") in edges
+
+
+def test_an_arrow_from_serving_up_into_a_wire_format_is_found(tmp_path: Path) -> None:
+    """A tree made on purpose: serving/ reaching up into openai/, and a folder reaching the
+    top floor; the real tree's check must catch both."""
+    root = tmp_path / "nanoserve"
+    for folder in ("entrypoints/serving", "entrypoints/openai"):
+        (root / folder).mkdir(parents=True)
+        (root / folder / "__init__.py").write_text("")
+    (root / "__init__.py").write_text("")
+    (root / "entrypoints" / "__init__.py").write_text("")
+    (root / "entrypoints" / "app.py").write_text(
+        "from nanoserve.entrypoints.openai.routes import add\n")
+    (root / "entrypoints" / "openai" / "routes.py").write_text(
+        "from nanoserve.entrypoints.serving.prepare import prepare\nadd = prepare\n")
+    (root / "entrypoints" / "serving" / "prepare.py").write_text(
+        "def prepare(): ...\n")
+    assert entrypoint_violations(entrypoint_edges(root)) == []
+    (root / "entrypoints" / "serving" / "prepare.py").write_text(
+        "from nanoserve.entrypoints.openai.protocol import Body\ndef prepare(): ...\n")
+    (root / "entrypoints" / "openai" / "protocol.py").write_text("class Body: ...\n")
+    (root / "entrypoints" / "openai" / "bad.py").write_text(
+        "def f():\n    from nanoserve.entrypoints.app import add\n")
+    found = entrypoint_violations(entrypoint_edges(root))
+    assert any(v.startswith("serving -> openai") for v in found)
+    assert any(v.startswith(f"openai -> {TOP_FLOOR}") for v in found)
+    assert any(v.startswith("a loop:") for v in found)

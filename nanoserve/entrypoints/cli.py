@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from nanoserve.bench.cli import add_bench_commands
 from nanoserve.config import RequestLimits, ServerConfig, api_key_from_env
 from nanoserve.engine_args import EngineArgs
-from nanoserve.entrypoints.chat_defaults import chat_defaults, describe
+from nanoserve.entrypoints.serving.chat_defaults import chat_defaults, describe
 from nanoserve.native import check_cpu_isa
 from nanoserve.parsers.reasoning import REASONING_PARSERS
 from nanoserve.parsers.tool_calls import TOOL_CALL_PARSERS
@@ -315,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
 def run() -> NoReturn:
     """The `nanoserve` command: `main`, then out without the interpreter's teardown of torch
     and transformers (~1.2 s on 2 cores; process_exit.py), everything it started stopped."""
-    from nanoserve.entrypoints.process_exit import exit_now
+    from nanoserve.entrypoints.serving.process_exit import exit_now
 
     exit_now(main())
 

@@ -38,7 +38,7 @@ from nanoserve.engine.launch import (
     start_engine_process,
     stop_engine_processes,
 )
-from nanoserve.entrypoints.listen import AddressInUseError, bind_listening_socket
+from nanoserve.entrypoints.serving.listen import AddressInUseError, bind_listening_socket
 
 
 def run_serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:

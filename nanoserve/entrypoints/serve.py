@@ -12,9 +12,7 @@ import asyncio
 import logging
 import os
 import socket
-from collections.abc import Coroutine
 from multiprocessing.process import BaseProcess
-from typing import Any
 
 import msgspec
 import torch
@@ -24,15 +22,17 @@ from nanoserve.config import EngineConfig, ServerConfig
 from nanoserve.engine.core_client import EngineCoreClient
 from nanoserve.engine.dp_router import RoutingConfig
 from nanoserve.engine.launch import EngineAddresses, engine_is_alive
-from nanoserve.entrypoints.async_engine import AsyncEngine
-from nanoserve.entrypoints.dp_client import DPEngineClient, wait_for_engines
-from nanoserve.entrypoints.model_names import ModelNames
-from nanoserve.entrypoints.openai.api_server import build_app, drain
-from nanoserve.entrypoints.openai.metrics import Metrics
+from nanoserve.entrypoints.app import build_app
 from nanoserve.entrypoints.openai.router_endpoints import instance_id, kv_event_sources
-from nanoserve.entrypoints.openai.server_context import ServerContext
-from nanoserve.entrypoints.process_exit import exit_now
-from nanoserve.entrypoints.request_logger import RequestLogger
+from nanoserve.entrypoints.serving.async_engine import AsyncEngine
+from nanoserve.entrypoints.serving.dp_client import DPEngineClient, wait_for_engines
+from nanoserve.entrypoints.serving.error_handlers import drain
+from nanoserve.entrypoints.serving.event_loop import run_event_loop
+from nanoserve.entrypoints.serving.metrics import Metrics
+from nanoserve.entrypoints.serving.model_names import ModelNames
+from nanoserve.entrypoints.serving.process_exit import exit_now
+from nanoserve.entrypoints.serving.request_logger import RequestLogger
+from nanoserve.entrypoints.serving.server_context import ServerContext
 from nanoserve.entrypoints.web.router import page_banner
 from nanoserve.model.loader import load_frontend, resolve_model_path
 from nanoserve.parsers.tool_format import template_tool_format
@@ -42,20 +42,6 @@ from nanoserve.structured.grammar import GrammarTokenizer
 
 logger = logging.getLogger("nanoserve")
 _ENGINE_START_TIMEOUT_S = 900.0
-
-
-def run_event_loop(main: Coroutine[Any, Any, int]) -> int:
-    """`main` to completion on uvloop's event loop where it is installed (as vLLM's server
-    runs), else on asyncio's own. Measured on 2 cores, one stream against `--zero-cost-engine`:
-    the API process spent 0.66-0.77 ms of CPU a token on uvloop, 0.80-0.90 ms on asyncio's
-    loop, and on 2 cores that time comes out of the engine's. (httptools in place of h11 for
-    HTTP parsing measured within noise: 0.751 against 0.764 ms.)"""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(main)
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return runner.run(main)
 
 
 def api_process_main(engine_bytes: bytes, server_bytes: bytes, input_addresses: list[str],

@@ -17,9 +17,9 @@ from nanoserve.entrypoints.anthropic.errors import AnthropicErrorShape, reshape_
 from nanoserve.entrypoints.anthropic.messages_request import messages_input
 from nanoserve.entrypoints.anthropic.messages_stream import with_error_events
 from nanoserve.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest
-from nanoserve.entrypoints.openai.api_server import add_error_handlers
-from nanoserve.entrypoints.openai.chat_prompt import message_dicts
-from nanoserve.entrypoints.openai.errors import APIError, bad_request, error_body
+from nanoserve.entrypoints.serving.chat_prompt import message_dicts
+from nanoserve.entrypoints.serving.error_handlers import add_error_handlers
+from nanoserve.entrypoints.serving.errors import APIError, bad_request, error_body
 
 HEADER = "x-anthropic-billing-header: cc_version=2.1.0.abc; cc_entrypoint=cli; cch=1a2b3;"
 CALL = {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}

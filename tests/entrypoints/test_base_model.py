@@ -16,7 +16,7 @@ import openai
 import pytest
 from server_harness import RunningServer
 
-from nanoserve.entrypoints.openai.chat_prompt import NO_CHAT_TEMPLATE
+from nanoserve.entrypoints.serving.chat_prompt import NO_CHAT_TEMPLATE
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from nanoserve.entrypoints.chat_defaults import PRESET, chat_defaults, describe
+from nanoserve.entrypoints.serving.chat_defaults import PRESET, chat_defaults, describe
 from nanoserve.sampling_params import SamplingParams
 
 

@@ -22,13 +22,13 @@ import jsonschema
 import pytest
 from server_harness import RunningServer
 
-from nanoserve.entrypoints.chat_input import ChatInput, ToolFunction, ToolInput
 from nanoserve.entrypoints.cli import main, read_chat_template
-from nanoserve.entrypoints.openai.chat_choice import ChoiceParser
 from nanoserve.entrypoints.openai.chat_request import chat_input
-from nanoserve.entrypoints.openai.errors import APIError
 from nanoserve.entrypoints.openai.protocol import ChatCompletionRequest
-from nanoserve.entrypoints.openai.tool_plan import MAX_REQUIRED_CALLS, plan_tools, required_schema
+from nanoserve.entrypoints.serving.chat_choice import ChoiceParser
+from nanoserve.entrypoints.serving.chat_input import ChatInput, ToolFunction, ToolInput
+from nanoserve.entrypoints.serving.errors import APIError
+from nanoserve.entrypoints.serving.tool_plan import MAX_REQUIRED_CALLS, plan_tools, required_schema
 from nanoserve.parsers.tool_calls import make_tool_call_parser
 
 HERE = Path(__file__).resolve().parent

@@ -16,8 +16,8 @@ from nanoserve.engine.core_client import EngineCoreClient
 from nanoserve.engine.dp_router import RoutingConfig
 from nanoserve.engine.launch import make_addresses
 from nanoserve.engine_args import EngineArgs
-from nanoserve.entrypoints.dp_client import DPEngineClient
-from nanoserve.entrypoints.openai.metrics import Metrics
+from nanoserve.entrypoints.serving.dp_client import DPEngineClient
+from nanoserve.entrypoints.serving.metrics import Metrics
 from nanoserve.protocol import (
     AbortRequests,
     EngineCoreOutput,

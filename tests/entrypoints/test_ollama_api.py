@@ -25,7 +25,7 @@ from shared_server import shared_server
 import nanoserve
 from nanoserve.config import DEFAULT_MODEL_NAME
 from nanoserve.entrypoints.ollama.keep_alive import DEFAULT_KEEP_ALIVE_S, parse_keep_alive
-from nanoserve.entrypoints.openai.errors import APIError
+from nanoserve.entrypoints.serving.errors import APIError
 
 MODEL = DEFAULT_MODEL_NAME
 GREEDY = {"temperature": 0, "seed": 7}

@@ -11,7 +11,7 @@ from typing import Any, cast
 import pytest
 
 from nanoserve.config import ServerConfig
-from nanoserve.entrypoints.openai.api_server import build_app
+from nanoserve.entrypoints.app import build_app
 from nanoserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from nanoserve.sampling_params import SamplingParams
 

@@ -29,7 +29,7 @@ import pytest
 from server_harness import RunningServer
 from shared_server import shared_server
 
-from nanoserve.entrypoints.openai.reasoning_options import EFFORT_BUDGETS
+from nanoserve.entrypoints.serving.reasoning_options import EFFORT_BUDGETS
 
 MODEL = "tiny-thinker"
 ASK = [{"role": "user", "content": "Is seven a prime? Answer in JSON."}]

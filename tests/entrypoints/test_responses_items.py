@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 
-from nanoserve.entrypoints.chat_input import ContentPart, MessageInput, ToolCallInput
-from nanoserve.entrypoints.openai.errors import APIError
-from nanoserve.entrypoints.openai.responses.items import OutputItems
-from nanoserve.entrypoints.openai.responses.protocol import ResponsesRequest
-from nanoserve.entrypoints.openai.responses.request import renamed, responses_input
+from nanoserve.entrypoints.responses.items import OutputItems
+from nanoserve.entrypoints.responses.protocol import ResponsesRequest
+from nanoserve.entrypoints.responses.request import renamed, responses_input
+from nanoserve.entrypoints.serving.chat_input import ContentPart, MessageInput, ToolCallInput
+from nanoserve.entrypoints.serving.errors import APIError
 from nanoserve.parsers.chat_stream import ChatStreamParser
 from nanoserve.parsers.events import (
     ChatEvent,

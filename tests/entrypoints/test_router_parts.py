@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from nanoserve.entrypoints.model_names import ModelNames
 from nanoserve.entrypoints.router.catalog import chat_template_beside, find_models
 from nanoserve.entrypoints.router.metrics_merge import merge_expositions
 from nanoserve.entrypoints.router.run import child_args
+from nanoserve.entrypoints.serving.model_names import ModelNames
 
 
 def test_a_models_dir_holds_gguf_files_and_model_directories(tmp_path: Path) -> None:

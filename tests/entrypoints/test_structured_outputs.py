@@ -18,9 +18,9 @@ import pytest
 from server_harness import API_KEY, RunningServer
 from shared_server import shared_server
 
-from nanoserve.entrypoints.openai.errors import APIError
 from nanoserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
-from nanoserve.entrypoints.openai.structured_outputs import structured_outputs
+from nanoserve.entrypoints.serving.errors import APIError
+from nanoserve.entrypoints.serving.structured_outputs import structured_outputs
 from nanoserve.sampling_params import StructuredOutputsParams
 
 MODEL = "SmolLM2-135M-Instruct"

@@ -13,7 +13,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from nanoserve.config import ServerConfig
-from nanoserve.entrypoints.openai.api_server import build_app
+from nanoserve.entrypoints.app import build_app
 from nanoserve.entrypoints.web import router
 from nanoserve.entrypoints.web.router import ASSETS, PAGES, STATIC_URL, page_banner
 

@@ -398,8 +398,8 @@ def test_a_required_call_list_may_end_after_each_complete_call(compiler: Grammar
                                                                default_tokenizer: Any) -> None:
     """The grammar `tool_choice="required"` sends: after every complete call, `]` (and then
     EOS) is allowed, so the model can always end the list; a call cut short cannot end it."""
-    from nanoserve.entrypoints.chat_input import ToolFunction, ToolInput
-    from nanoserve.entrypoints.openai.tool_plan import TOOL_JSON_WHITESPACE, required_schema
+    from nanoserve.entrypoints.serving.chat_input import ToolFunction, ToolInput
+    from nanoserve.entrypoints.serving.tool_plan import TOOL_JSON_WHITESPACE, required_schema
 
     tools = [ToolInput(ToolFunction(name, None, {"type": "object", "properties": {
         "x": {"type": "string"}}}), {}) for name in ("a", "b", "c")]

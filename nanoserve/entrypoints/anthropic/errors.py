@@ -16,7 +16,7 @@ import json
 import re
 from typing import Any
 
-from nanoserve.entrypoints.openai.error_shape import ErrorShape
+from nanoserve.entrypoints.serving.error_shape import ErrorShape
 
 MESSAGES_PATH = "/v1/messages"
 

@@ -41,7 +41,7 @@ from nanoserve.entrypoints.anthropic.protocol import (
     CountTokensRequest,
     MessagesRequest,
 )
-from nanoserve.entrypoints.chat_input import (
+from nanoserve.entrypoints.serving.chat_input import (
     ChatInput,
     ContentPart,
     MessageInput,
@@ -53,7 +53,7 @@ from nanoserve.entrypoints.chat_input import (
     ToolFunction,
     ToolInput,
 )
-from nanoserve.entrypoints.openai.errors import bad_request
+from nanoserve.entrypoints.serving.errors import bad_request
 
 MAX_TEMPERATURE = 1.0  # Anthropic's documented range for `temperature` is [0, 1]
 

@@ -19,8 +19,8 @@ from typing import Any
 
 from nanoserve.entrypoints.anthropic.errors import anthropic_error
 from nanoserve.entrypoints.anthropic.message_content import message_usage, stop_reason
-from nanoserve.entrypoints.async_engine import EngineDeadError, RequestTimeoutError
-from nanoserve.entrypoints.openai.errors import APIError
+from nanoserve.entrypoints.serving.async_engine import EngineDeadError, RequestTimeoutError
+from nanoserve.entrypoints.serving.errors import APIError
 from nanoserve.outputs import RequestOutput
 from nanoserve.parsers.chat_stream import ChatStreamParser
 from nanoserve.parsers.events import (

@@ -16,8 +16,8 @@ from nanoserve.entrypoints.anthropic.response_models import (
     CountTokensResponse,
 )
 from nanoserve.entrypoints.anthropic.serving_messages import count_tokens, create_message
-from nanoserve.entrypoints.openai.openapi import EVENT_STREAM
-from nanoserve.entrypoints.openai.server_context import ServerContext
+from nanoserve.entrypoints.serving.openapi import EVENT_STREAM
+from nanoserve.entrypoints.serving.server_context import ServerContext
 
 # the statuses each route can answer besides 200, and why (the type is Anthropic's)
 _REASONS = {

@@ -26,11 +26,11 @@ from nanoserve.entrypoints.anthropic.message_content import (
 from nanoserve.entrypoints.anthropic.messages_request import messages_input
 from nanoserve.entrypoints.anthropic.messages_stream import message_events, with_error_events
 from nanoserve.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest
-from nanoserve.entrypoints.openai.chat_choice import choice_parsers
-from nanoserve.entrypoints.openai.chat_prompt import render_prompt
-from nanoserve.entrypoints.openai.disconnect import collect, until_disconnect
-from nanoserve.entrypoints.openai.server_context import ServerContext
-from nanoserve.entrypoints.openai.serving_chat import prepare_chat
+from nanoserve.entrypoints.serving.chat_choice import choice_parsers
+from nanoserve.entrypoints.serving.chat_prompt import render_prompt
+from nanoserve.entrypoints.serving.disconnect import collect, until_disconnect
+from nanoserve.entrypoints.serving.prepare import prepare_chat
+from nanoserve.entrypoints.serving.server_context import ServerContext
 
 
 async def create_message(ctx: ServerContext, req: MessagesRequest, raw: Request, *,

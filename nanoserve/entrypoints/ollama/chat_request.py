@@ -30,7 +30,14 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from nanoserve.entrypoints.chat_input import (
+from nanoserve.entrypoints.ollama.protocol import (
+    OllamaChatRequest,
+    OllamaGenerateRequest,
+    OllamaMessage,
+    OllamaOptions,
+    OllamaTool,
+)
+from nanoserve.entrypoints.serving.chat_input import (
     ChatInput,
     MessageInput,
     ResponseFormatInput,
@@ -40,14 +47,7 @@ from nanoserve.entrypoints.chat_input import (
     ToolFunction,
     ToolInput,
 )
-from nanoserve.entrypoints.ollama.protocol import (
-    OllamaChatRequest,
-    OllamaGenerateRequest,
-    OllamaMessage,
-    OllamaOptions,
-    OllamaTool,
-)
-from nanoserve.entrypoints.openai.errors import bad_request
+from nanoserve.entrypoints.serving.errors import bad_request
 
 _TEXT_ONLY = "the models this server runs read text only"
 

@@ -15,7 +15,7 @@ import json
 import re
 from typing import Any
 
-from nanoserve.entrypoints.openai.error_shape import ErrorShape
+from nanoserve.entrypoints.serving.error_shape import ErrorShape
 
 API_PREFIX = "/api/"
 _OPTIONS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "presence_penalty",

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import re
 
-from nanoserve.entrypoints.openai.errors import bad_request
+from nanoserve.entrypoints.serving.errors import bad_request
 
 DEFAULT_KEEP_ALIVE_S = 300.0  # Ollama's default: five minutes
 # Go's time.ParseDuration units, in seconds

@@ -15,7 +15,7 @@ prompt plus output within it, and a prompt that does not fit it is a 400 naming 
 from __future__ import annotations
 
 from nanoserve.entrypoints.ollama.protocol import OllamaOptions
-from nanoserve.entrypoints.openai.errors import bad_request
+from nanoserve.entrypoints.serving.errors import bad_request
 from nanoserve.sampling_params import SamplingParams
 
 UP_TO_CONTEXT = (-1, -2)  # Ollama's num_predict for "no cap" and "fill the context"

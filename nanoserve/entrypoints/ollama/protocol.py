@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import Field
 
-from nanoserve.entrypoints.openai.protocol import OpenAIModel, documented
+from nanoserve.entrypoints.serving.api_models import OpenAIModel, documented
 
 # keep_alive: a Go duration string or a number of seconds (keep_alive.py checks the value)
 _KEEP_ALIVE: dict[str, Any] = {"anyOf": [{"type": "string"}, {"type": "number"},

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from nanoserve.entrypoints.openai.response_models import ResponseModel
+from nanoserve.entrypoints.serving.api_models import ResponseModel
 
 
 class OllamaErrorResponse(ResponseModel):

@@ -36,8 +36,8 @@ from nanoserve.entrypoints.ollama.response_models import (
 )
 from nanoserve.entrypoints.ollama.serving import NDJSON, check_model, create_chat, create_generate
 from nanoserve.entrypoints.ollama.serving_embed import create_embed, create_embeddings
-from nanoserve.entrypoints.openai.errors import bad_request
-from nanoserve.entrypoints.openai.server_context import ServerContext
+from nanoserve.entrypoints.serving.errors import bad_request
+from nanoserve.entrypoints.serving.server_context import ServerContext
 
 _REASONS = {
     400: "a field is invalid; the message names it",

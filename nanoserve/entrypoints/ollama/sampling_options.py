@@ -17,7 +17,7 @@ shifts a context (the output stops at its end).
 from __future__ import annotations
 
 from nanoserve.entrypoints.ollama.protocol import OllamaOptions
-from nanoserve.entrypoints.openai.errors import bad_request
+from nanoserve.entrypoints.serving.errors import bad_request
 
 WHOLE_CONTEXT = -1  # repeat_last_n: the penalties look back over everything
 

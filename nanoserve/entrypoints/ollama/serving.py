@@ -25,7 +25,6 @@ import uuid
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from nanoserve.entrypoints.chat_input import ChatInput
 from nanoserve.entrypoints.ollama.chat_request import chat_input, generate_input
 from nanoserve.entrypoints.ollama.keep_alive import parse_keep_alive
 from nanoserve.entrypoints.ollama.output_caps import cap_output, check_caps
@@ -37,11 +36,12 @@ from nanoserve.entrypoints.ollama.protocol import (
 from nanoserve.entrypoints.ollama.replies import ReplyShape, tool_call
 from nanoserve.entrypoints.ollama.sampling_options import check_sampling_options
 from nanoserve.entrypoints.ollama.stream import reply_lines, with_error_lines
-from nanoserve.entrypoints.openai.chat_choice import choice_parsers
-from nanoserve.entrypoints.openai.disconnect import collect, until_disconnect
-from nanoserve.entrypoints.openai.errors import APIError, bad_request
-from nanoserve.entrypoints.openai.server_context import ServerContext
-from nanoserve.entrypoints.openai.serving_chat import prepare_chat
+from nanoserve.entrypoints.serving.chat_choice import choice_parsers
+from nanoserve.entrypoints.serving.chat_input import ChatInput
+from nanoserve.entrypoints.serving.disconnect import collect, until_disconnect
+from nanoserve.entrypoints.serving.errors import APIError, bad_request
+from nanoserve.entrypoints.serving.prepare import prepare_chat
+from nanoserve.entrypoints.serving.server_context import ServerContext
 
 NDJSON = "application/x-ndjson"
 

@@ -25,15 +25,15 @@ from fastapi import Request
 from nanoserve.entrypoints.ollama.keep_alive import parse_keep_alive
 from nanoserve.entrypoints.ollama.protocol import OllamaEmbeddingsRequest, OllamaEmbedRequest
 from nanoserve.entrypoints.ollama.serving import check_model
-from nanoserve.entrypoints.openai.disconnect import until_disconnect
-from nanoserve.entrypoints.openai.errors import bad_request
 from nanoserve.entrypoints.openai.pooling.serving_embedding import (
     check_batch,
     check_length,
     pool_all,
     tokenize,
 )
-from nanoserve.entrypoints.openai.server_context import ServerContext
+from nanoserve.entrypoints.serving.disconnect import until_disconnect
+from nanoserve.entrypoints.serving.errors import bad_request
+from nanoserve.entrypoints.serving.server_context import ServerContext
 from nanoserve.pooling_params import PoolingParams
 
 

@@ -14,10 +14,10 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
-from nanoserve.entrypoints.async_engine import EngineDeadError, RequestTimeoutError
 from nanoserve.entrypoints.ollama.errors import ollama_error, ollama_message
 from nanoserve.entrypoints.ollama.replies import ReplyShape, ndjson, tool_call
-from nanoserve.entrypoints.openai.errors import APIError
+from nanoserve.entrypoints.serving.async_engine import EngineDeadError, RequestTimeoutError
+from nanoserve.entrypoints.serving.errors import APIError
 from nanoserve.outputs import RequestOutput
 from nanoserve.parsers.chat_stream import ChatStreamParser
 from nanoserve.parsers.events import (

@@ -4,7 +4,9 @@ of the chat endpoint reads the pydantic request. The translation checks nothing 
 
 from __future__ import annotations
 
-from nanoserve.entrypoints.chat_input import (
+from nanoserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, ChatTool
+from nanoserve.entrypoints.openai.request_fields import response_format_input, sampling_input
+from nanoserve.entrypoints.serving.chat_input import (
     ChatInput,
     ContentPart,
     MessageInput,
@@ -13,8 +15,6 @@ from nanoserve.entrypoints.chat_input import (
     ToolFunction,
     ToolInput,
 )
-from nanoserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, ChatTool
-from nanoserve.entrypoints.openai.request_fields import response_format_input, sampling_input
 
 
 def chat_input(req: ChatCompletionRequest) -> ChatInput:

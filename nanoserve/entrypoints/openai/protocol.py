@@ -11,19 +11,14 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field, field_validator
 
+from nanoserve.entrypoints.serving.api_models import OpenAIModel, documented
 from nanoserve.sampling_params import MAX_FLOAT32, MAX_INT64
 
 # OpenAI's rule for function names (letters, digits, `_`, `-`; at most 64), plus `.`, which
 # namespaced tool names use and vLLM accepts.
 _FUNCTION_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
-
-
-def documented(default: Any, **schema: Any) -> Any:
-    """A field whose /openapi.json entry gets `schema` (bounds, an enum, a shape) while the
-    check stays where its error message is written (SamplingParams, the serving modules)."""
-    return Field(default, json_schema_extra=schema)
 
 
 _TOKEN_IDS = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
@@ -33,10 +28,6 @@ _PROMPT_SCHEMA: dict[str, Any] = {"anyOf": [
     _TEXT, {"type": "array", "minItems": 1, "items": _TEXT}, _TOKEN_IDS,
     {"type": "array", "minItems": 1, "items": _TOKEN_IDS}]}
 _STOP_SCHEMA = {"anyOf": [_TEXT, {"type": "array", "items": _TEXT}, {"type": "null"}]}
-
-
-class OpenAIModel(BaseModel):
-    model_config = ConfigDict(extra="allow")
 
 
 class StreamOptions(OpenAIModel):

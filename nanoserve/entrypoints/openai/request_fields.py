@@ -4,8 +4,12 @@ The translation checks nothing (see `chat_input.py`)."""
 
 from __future__ import annotations
 
-from nanoserve.entrypoints.chat_input import ResponseFormatInput, SamplingInput, StreamOptions
 from nanoserve.entrypoints.openai.protocol import SamplingFields
+from nanoserve.entrypoints.serving.chat_input import (
+    ResponseFormatInput,
+    SamplingInput,
+    StreamOptions,
+)
 
 
 def sampling_input(req: SamplingFields, *, max_tokens: int | None,

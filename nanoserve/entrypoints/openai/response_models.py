@@ -11,28 +11,13 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, RootModel
+from pydantic import RootModel
+
+from nanoserve.entrypoints.serving.api_models import ResponseModel
 
 # "abort": stopped by the server (shutdown); "error": the engine could not go on with this
 # request (its grammar failed to compile, or refused a token its own mask allowed)
 FinishReason = Literal["stop", "length", "abort", "error"]
-
-
-class ResponseModel(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-
-class ErrorInfo(ResponseModel):
-    message: str
-    type: str
-    param: str | None  # the request field at fault, when there is one
-    code: int  # the HTTP status (vLLM's choice; OpenAI sends a string or null)
-
-
-class ErrorResponse(ResponseModel):
-    """Every 4xx and 5xx: OpenAI's error object."""
-
-    error: ErrorInfo
 
 
 class PromptTokensDetails(ResponseModel):

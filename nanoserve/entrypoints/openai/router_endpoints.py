@@ -21,8 +21,6 @@ from fastapi import FastAPI
 
 import nanoserve
 from nanoserve.config import KVEventsConfig
-from nanoserve.entrypoints.openai.errors import APIError
-from nanoserve.entrypoints.openai.openapi import responses
 from nanoserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from nanoserve.entrypoints.openai.response_models import (
     CompletionRenderResponse,
@@ -30,9 +28,11 @@ from nanoserve.entrypoints.openai.response_models import (
     RenderResponse,
     ServerInfoResponse,
 )
-from nanoserve.entrypoints.openai.server_context import ServerContext
 from nanoserve.entrypoints.openai.serving_chat import render_chat
 from nanoserve.entrypoints.openai.serving_completion import render_completion
+from nanoserve.entrypoints.serving.errors import APIError
+from nanoserve.entrypoints.serving.openapi import responses
+from nanoserve.entrypoints.serving.server_context import ServerContext
 
 RENDER_ERRORS = (400, 401, 404, 413)
 

@@ -8,33 +8,25 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncGenerator
-from dataclasses import replace
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from nanoserve.entrypoints.chat_input import ChatInput
-from nanoserve.entrypoints.openai.chat_choice import ChoiceParser, choice_parsers
-from nanoserve.entrypoints.openai.chat_prompt import render_prompt
 from nanoserve.entrypoints.openai.chat_request import chat_input
-from nanoserve.entrypoints.openai.disconnect import collect, until_disconnect
-from nanoserve.entrypoints.openai.errors import bad_request
-from nanoserve.entrypoints.openai.logprob_format import clamp_logprob, token_bytes, top_entries
 from nanoserve.entrypoints.openai.protocol import ChatCompletionRequest
-from nanoserve.entrypoints.openai.reasoning_options import (
-    grammar_after_reasoning,
-    with_reasoning_effort,
-)
-from nanoserve.entrypoints.openai.request_params import sampling_params
-from nanoserve.entrypoints.openai.server_context import ServerContext
 from nanoserve.entrypoints.openai.sse import sse_event, sse_with_errors
-from nanoserve.entrypoints.openai.structured_outputs import structured_outputs
-from nanoserve.entrypoints.openai.token_limits import resolve_max_tokens
-from nanoserve.entrypoints.openai.tool_plan import ToolPlan, plan_tools
 from nanoserve.entrypoints.openai.usage import usage
+from nanoserve.entrypoints.serving.chat_choice import ChoiceParser, choice_parsers
+from nanoserve.entrypoints.serving.chat_input import ChatInput
+from nanoserve.entrypoints.serving.disconnect import collect, until_disconnect
+from nanoserve.entrypoints.serving.errors import bad_request
+from nanoserve.entrypoints.serving.logprob_format import clamp_logprob, token_bytes, top_entries
+from nanoserve.entrypoints.serving.prepare import prepare_chat
+from nanoserve.entrypoints.serving.server_context import ServerContext
+from nanoserve.entrypoints.serving.tool_plan import ToolPlan
 from nanoserve.outputs import PositionLogprobs
-from nanoserve.sampling_params import RequestOutputKind, SamplingParams
+from nanoserve.sampling_params import SamplingParams
 
 
 def _check_unsupported(req: ChatCompletionRequest) -> None:
@@ -83,40 +75,6 @@ async def render_chat(ctx: ServerContext, req: ChatCompletionRequest) -> list[in
     _check_unsupported(req)
     _, ids, _, _ = await prepare_chat(ctx, chat_input(req), admit=False)
     return ids
-
-
-async def prepare_chat(ctx: ServerContext, chat: ChatInput, admit: bool = True,
-                       raw_prompt: str | None = None
-                       ) -> tuple[str, list[int], SamplingParams, ToolPlan]:
-    """The checks, in the order their errors take, then the prompt, its ids and the params;
-    `admit=False` (a render) skips the checks of what is in flight (429, 503). A `raw_prompt`
-    (Ollama's `raw` generate) goes to the model as it is, tokenized as /v1/completions
-    tokenizes a prompt, in place of the chat template's."""
-    chat = with_reasoning_effort(ctx, chat)
-    plan = plan_tools(chat, ctx.tool_call_parser)
-    structured = await structured_outputs(chat.response_format,
-                                          has_tool_grammar=plan.structured is not None,
-                                          tokenizer=ctx.grammar_tokenizer)
-    if admit:
-        ctx.check_capacity(n=chat.sampling.n)
-    else:
-        ctx.check_request_size(n=chat.sampling.n)
-    if raw_prompt is None:
-        prompt = render_prompt(ctx, chat)
-        ids = ctx.tokenizer.encode(prompt, add_special_tokens=False)
-    else:
-        prompt, ids = raw_prompt, ctx.tokenizer.encode(raw_prompt, add_special_tokens=True)
-    max_tokens = resolve_max_tokens(ctx, len(ids), chat.sampling.max_tokens)
-    kind = RequestOutputKind.DELTA if chat.sampling.stream else RequestOutputKind.FINAL_ONLY
-    params = sampling_params(ctx, chat.sampling, max_tokens=max_tokens, output_kind=kind)
-    params.structured_outputs = structured
-    if plan.structured is not None:
-        params.structured_outputs = plan.structured
-        params.is_call_list = plan.mode == "required"  # ended at an exact repeat
-    after = grammar_after_reasoning(ctx, chat, prompt)
-    if params.structured_outputs is not None and after is not None:
-        params.structured_outputs = replace(params.structured_outputs, after_reasoning=after)
-    return prompt, ids, params, plan
 
 
 def _chat_logprobs(ctx: ServerContext, token_ids: list[int],

@@ -12,17 +12,17 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from nanoserve.entrypoints.openai.disconnect import collect, until_disconnect
-from nanoserve.entrypoints.openai.errors import bad_request
-from nanoserve.entrypoints.openai.logprob_format import clamp_logprob, top_entries
 from nanoserve.entrypoints.openai.protocol import CompletionRequest
 from nanoserve.entrypoints.openai.request_fields import sampling_input
-from nanoserve.entrypoints.openai.request_params import sampling_params
-from nanoserve.entrypoints.openai.server_context import ServerContext
 from nanoserve.entrypoints.openai.sse import sse_event, sse_with_errors
-from nanoserve.entrypoints.openai.structured_outputs import structured_outputs
-from nanoserve.entrypoints.openai.token_limits import check_prompt_ids, resolve_max_tokens
 from nanoserve.entrypoints.openai.usage import usage
+from nanoserve.entrypoints.serving.disconnect import collect, until_disconnect
+from nanoserve.entrypoints.serving.errors import bad_request
+from nanoserve.entrypoints.serving.logprob_format import clamp_logprob, top_entries
+from nanoserve.entrypoints.serving.request_params import sampling_params
+from nanoserve.entrypoints.serving.server_context import ServerContext
+from nanoserve.entrypoints.serving.structured_outputs import structured_outputs
+from nanoserve.entrypoints.serving.token_limits import check_prompt_ids, resolve_max_tokens
 from nanoserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from nanoserve.sampling_params import RequestOutputKind, SamplingParams
 

@@ -7,8 +7,8 @@ import json
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
-from nanoserve.entrypoints.async_engine import EngineDeadError, RequestTimeoutError
-from nanoserve.entrypoints.openai.errors import APIError, bad_request, sse_error
+from nanoserve.entrypoints.serving.async_engine import EngineDeadError, RequestTimeoutError
+from nanoserve.entrypoints.serving.errors import APIError, bad_request, sse_error
 
 
 def sse_event(body: dict[str, Any], ensure_ascii: bool = False) -> str:

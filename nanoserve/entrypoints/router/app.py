@@ -24,9 +24,7 @@ from fastapi.responses import JSONResponse, Response
 
 import nanoserve
 from nanoserve.config import ServerConfig
-from nanoserve.entrypoints.edge_middleware import add_edge_middleware
-from nanoserve.entrypoints.openai.auth import PUBLIC_PATHS
-from nanoserve.entrypoints.openai.limits import BodyLimitMiddleware
+from nanoserve.entrypoints.edge.middleware import add_edge_middleware
 from nanoserve.entrypoints.router.forward import (
     RouteError,
     auth_headers,
@@ -39,6 +37,8 @@ from nanoserve.entrypoints.router.forward import (
 from nanoserve.entrypoints.router.metrics_merge import merge_expositions
 from nanoserve.entrypoints.router.ollama_routes import add_ollama_router_routes, ollama_keep_alive
 from nanoserve.entrypoints.router.pool import ModelPool, ModelState
+from nanoserve.entrypoints.serving.auth import PUBLIC_PATHS
+from nanoserve.entrypoints.serving.limits import BodyLimitMiddleware
 from nanoserve.entrypoints.web.router import PUBLIC_PATHS as WEB_PUBLIC_PATHS
 from nanoserve.entrypoints.web.router import web_router
 
@@ -65,7 +65,7 @@ def build_router_app(pool: ModelPool, config: ServerConfig) -> FastAPI:
     @app.exception_handler(RouteError)
     async def route_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RouteError)
-        return error_response(request.url.path, exc.status, exc.message)
+        return error_response(exc.status, exc.message)
 
     @app.get("/health")
     async def health() -> Response:

@@ -1,6 +1,7 @@
 """Forwarding a request to its model's server: the model named in the body (or the `model`
 query parameter), a lease on that model's server while the answer streams back as it comes,
-and errors in the shape of the API the client called.
+and errors in OpenAI's shape, which the edge middleware turns into the shape of the API the
+client called.
 
 The body is read whole first (it is bounded by --max-request-body-bytes) to find its `model`;
 the answer is relayed chunk by chunk, so streams (SSE, NDJSON) keep their timing. A client that
@@ -18,9 +19,6 @@ import httpx
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from nanoserve.entrypoints.anthropic.errors import anthropic_error, is_messages_path
-from nanoserve.entrypoints.model_names import ModelNames
-from nanoserve.entrypoints.openai.errors import error_body
 from nanoserve.entrypoints.router.pool import (
     DEFAULT,
     KeepAlive,
@@ -30,6 +28,8 @@ from nanoserve.entrypoints.router.pool import (
     TooManyWaitingError,
     UnknownModelError,
 )
+from nanoserve.entrypoints.serving.errors import error_body
+from nanoserve.entrypoints.serving.model_names import ModelNames
 
 # hop-by-hop headers, and those the relay sets itself
 _DROPPED_HEADERS = frozenset({"host", "connection", "keep-alive", "transfer-encoding", "te",
@@ -44,15 +44,11 @@ class RouteError(Exception):
         self.message = message
 
 
-def error_response(path: str, status: int, message: str) -> JSONResponse:
-    """An error in the shape of the API under `path`: Ollama's, Anthropic's or OpenAI's."""
-    if path.startswith(OLLAMA_PREFIX):
-        body: dict[str, Any] = {"error": message}
-    elif is_messages_path(path):
-        body = anthropic_error(status, message)
-    else:
-        body = error_body(status, message, "model" if status == 404 else None)
-    return JSONResponse(body, status_code=status)
+def error_response(status: int, message: str) -> JSONResponse:
+    """An error in OpenAI's shape; on another API's paths the edge middleware
+    (entrypoints/edge/) reshapes it, as it does every other error of the app."""
+    return JSONResponse(error_body(status, message, "model" if status == 404 else None),
+                        status_code=status)
 
 
 def body_fields(body: bytes) -> dict[str, Any]:
@@ -158,7 +154,7 @@ async def forward(request: Request, client: httpx.AsyncClient, pool: ModelPool,
                                                           content=body), stream=True)
     except httpx.HTTPError as e:
         await pool.release(lease)
-        return error_response(request.url.path, 503, f"model {lease.entry.name!r} is not "
+        return error_response(503, f"model {lease.entry.name!r} is not "
                               f"answering ({type(e).__name__} after "
                               f"{time.monotonic() - started:.1f} s); its next request "
                               "loads it again")

@@ -23,7 +23,6 @@ from fastapi.responses import Response
 import nanoserve
 from nanoserve.entrypoints.ollama.keep_alive import parse_keep_alive
 from nanoserve.entrypoints.ollama.model_card import ModelCard, read_model_card, rfc3339
-from nanoserve.entrypoints.openai.errors import APIError
 from nanoserve.entrypoints.router.forward import (
     RouteError,
     auth_headers,
@@ -33,6 +32,7 @@ from nanoserve.entrypoints.router.forward import (
     take_lease,
 )
 from nanoserve.entrypoints.router.pool import DEFAULT, KeepAlive, ModelPool, ModelState
+from nanoserve.entrypoints.serving.errors import APIError
 
 # the paths whose bodies carry `keep_alive` in Ollama's API
 _KEEP_ALIVE_PATHS = frozenset({"/api/chat", "/api/generate", "/api/embed", "/api/embeddings"})

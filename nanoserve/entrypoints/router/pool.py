@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
-from nanoserve.entrypoints.model_names import ModelNames
 from nanoserve.entrypoints.router.model_server import LoadError, ModelServer
+from nanoserve.entrypoints.serving.model_names import ModelNames
 
 __all__ = ["DEFAULT", "KeepAlive", "Lease", "LoadError", "ModelEntry", "ModelPool",
            "ModelState", "TooManyWaitingError", "UnknownModelError"]

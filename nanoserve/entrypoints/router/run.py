@@ -11,11 +11,11 @@ import sys
 import uvicorn
 
 from nanoserve.config import ServerConfig
-from nanoserve.entrypoints.listen import AddressInUseError, bind_listening_socket
 from nanoserve.entrypoints.router.app import build_router_app
 from nanoserve.entrypoints.router.catalog import find_models
 from nanoserve.entrypoints.router.pool import ModelPool
-from nanoserve.entrypoints.serve import run_event_loop
+from nanoserve.entrypoints.serving.event_loop import run_event_loop
+from nanoserve.entrypoints.serving.listen import AddressInUseError, bind_listening_socket
 from nanoserve.entrypoints.web.router import page_banner
 
 # options of the router itself, with how many values each takes (-1: one or more)

@@ -24,7 +24,7 @@ from fastapi import APIRouter
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
-from nanoserve.entrypoints.chat_defaults import chat_defaults
+from nanoserve.entrypoints.serving.chat_defaults import chat_defaults
 
 STATIC_URL = "/web/static/"
 PAGES = {"/": "index.html", "/dashboard": "dashboard.html"}

@@ -13,7 +13,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from nanoserve.entrypoints.openai.protocol import OpenAIModel, documented
-from nanoserve.entrypoints.openai.response_models import ResponseModel
+from nanoserve.entrypoints.serving.api_models import ResponseModel
 
 _TEXT = {"type": "string", "minLength": 1}
 _TOKEN_IDS = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}

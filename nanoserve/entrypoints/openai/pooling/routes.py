@@ -5,7 +5,6 @@ from __future__ import annotations
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from nanoserve.entrypoints.openai.openapi import GENERATE_ERRORS, responses
 from nanoserve.entrypoints.openai.pooling.protocol import (
     EmbeddingRequest,
     EmbeddingResponse,
@@ -20,7 +19,8 @@ from nanoserve.entrypoints.openai.pooling.serving_score import (
     create_rerank,
     create_score,
 )
-from nanoserve.entrypoints.openai.server_context import ServerContext
+from nanoserve.entrypoints.serving.openapi import GENERATE_ERRORS, responses
+from nanoserve.entrypoints.serving.server_context import ServerContext
 
 
 def add_pooling_routes(app: FastAPI, ctx: ServerContext, score_method: str) -> None:

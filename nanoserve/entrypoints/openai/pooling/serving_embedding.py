@@ -23,10 +23,10 @@ import numpy as np
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from nanoserve.entrypoints.openai.disconnect import until_disconnect
-from nanoserve.entrypoints.openai.errors import bad_request
 from nanoserve.entrypoints.openai.pooling.protocol import EmbeddingRequest
-from nanoserve.entrypoints.openai.server_context import ServerContext
+from nanoserve.entrypoints.serving.disconnect import until_disconnect
+from nanoserve.entrypoints.serving.errors import bad_request
+from nanoserve.entrypoints.serving.server_context import ServerContext
 from nanoserve.outputs import PoolingRequestOutput
 from nanoserve.pooling_params import PoolingParams
 

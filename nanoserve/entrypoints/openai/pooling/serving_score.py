@@ -23,8 +23,6 @@ import numpy as np
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from nanoserve.entrypoints.openai.disconnect import until_disconnect
-from nanoserve.entrypoints.openai.errors import bad_request
 from nanoserve.entrypoints.openai.pooling.protocol import RerankRequest, ScoreRequest
 from nanoserve.entrypoints.openai.pooling.serving_embedding import (
     check_batch,
@@ -32,7 +30,9 @@ from nanoserve.entrypoints.openai.pooling.serving_embedding import (
     pool_all,
     tokenize,
 )
-from nanoserve.entrypoints.openai.server_context import ServerContext
+from nanoserve.entrypoints.serving.disconnect import until_disconnect
+from nanoserve.entrypoints.serving.errors import bad_request
+from nanoserve.entrypoints.serving.server_context import ServerContext
 from nanoserve.pooling_params import PoolingParams
 
 SCORE_METHODS = ("yes_no", "cosine")

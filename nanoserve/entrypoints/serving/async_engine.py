@@ -20,9 +20,9 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from nanoserve.entrypoints.dp_client import DPEngineClient
-from nanoserve.entrypoints.request_logger import RequestLogger
-from nanoserve.entrypoints.tenant import current_tenant
+from nanoserve.entrypoints.serving.dp_client import DPEngineClient
+from nanoserve.entrypoints.serving.request_logger import RequestLogger
+from nanoserve.entrypoints.serving.tenant import current_tenant
 from nanoserve.output.processor import OutputProcessor, TimingObserver
 from nanoserve.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
 from nanoserve.pooling_params import PoolingParams

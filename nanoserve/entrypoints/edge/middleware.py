@@ -15,7 +15,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from nanoserve.config import ServerConfig
 from nanoserve.entrypoints.anthropic.errors import AnthropicErrorShape
 from nanoserve.entrypoints.ollama.errors import OllamaErrorShape
-from nanoserve.entrypoints.openai.auth import APIKeyMiddleware
+from nanoserve.entrypoints.serving.auth import APIKeyMiddleware
 
 
 def add_edge_middleware(app: FastAPI, config: ServerConfig,

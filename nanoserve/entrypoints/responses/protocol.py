@@ -13,8 +13,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from nanoserve.entrypoints.openai.protocol import OpenAIModel, documented
-from nanoserve.entrypoints.openai.response_models import ResponseModel
+from nanoserve.entrypoints.serving.api_models import OpenAIModel, ResponseModel, documented
 
 _TEXT_PART = {"type": "object", "required": ["type"],
               "properties": {"type": {"type": "string"}, "text": {"type": "string"}}}

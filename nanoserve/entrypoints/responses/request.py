@@ -27,7 +27,16 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from nanoserve.entrypoints.chat_input import (
+from nanoserve.entrypoints.openai.protocol import FunctionDefinition
+from nanoserve.entrypoints.responses.protocol import (
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    InputPart,
+    MessageItem,
+    ReasoningItem,
+    ResponsesRequest,
+)
+from nanoserve.entrypoints.serving.chat_input import (
     ChatInput,
     ContentPart,
     MessageInput,
@@ -38,16 +47,7 @@ from nanoserve.entrypoints.chat_input import (
     ToolFunction,
     ToolInput,
 )
-from nanoserve.entrypoints.openai.errors import APIError, bad_request
-from nanoserve.entrypoints.openai.protocol import FunctionDefinition
-from nanoserve.entrypoints.openai.responses.protocol import (
-    FunctionCallItem,
-    FunctionCallOutputItem,
-    InputPart,
-    MessageItem,
-    ReasoningItem,
-    ResponsesRequest,
-)
+from nanoserve.entrypoints.serving.errors import APIError, bad_request
 
 logger = logging.getLogger("nanoserve")
 

@@ -8,10 +8,10 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from nanoserve.entrypoints.chat_input import ChatInput, MessageInput, ToolInput
-from nanoserve.entrypoints.openai.errors import bad_request
-from nanoserve.entrypoints.openai.server_context import ServerContext
-from nanoserve.entrypoints.openai.tool_prompt import describe_tools
+from nanoserve.entrypoints.serving.chat_input import ChatInput, MessageInput, ToolInput
+from nanoserve.entrypoints.serving.errors import bad_request
+from nanoserve.entrypoints.serving.server_context import ServerContext
+from nanoserve.entrypoints.serving.tool_prompt import describe_tools
 
 # what a model without a chat template (a base model, such as Gemma 3 270M's GGUF) answers on
 # every chat route, with what would make chat work and what works without it

@@ -3,10 +3,10 @@ model's generation defaults, with 400s that name the field, the value and the al
 
 from __future__ import annotations
 
-from nanoserve.entrypoints.chat_input import SamplingInput
-from nanoserve.entrypoints.openai.errors import bad_request, from_value_error
-from nanoserve.entrypoints.openai.limits import check_bad_words, check_stops
-from nanoserve.entrypoints.openai.server_context import ServerContext
+from nanoserve.entrypoints.serving.chat_input import SamplingInput
+from nanoserve.entrypoints.serving.errors import bad_request, from_value_error
+from nanoserve.entrypoints.serving.limits import check_bad_words, check_stops
+from nanoserve.entrypoints.serving.server_context import ServerContext
 from nanoserve.sampling_params import RequestOutputKind, SamplingParams
 
 

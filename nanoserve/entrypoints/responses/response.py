@@ -9,8 +9,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from nanoserve.entrypoints.openai.responses.items import OutputItems
-from nanoserve.entrypoints.openai.responses.protocol import ResponsesRequest
+from nanoserve.entrypoints.responses.items import OutputItems
+from nanoserve.entrypoints.responses.protocol import ResponsesRequest
 from nanoserve.sampling_params import SamplingParams
 
 _FAILED = {"abort": "the server stopped this response (it is shutting down)",

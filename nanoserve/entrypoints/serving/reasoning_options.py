@@ -20,9 +20,9 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from nanoserve.entrypoints.chat_input import ChatInput
-from nanoserve.entrypoints.openai.errors import bad_request
-from nanoserve.entrypoints.openai.server_context import ServerContext
+from nanoserve.entrypoints.serving.chat_input import ChatInput
+from nanoserve.entrypoints.serving.errors import bad_request
+from nanoserve.entrypoints.serving.server_context import ServerContext
 from nanoserve.parsers.reasoning import prompt_ends_in_reasoning
 from nanoserve.reasoning_section import INSIDE, OPENING, ReasoningStart
 

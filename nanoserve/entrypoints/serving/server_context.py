@@ -7,11 +7,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nanoserve.config import RequestLimits
-from nanoserve.entrypoints.async_engine import AsyncEngine
-from nanoserve.entrypoints.model_names import ModelNames
-from nanoserve.entrypoints.openai.errors import APIError, bad_request
-from nanoserve.entrypoints.openai.limits import check_n
-from nanoserve.entrypoints.openai.metrics import Metrics
+from nanoserve.entrypoints.serving.async_engine import AsyncEngine
+from nanoserve.entrypoints.serving.errors import APIError, bad_request
+from nanoserve.entrypoints.serving.limits import check_n
+from nanoserve.entrypoints.serving.metrics import Metrics
+from nanoserve.entrypoints.serving.model_names import ModelNames
 from nanoserve.reasoning_section import ReasoningTokens
 from nanoserve.sample.logits_processor import LogitsProcessor
 from nanoserve.structured.grammar import GrammarTokenizer

@@ -1,14 +1,14 @@
-"""The Responses API's route on the app (`api_server.add_routes` calls this)."""
+"""The Responses API's route on a model's app (`app.build_app` adds it)."""
 
 from __future__ import annotations
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from nanoserve.entrypoints.openai.openapi import GENERATE_ERRORS, responses
-from nanoserve.entrypoints.openai.responses.protocol import ResponseBody, ResponsesRequest
-from nanoserve.entrypoints.openai.responses.serving import create_response
-from nanoserve.entrypoints.openai.server_context import ServerContext
+from nanoserve.entrypoints.responses.protocol import ResponseBody, ResponsesRequest
+from nanoserve.entrypoints.responses.serving import create_response
+from nanoserve.entrypoints.serving.openapi import GENERATE_ERRORS, responses
+from nanoserve.entrypoints.serving.server_context import ServerContext
 
 
 def add_responses_routes(app: FastAPI, ctx: ServerContext) -> None:

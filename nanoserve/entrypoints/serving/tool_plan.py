@@ -35,9 +35,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from nanoserve.entrypoints.chat_input import ChatInput, ToolInput
-from nanoserve.entrypoints.openai.chat_prompt import template_tools
-from nanoserve.entrypoints.openai.errors import APIError, bad_request
+from nanoserve.entrypoints.serving.chat_input import ChatInput, ToolInput
+from nanoserve.entrypoints.serving.chat_prompt import template_tools
+from nanoserve.entrypoints.serving.errors import APIError, bad_request
 from nanoserve.parsers.tool_calls import TOOL_CALL_PARSERS
 from nanoserve.sampling_params import StructuredOutputsParams
 from nanoserve.structured.grammar import GrammarError, check_grammar

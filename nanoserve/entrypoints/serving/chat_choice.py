@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from nanoserve.entrypoints.chat_input import ChatInput
-from nanoserve.entrypoints.openai.reasoning_options import reasoning_start
-from nanoserve.entrypoints.openai.tool_plan import ToolPlan
+from nanoserve.entrypoints.serving.chat_input import ChatInput
+from nanoserve.entrypoints.serving.reasoning_options import reasoning_start
+from nanoserve.entrypoints.serving.tool_plan import ToolPlan
 from nanoserve.parsers.chat_stream import ChatStreamParser
 from nanoserve.parsers.events import (
     ChatEvent,

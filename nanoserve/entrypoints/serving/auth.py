@@ -13,7 +13,7 @@ import json
 import secrets
 from typing import Any
 
-from nanoserve.entrypoints.openai.errors import error_body
+from nanoserve.entrypoints.serving.errors import error_body
 
 PUBLIC_PATHS = frozenset({"/health"})
 

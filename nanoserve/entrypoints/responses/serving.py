@@ -8,20 +8,20 @@ from __future__ import annotations
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from nanoserve.entrypoints.openai.chat_choice import choice_parsers
-from nanoserve.entrypoints.openai.disconnect import collect, until_disconnect
-from nanoserve.entrypoints.openai.errors import APIError
-from nanoserve.entrypoints.openai.responses.items import OutputItems
-from nanoserve.entrypoints.openai.responses.protocol import ResponsesRequest
-from nanoserve.entrypoints.openai.responses.request import renamed, responses_input
-from nanoserve.entrypoints.openai.responses.response import (
+from nanoserve.entrypoints.responses.items import OutputItems
+from nanoserve.entrypoints.responses.protocol import ResponsesRequest
+from nanoserve.entrypoints.responses.request import renamed, responses_input
+from nanoserve.entrypoints.responses.response import (
     ResponseFrame,
     outcome,
     response_usage,
 )
-from nanoserve.entrypoints.openai.responses.stream import ResponseRun, stream_response
-from nanoserve.entrypoints.openai.server_context import ServerContext
-from nanoserve.entrypoints.openai.serving_chat import prepare_chat
+from nanoserve.entrypoints.responses.stream import ResponseRun, stream_response
+from nanoserve.entrypoints.serving.chat_choice import choice_parsers
+from nanoserve.entrypoints.serving.disconnect import collect, until_disconnect
+from nanoserve.entrypoints.serving.errors import APIError
+from nanoserve.entrypoints.serving.prepare import prepare_chat
+from nanoserve.entrypoints.serving.server_context import ServerContext
 
 
 async def create_response(ctx: ServerContext, req: ResponsesRequest, raw: Request) -> Response:

@@ -25,7 +25,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from nanoserve.entrypoints.openai.errors import bad_request
+from nanoserve.entrypoints.serving.errors import bad_request
 from nanoserve.sampling_params import STRUCTURED_OUTPUT_KINDS, StructuredOutputsParams
 from nanoserve.structured.grammar import (
     GrammarError,

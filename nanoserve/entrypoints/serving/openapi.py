@@ -12,7 +12,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from nanoserve.entrypoints.openai.response_models import ErrorResponse
+from nanoserve.entrypoints.serving.api_models import ErrorResponse
 
 _ERROR_REASONS = {
     400: "a field is invalid or out of range; `param` names it",

@@ -18,16 +18,16 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import cast
 
-from nanoserve.entrypoints.async_engine import EngineDeadError, RequestTimeoutError
-from nanoserve.entrypoints.openai.errors import APIError, bad_request
-from nanoserve.entrypoints.openai.responses.items import Event, OutputItems
-from nanoserve.entrypoints.openai.responses.response import (
+from nanoserve.entrypoints.responses.items import Event, OutputItems
+from nanoserve.entrypoints.responses.response import (
     Outcome,
     ResponseFrame,
     outcome,
     response_usage,
 )
-from nanoserve.entrypoints.openai.server_context import ServerContext
+from nanoserve.entrypoints.serving.async_engine import EngineDeadError, RequestTimeoutError
+from nanoserve.entrypoints.serving.errors import APIError, bad_request
+from nanoserve.entrypoints.serving.server_context import ServerContext
 from nanoserve.outputs import RequestOutput
 from nanoserve.parsers.chat_stream import ChatStreamParser
 from nanoserve.sampling_params import SamplingParams

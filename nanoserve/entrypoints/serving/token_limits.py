@@ -3,8 +3,8 @@ the prompt plus `max_tokens` against the context length (vLLM's checks and messa
 
 from __future__ import annotations
 
-from nanoserve.entrypoints.openai.errors import bad_request
-from nanoserve.entrypoints.openai.server_context import ServerContext
+from nanoserve.entrypoints.serving.errors import bad_request
+from nanoserve.entrypoints.serving.server_context import ServerContext
 
 
 def resolve_max_tokens(ctx: ServerContext, prompt_len: int, asked: int | None) -> int:

@@ -15,7 +15,7 @@ from typing import Any
 from starlette.exceptions import HTTPException
 
 from nanoserve.config import RequestLimits
-from nanoserve.entrypoints.openai.errors import bad_request, error_body
+from nanoserve.entrypoints.serving.errors import bad_request, error_body
 
 
 def body_too_large(limit: int, size: int | None) -> str:

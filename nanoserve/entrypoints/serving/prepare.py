@@ -1,0 +1,55 @@
+"""A chat request's preparation, shared by every chat API (chat completions, Responses, Anthropic's
+Messages, Ollama's chat and generate): the checks in the order their errors take, the tool plan
+and grammar, the prompt through the chat template and its ids, and the request's one
+SamplingParams, built and checked once here and carried to the engine as they are."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from nanoserve.entrypoints.serving.chat_input import ChatInput
+from nanoserve.entrypoints.serving.chat_prompt import render_prompt
+from nanoserve.entrypoints.serving.reasoning_options import (
+    grammar_after_reasoning,
+    with_reasoning_effort,
+)
+from nanoserve.entrypoints.serving.request_params import sampling_params
+from nanoserve.entrypoints.serving.server_context import ServerContext
+from nanoserve.entrypoints.serving.structured_outputs import structured_outputs
+from nanoserve.entrypoints.serving.token_limits import resolve_max_tokens
+from nanoserve.entrypoints.serving.tool_plan import ToolPlan, plan_tools
+from nanoserve.sampling_params import RequestOutputKind, SamplingParams
+
+
+async def prepare_chat(ctx: ServerContext, chat: ChatInput, admit: bool = True,
+                       raw_prompt: str | None = None
+                       ) -> tuple[str, list[int], SamplingParams, ToolPlan]:
+    """The checks, in the order their errors take, then the prompt, its ids and the params;
+    `admit=False` (a render) skips the checks of what is in flight (429, 503). A `raw_prompt`
+    (Ollama's `raw` generate) goes to the model as it is, tokenized as /v1/completions
+    tokenizes a prompt, in place of the chat template's."""
+    chat = with_reasoning_effort(ctx, chat)
+    plan = plan_tools(chat, ctx.tool_call_parser)
+    structured = await structured_outputs(chat.response_format,
+                                          has_tool_grammar=plan.structured is not None,
+                                          tokenizer=ctx.grammar_tokenizer)
+    if admit:
+        ctx.check_capacity(n=chat.sampling.n)
+    else:
+        ctx.check_request_size(n=chat.sampling.n)
+    if raw_prompt is None:
+        prompt = render_prompt(ctx, chat)
+        ids = ctx.tokenizer.encode(prompt, add_special_tokens=False)
+    else:
+        prompt, ids = raw_prompt, ctx.tokenizer.encode(raw_prompt, add_special_tokens=True)
+    max_tokens = resolve_max_tokens(ctx, len(ids), chat.sampling.max_tokens)
+    kind = RequestOutputKind.DELTA if chat.sampling.stream else RequestOutputKind.FINAL_ONLY
+    params = sampling_params(ctx, chat.sampling, max_tokens=max_tokens, output_kind=kind)
+    params.structured_outputs = structured
+    if plan.structured is not None:
+        params.structured_outputs = plan.structured
+        params.is_call_list = plan.mode == "required"  # ended at an exact repeat
+    after = grammar_after_reasoning(ctx, chat, prompt)
+    if params.structured_outputs is not None and after is not None:
+        params.structured_outputs = replace(params.structured_outputs, after_reasoning=after)
+    return prompt, ids, params, plan
