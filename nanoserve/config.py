@@ -323,7 +323,7 @@ class EngineConfig:
 @dataclass(frozen=True)
 class RequestLimits:
     """What one request may ask of the server. Past each limit the request gets a 4xx in
-    OpenAI's error shape naming the field, the value and the limit (entrypoints/openai/limits.py);
+    OpenAI's error shape naming the field, the value and the limit (entrypoints/serving/limits.py);
     context length and logprobs are bounded by the engine's own settings (max_model_len,
     max_logprobs)."""
 

@@ -218,6 +218,18 @@ class SamplingParams:
             bad = [t for t in ids if not 0 <= t < vocab_size]
             _check(not bad, name, bad[:1], f"token ids in [0, {vocab_size})")
 
+    def check_limits(self, vocab_size: int, max_logprobs: int,
+                     logprobs_field: str = "logprobs") -> None:
+        """What the server's settings allow: token ids in the vocabulary, logprob counts up to
+        --max-logprobs (`logprobs_field`: the client's name for the output's count, chat's
+        top_logprobs). One check with one wording, run by the API when it builds the params
+        and by the engine core when it admits them (a client of the engine's own)."""
+        self.check_token_ids(vocab_size)
+        for name, asked in ((logprobs_field, self.logprobs),
+                            ("prompt_logprobs", self.prompt_logprobs)):
+            _check(asked is None or asked <= max_logprobs, name, asked,
+                   f"<= {max_logprobs} (--max-logprobs)")
+
     def update_from_tokenizer(self, tokenizer: Any) -> None:
         """Tokenize `bad_words` as vLLM does: each word as written and with a leading space.
 

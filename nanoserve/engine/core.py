@@ -182,15 +182,9 @@ class EngineCore:
         return request
 
     def _check_sampling(self, params: SamplingParams) -> None:
-        """Refuse what the sampler cannot do (token ids, logprobs past the cap, processors)."""
-        vocab = self.loaded.arch.vocab_size
-        params.check_token_ids(vocab)
-        cap = self.config.sampler.max_logprobs
-        for name in ("logprobs", "prompt_logprobs"):
-            asked = getattr(params, name)
-            if asked is not None and asked > cap:
-                raise ValueError(f"{name} must be <= {cap} (the server's max_logprobs), "
-                                 f"got {asked}")
+        """Refuse what the sampler cannot do, with the API's checks and words (the API server
+        ran them already; a client of the engine's own has not)."""
+        params.check_limits(self.loaded.arch.vocab_size, self.config.sampler.max_logprobs)
         self.sampler.validate(params)
 
     def abort(self, request_id: str) -> bool:

@@ -19,7 +19,7 @@ taking everything (vLLM #49204). `round_robin` is the baseline it is measured ag
 
 The hashes are the engine's own (`kv_cache.hash_block`, chained over full blocks of the
 engines' block size), so a hash here names the same prefix as a cached block there. Each
-API server runs one router over its engine cores (entrypoints/dp_client.py), so the API
+API server runs one router over its engine cores (entrypoints/serving/dp_client.py), so the API
 process imports `hash_block` from the engine's KV cache; a lower, neutral module that both
 import would be its better home.
 """

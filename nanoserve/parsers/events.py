@@ -1,7 +1,7 @@
 """The neutral events one sample's text is parsed into, in no wire format.
 
 `ChatStreamParser` (`chat_stream.py`) emits them as the text streams in; each API endpoint
-formats them into its own wire format (OpenAI's chat deltas: `entrypoints/openai/chat_choice.py`).
+formats them into its own wire format (OpenAI's chat deltas: `entrypoints/serving/chat_choice.py`).
 A call's events come in order: `ToolCallStart`, then any number of `ToolCallArguments`, then
 `ToolCallEnd`; the arguments of one call add up to its JSON text, as the model wrote it.
 """

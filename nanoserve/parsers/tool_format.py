@@ -14,7 +14,7 @@ Agents send `tools` with `tool_choice="auto"` and never pass a server flag, so w
 A template that never reads its `tools` variable (SmolLM2's, most base chat templates) would
 drop the tools silently and the model would never know them. For those the server describes
 the tools in the system message in the Hermes form and writes earlier calls and tool results
-in it too (`openai/chat_prompt.py`), as llama.cpp's server does with its generic tool format.
+in it too (`serving/chat_prompt.py`), as llama.cpp's server does with its generic tool format.
 """
 
 from __future__ import annotations

@@ -66,7 +66,7 @@ def test_the_qwen3_coder_parser_reads_the_calls_its_template_writes() -> None:
 
 def test_the_default_model_template_has_no_tool_format(default_tokenizer: Any) -> None:
     """SmolLM2's template ignores `tools`: the default parser, and the tools are described by
-    the server (openai/tool_prompt.py)."""
+    the server (serving/tool_prompt.py)."""
     found = template_tool_format(default_tokenizer.chat_template)
     assert (found.parser, found.reads_tools) == (DEFAULT_TOOL_CALL_PARSER, False)
     assert template_tool_format(None).parser == DEFAULT_TOOL_CALL_PARSER

@@ -1,10 +1,10 @@
 """Anthropic's error shape on the Messages paths: `{"type": "error", "error": {"type", "message"}}`
 with the status the error already has, for every error those paths can give.
 
-The server's errors are made in OpenAI's shape, by the exception handlers (`openai/errors.py`),
-the API-key check (`openai/auth.py`) and the body limit (`openai/limits.py`). Rather than teach
+The server's errors are made in OpenAI's shape, by the exception handlers (`serving/errors.py`),
+the API-key check (`serving/auth.py`) and the body limit (`serving/limits.py`). Rather than teach
 each of them a second shape, one ASGI middleware, outside all of them, rewrites an error answer
-on a path under `/v1/messages` into Anthropic's (`openai/error_shape.py`): the status picks
+on a path under `/v1/messages` into Anthropic's (`serving/error_shape.py`): the status picks
 the type, as Anthropic's API does, and the OpenAI `param` is named in the message (in this
 API's words: `tools.0.input_schema`, not `tools.0.function.parameters`), since Anthropic's
 shape has no field for it. An exception no handler knows (a bug) is answered 500, `api_error`.

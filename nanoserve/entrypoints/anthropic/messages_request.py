@@ -1,4 +1,4 @@
-"""A Messages body translated into the neutral `ChatInput` (`entrypoints/chat_input.py`): after
+"""A Messages body translated into the neutral `ChatInput` (`serving/chat_input.py`): after
 this, nothing of the endpoint reads the pydantic request.
 
 - `system` (a string or text blocks; Claude Code's billing line taken off its start,
@@ -15,7 +15,8 @@ this, nothing of the endpoint reads the pydantic request.
 - `output_config.format` (or the beta's `output_format`) → a JSON-schema response format;
   `output_config.effort` (low, medium, high, max) → chat's `reasoning_effort` (max is xhigh),
   a thinking budget where `budget_tokens` gives none.
-- `max_tokens` is left to the serving side, which caps it to the context (see there).
+- `max_tokens` is a cap held to the room the context leaves (`max_tokens_is_cap`; see
+  serving_messages.py for why).
 - The sampling fields are checked by chat completions' code, with Anthropic's own cap on
   `temperature` (1); `seed` and `ignore_eos` are vLLM's extras, as on chat completions.
 
@@ -67,7 +68,8 @@ def messages_input(req: CountTokensRequest, *, strip_billing: bool = True,
         effort = _effort(req)
         budget = req.thinking.budget_tokens if req.thinking is not None else None
         sampling = SamplingInput(
-            max_tokens=None, temperature=req.temperature, max_temperature=MAX_TEMPERATURE,
+            max_tokens=req.max_tokens, max_tokens_is_cap=True,
+            temperature=req.temperature, max_temperature=MAX_TEMPERATURE,
             top_p=req.top_p, top_k=req.top_k, seed=req.seed, stop=req.stop_sequences,
             thinking_token_budget=budget if has_reasoning_tokens else None,
             ignore_eos=req.ignore_eos, extra_args=req.extra_args, stream=req.stream)

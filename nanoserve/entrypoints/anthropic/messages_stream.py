@@ -19,8 +19,7 @@ from typing import Any
 
 from nanoserve.entrypoints.anthropic.errors import anthropic_error
 from nanoserve.entrypoints.anthropic.message_content import message_usage, stop_reason
-from nanoserve.entrypoints.serving.async_engine import EngineDeadError, RequestTimeoutError
-from nanoserve.entrypoints.serving.errors import APIError
+from nanoserve.entrypoints.serving.engine_errors import SERVING_ERRORS, api_error_of
 from nanoserve.outputs import RequestOutput
 from nanoserve.parsers.chat_stream import ChatStreamParser
 from nanoserve.parsers.events import (
@@ -126,13 +125,8 @@ async def with_error_events(events: AsyncGenerator[str, None]) -> AsyncIterator[
     try:
         async for event in events:
             yield event
-    except APIError as e:
-        yield sse(anthropic_error(e.status, e.message))
-    except EngineDeadError as e:
-        yield sse(anthropic_error(503, f"the engine stopped: {e}"))
-    except RequestTimeoutError as e:
-        yield sse(anthropic_error(408, str(e)))
-    except ValueError as e:
-        yield sse(anthropic_error(400, str(e)))
+    except SERVING_ERRORS as e:
+        error = api_error_of(e)
+        yield sse(anthropic_error(error.status, error.message))
     finally:
         await events.aclose()  # (a client that went away: its request is aborted now)

@@ -6,9 +6,10 @@ Anthropic's content blocks, whole or streamed (`messages_stream.py`).
 `max_tokens` is a cap, not a demand: Anthropic requires it and Claude Code asks for 32,000
 whatever the model, which on an 8k-context model is more than the context holds. Chat
 completions answers that with a 400 (vLLM's rule, `token_limits.py`); a Claude Code user would
-then get nothing at all. Here the output is held to what the context leaves after the prompt,
-and if it fills that, `stop_reason` says `max_tokens`, as it does when the cap is reached. A
-prompt that leaves no room is still a 400.
+then get nothing at all. Here the output is held to what the context leaves after the prompt
+(`max_tokens_is_cap`, the one policy in serving/token_limits.py), and if it fills that,
+`stop_reason` says `max_tokens`, as it does when the cap is reached. A prompt that leaves no
+room is still a 400.
 """
 
 from __future__ import annotations
@@ -39,8 +40,6 @@ async def create_message(ctx: ServerContext, req: MessagesRequest, raw: Request,
     chat = messages_input(req, strip_billing=strip_billing,
                           has_reasoning_tokens=ctx.has_reasoning_tokens)
     prompt, ids, params, plan = await prepare_chat(ctx, chat)
-    if params.max_tokens is None or params.max_tokens > req.max_tokens:
-        params.max_tokens = req.max_tokens  # the context's room, or less (see the module)
     parser = choice_parsers(chat, prompt, plan, ctx.reasoning_parser,
                             ctx.tool_call_parser)[0].parser
     message_id = f"msg_{uuid.uuid4().hex[:24]}"

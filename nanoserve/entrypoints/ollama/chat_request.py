@@ -1,6 +1,6 @@
 """Ollama's chat and generate bodies translated into the neutral `ChatInput`
-(`entrypoints/chat_input.py`): after this, nothing reads the pydantic request but the output
-caps (`num_predict`, `num_ctx`), which the serving side applies to the params.
+(`entrypoints/serving/chat_input.py`): after this, nothing reads the pydantic request but the output
+caps' first checks (`output_caps.py`).
 
 - `/api/chat` `messages`: each role as it is; an assistant's `tool_calls` (arguments as an
   object) and `thinking` (its earlier reasoning, which templates do not get). Ollama's calls
@@ -16,7 +16,7 @@ caps (`num_predict`, `num_ctx`), which the serving side applies to the params.
 - `think`: true or a level ("high", "medium", "low": gpt-oss's) → the template's
   `enable_thinking`, false → `enable_thinking=False` (vLLM's `chat_template_kwargs`); absent,
   the template's default. A level is also the reasoning effort (a thinking budget:
-  `openai/reasoning_options.py`), false the effort "none". A model without a reasoning
+  `serving/reasoning_options.py`), false the effort "none". A model without a reasoning
   parser refuses `think` true with Ollama's 400, `"<model>" does not support thinking`; false
   is accepted for any model.
 
@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from nanoserve.entrypoints.ollama.output_caps import UP_TO_CONTEXT
 from nanoserve.entrypoints.ollama.protocol import (
     OllamaChatRequest,
     OllamaGenerateRequest,
@@ -86,10 +87,13 @@ def generate_input(req: OllamaGenerateRequest, model: str, can_think: bool) -> C
 
 
 def sampling_input(req: OllamaChatRequest | OllamaGenerateRequest) -> SamplingInput:
-    """`options` as the sampling fields; the output's length is left to the context (the
-    caps are the serving side's, `output_caps.py`)."""
+    """`options` as the sampling fields; `num_predict` a cap on the output held to the
+    context's room, `num_ctx` a smaller context (`output_caps.py`)."""
     options = req.options or OllamaOptions()
+    asked = options.num_predict
     return SamplingInput(
+        max_tokens=None if asked in UP_TO_CONTEXT else asked, max_tokens_is_cap=True,
+        context_limit=options.num_ctx, context_field="options.num_ctx",
         temperature=options.temperature, top_p=options.top_p, top_k=options.top_k,
         min_p=options.min_p, repetition_penalty=options.repeat_penalty,
         presence_penalty=options.presence_penalty, frequency_penalty=options.frequency_penalty,

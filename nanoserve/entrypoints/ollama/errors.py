@@ -1,6 +1,6 @@
 """Ollama's error shape on its paths (`/api/...`): `{"error": "<message>"}` with the status the
 error already has, for every error those paths can give (the 401s and 413s too), by the
-middleware in `openai/error_shape.py`.
+middleware in `serving/error_shape.py`.
 
 Ollama's shape has no field for the request field at fault, so OpenAI's `param` is named in
 the message, in this API's words: the neutral chat machinery names fields as chat completions

@@ -1,4 +1,6 @@
-"""Ollama's `num_predict` and `num_ctx` as caps on one request's output.
+"""Ollama's `num_predict` and `num_ctx` as caps on one request's output: the values no request
+may take refused here, before any work; the caps themselves are the one max-tokens policy
+(serving/token_limits.py), which chat_request.py hands them to.
 
 `num_predict` caps the output, as Anthropic's `max_tokens` does here: Ollama stops at the
 context's end whatever was asked, so a cap past the room the prompt leaves is held to that
@@ -16,7 +18,6 @@ from __future__ import annotations
 
 from nanoserve.entrypoints.ollama.protocol import OllamaOptions
 from nanoserve.entrypoints.serving.errors import bad_request
-from nanoserve.sampling_params import SamplingParams
 
 UP_TO_CONTEXT = (-1, -2)  # Ollama's num_predict for "no cap" and "fill the context"
 
@@ -32,21 +33,3 @@ def check_caps(options: OllamaOptions | None) -> None:
     if options.num_ctx is not None and options.num_ctx < 1:
         raise bad_request(f"options.num_ctx must be >= 1, got {options.num_ctx}",
                           "options.num_ctx")
-
-
-def cap_output(params: SamplingParams, options: OllamaOptions | None, num_prompt: int) -> None:
-    """Hold `params.max_tokens` (the room the context leaves) to the request's caps."""
-    if options is None:
-        return
-    room = params.max_tokens
-    assert room is not None  # prepare_chat resolves it to the context's room
-    if options.num_ctx is not None and num_prompt + room > options.num_ctx:
-        if num_prompt >= options.num_ctx:
-            raise bad_request(f"the prompt has {num_prompt} tokens, which do not fit "
-                              f"options.num_ctx ({options.num_ctx}); raise num_ctx or "
-                              "shorten the prompt", "options.num_ctx")
-        room = options.num_ctx - num_prompt
-    asked = options.num_predict
-    if asked is not None and asked not in UP_TO_CONTEXT:
-        room = min(room, asked)
-    params.max_tokens = room

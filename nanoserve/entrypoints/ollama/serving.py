@@ -27,11 +27,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from nanoserve.entrypoints.ollama.chat_request import chat_input, generate_input
 from nanoserve.entrypoints.ollama.keep_alive import parse_keep_alive
-from nanoserve.entrypoints.ollama.output_caps import cap_output, check_caps
+from nanoserve.entrypoints.ollama.output_caps import check_caps
 from nanoserve.entrypoints.ollama.protocol import (
     OllamaChatRequest,
     OllamaGenerateRequest,
-    OllamaOptions,
 )
 from nanoserve.entrypoints.ollama.replies import ReplyShape, tool_call
 from nanoserve.entrypoints.ollama.sampling_options import check_sampling_options
@@ -64,7 +63,7 @@ async def create_chat(ctx: ServerContext, req: OllamaChatRequest, raw: Request) 
     if not req.messages:
         return JSONResponse(shape.empty("unload" if keep_alive == 0 else "load"))
     chat = chat_input(req, ctx.model_name, can_think=ctx.reasoning_parser is not None)
-    return await _reply(ctx, raw, chat, shape, req.options)
+    return await _reply(ctx, raw, chat, shape)
 
 
 async def create_generate(ctx: ServerContext, req: OllamaGenerateRequest,
@@ -80,13 +79,12 @@ async def create_generate(ctx: ServerContext, req: OllamaGenerateRequest,
     raw_prompt = req.prompt if req.raw else None
     if raw_prompt is None and not ctx.has_chat_template:  # Ollama's template, `{{ .Prompt }}`
         raw_prompt = f"{req.system}\n\n{req.prompt}" if req.system else req.prompt
-    return await _reply(ctx, raw, chat, shape, req.options, raw_prompt=raw_prompt)
+    return await _reply(ctx, raw, chat, shape, raw_prompt=raw_prompt)
 
 
 async def _reply(ctx: ServerContext, raw: Request, chat: ChatInput, shape: ReplyShape,
-                 options: OllamaOptions | None, raw_prompt: str | None = None) -> Response:
+                 raw_prompt: str | None = None) -> Response:
     prompt, ids, params, plan = await prepare_chat(ctx, chat, raw_prompt=raw_prompt)
-    cap_output(params, options, len(ids))
     parser = choice_parsers(chat, prompt, plan, ctx.reasoning_parser,
                             ctx.tool_call_parser)[0].parser
     outputs = ctx.engine.generate(f"ollama-{uuid.uuid4().hex}", prompt, ids, params)

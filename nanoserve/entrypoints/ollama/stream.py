@@ -16,8 +16,7 @@ from typing import Any
 
 from nanoserve.entrypoints.ollama.errors import ollama_error, ollama_message
 from nanoserve.entrypoints.ollama.replies import ReplyShape, ndjson, tool_call
-from nanoserve.entrypoints.serving.async_engine import EngineDeadError, RequestTimeoutError
-from nanoserve.entrypoints.serving.errors import APIError
+from nanoserve.entrypoints.serving.engine_errors import SERVING_ERRORS, api_error_of
 from nanoserve.outputs import RequestOutput
 from nanoserve.parsers.chat_stream import ChatStreamParser
 from nanoserve.parsers.events import (
@@ -68,11 +67,8 @@ async def with_error_lines(lines: AsyncGenerator[str, None]) -> AsyncIterator[st
     try:
         async for line in lines:
             yield line
-    except APIError as e:
-        yield ndjson(ollama_error(ollama_message(e.message, e.param)))
-    except EngineDeadError as e:
-        yield ndjson(ollama_error(f"the engine stopped: {e}"))
-    except (RequestTimeoutError, ValueError) as e:
-        yield ndjson(ollama_error(str(e)))
+    except SERVING_ERRORS as e:
+        error = api_error_of(e)
+        yield ndjson(ollama_error(ollama_message(error.message, error.param)))
     finally:
         await lines.aclose()  # (a client that went away: its request is aborted now)

@@ -7,6 +7,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 from fastapi import Request
@@ -105,14 +106,13 @@ async def prepare_completion(ctx: ServerContext, req: CompletionRequest, admit: 
     prompts = _prompts(ctx, batch)
     echo_only = req.echo and req.max_tokens == 0
     kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
-    fields = sampling_input(req, max_tokens=req.max_tokens, logprobs=req.logprobs)
+    fields = replace(sampling_input(req, max_tokens=req.max_tokens, logprobs=req.logprobs),
+                     echo_logprobs=req.logprobs if req.echo else None)
     jobs = []
     for text, ids in prompts:
         max_tokens = resolve_max_tokens(ctx, len(ids), 1 if echo_only else fields.max_tokens)
-        params = sampling_params(ctx, fields, max_tokens=max_tokens, output_kind=kind)
-        params.structured_outputs = structured
-        if req.echo and req.logprobs is not None and params.prompt_logprobs is None:
-            params.prompt_logprobs = req.logprobs
+        params = sampling_params(ctx, fields, max_tokens=max_tokens, output_kind=kind,
+                                 structured=structured)
         shown = text if text is not None else ctx.tokenizer.decode(ids)
         jobs.append((shown, ids, params))
     return jobs

@@ -7,8 +7,8 @@ import json
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
-from nanoserve.entrypoints.serving.async_engine import EngineDeadError, RequestTimeoutError
-from nanoserve.entrypoints.serving.errors import APIError, bad_request, sse_error
+from nanoserve.entrypoints.serving.engine_errors import SERVING_ERRORS, api_error_of
+from nanoserve.entrypoints.serving.errors import sse_error
 
 
 def sse_event(body: dict[str, Any], ensure_ascii: bool = False) -> str:
@@ -22,14 +22,8 @@ async def sse_with_errors(events: AsyncGenerator[str, None]) -> AsyncIterator[st
     try:
         async for event in events:
             yield event
-    except APIError as e:
-        yield sse_error(e)
-    except EngineDeadError as e:
-        yield sse_error(APIError(503, f"the engine stopped: {e}"))
-    except RequestTimeoutError as e:
-        yield sse_error(APIError(408, str(e)))
-    except ValueError as e:
-        yield sse_error(bad_request(str(e)))
+    except SERVING_ERRORS as e:
+        yield sse_error(api_error_of(e))
     finally:
         await events.aclose()  # (a client that went away: its requests are aborted now)
     yield "data: [DONE]\n\n"

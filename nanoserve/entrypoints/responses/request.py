@@ -1,4 +1,4 @@
-"""A Responses API body translated into the neutral `ChatInput` (`entrypoints/chat_input.py`).
+"""A Responses API body translated into the neutral `ChatInput` (`serving/chat_input.py`).
 
 Unlike chat completions' translation, this one reads items whose shape only their `type` tells,
 so it checks each item as it reads it and answers a 400 naming the field as the client wrote it

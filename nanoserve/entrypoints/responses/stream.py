@@ -25,8 +25,8 @@ from nanoserve.entrypoints.responses.response import (
     outcome,
     response_usage,
 )
-from nanoserve.entrypoints.serving.async_engine import EngineDeadError, RequestTimeoutError
-from nanoserve.entrypoints.serving.errors import APIError, bad_request
+from nanoserve.entrypoints.serving.engine_errors import SERVING_ERRORS, api_error_of
+from nanoserve.entrypoints.serving.errors import APIError
 from nanoserve.entrypoints.serving.server_context import ServerContext
 from nanoserve.outputs import RequestOutput
 from nanoserve.parsers.chat_stream import ChatStreamParser
@@ -90,8 +90,8 @@ async def stream_response(ctx: ServerContext, run: ResponseRun) -> AsyncIterator
             for event in items.feed(run.parser.feed(sample.text, sample.finished)):
                 yield frame(event)
             finish_reason = sample.finish_reason
-    except (APIError, EngineDeadError, RequestTimeoutError, ValueError) as e:
-        for text in _failed(frame, run.frame, items, _api_error(e)):
+    except SERVING_ERRORS as e:
+        for text in _failed(frame, run.frame, items, api_error_of(e)):
             yield text
         return
     finally:
@@ -103,17 +103,6 @@ async def stream_response(ctx: ServerContext, run: ResponseRun) -> AsyncIterator
                            run.num_reasoning_tokens(ctx, items, token_ids))
     yield frame({"type": f"response.{ended.status}",
                  "response": body(ended.status, items, usage, ended)})
-
-
-def _api_error(error: Exception) -> APIError:
-    """What went wrong after the 200, as the error a response before it would have been."""
-    if isinstance(error, APIError):
-        return error
-    if isinstance(error, EngineDeadError):
-        return APIError(503, f"the engine stopped: {error}")
-    if isinstance(error, RequestTimeoutError):
-        return APIError(408, str(error))
-    return bad_request(str(error))
 
 
 def _failed(frame: Framer, response: ResponseFrame, items: OutputItems,

@@ -72,7 +72,7 @@ ToolChoice = str | dict[str, Any] | None
 @dataclass(frozen=True)
 class ResponseFormatInput:
     """Every shape that constrains the output to a grammar (read by
-    `openai/structured_outputs.py`): OpenAI's `response_format`, vLLM's `structured_outputs`
+    `serving/structured_outputs.py`): OpenAI's `response_format`, vLLM's `structured_outputs`
     object and vLLM's older `guided_*` names."""
 
     response_format: dict[str, Any] | None = None
@@ -98,6 +98,11 @@ class SamplingInput:
 
     n: int = 1
     max_tokens: int | None = None  # None: up to the context length
+    # True: max_tokens is a cap held to the context's room (Anthropic's max_tokens, Ollama's
+    # num_predict); False: past the room it is a 400 (vLLM's rule). serving/token_limits.py
+    max_tokens_is_cap: bool = False
+    context_limit: int | None = None  # a smaller context for this request (Ollama's num_ctx)
+    context_field: str = "num_ctx"  # the client's name for that limit, for errors
     temperature: float | None = None
     # the wire format's own documented cap (Responses: 2, Messages: 1); None: vLLM's, none
     max_temperature: float | None = None
@@ -121,6 +126,9 @@ class SamplingInput:
     logprobs: int | None = None  # top alternatives per output token; None: no logprobs
     logprobs_field: str = "logprobs"  # the client's name for that count, for errors
     prompt_logprobs: int | None = None
+    # completions' echo with logprobs: the prompt's logprobs at that count where
+    # prompt_logprobs does not ask (vLLM's echo; allowed while streaming, unlike the field)
+    echo_logprobs: int | None = None
     logprobs_mode: str = "raw"
     thinking_token_budget: int | None = None
     extra_args: dict[str, Any] | None = None
@@ -149,5 +157,5 @@ class ChatInput:
     sampling: SamplingInput = field(default_factory=SamplingInput)
     template: TemplateOptions = field(default_factory=TemplateOptions)
     include_reasoning: bool = True  # split reasoning out (where the server has a parser)
-    # how much to reason: "none" ... "xhigh" (openai/reasoning_options.py); None: not said
+    # how much to reason: "none" ... "xhigh" (serving/reasoning_options.py); None: not said
     reasoning_effort: str | None = None

@@ -11,7 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from nanoserve.entrypoints.serving.async_engine import EngineDeadError, RequestTimeoutError
+from nanoserve.entrypoints.serving.engine_errors import SERVING_ERRORS, api_error_of
 from nanoserve.entrypoints.serving.errors import (
     APIError,
     api_error_handler,
@@ -30,18 +30,8 @@ def add_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, validation_error_handler)
     app.add_exception_handler(StarletteHTTPException, http_error_handler)
 
-    @app.exception_handler(EngineDeadError)
-    async def engine_dead(_: Request, exc: Exception) -> JSONResponse:
-        return JSONResponse(error_body(503, f"the engine stopped: {exc}"), status_code=503)
-
-    @app.exception_handler(RequestTimeoutError)
-    async def timed_out(_: Request, exc: Exception) -> JSONResponse:
-        # 408, as LiteLLM answers a timed-out call; the OpenAI SDK retries it like a 5xx
-        return JSONResponse(error_body(408, str(exc)), status_code=408)
-
-    @app.exception_handler(ValueError)
-    async def value_error(_: Request, exc: Exception) -> JSONResponse:
-        return JSONResponse(error_body(400, str(exc)), status_code=400)
+    for error_type in SERVING_ERRORS[1:]:  # (APIError's own handler above)
+        app.add_exception_handler(error_type, serving_error)
 
     @app.exception_handler(Exception)
     async def internal_error(_: Request, exc: Exception) -> JSONResponse:
@@ -49,6 +39,11 @@ def add_error_handlers(app: FastAPI) -> None:
         # traceback goes to the log, re-raised by Starlette after this answer)
         return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}"),
                             status_code=500)
+
+
+async def serving_error(_: Request, exc: Exception) -> JSONResponse:
+    error = api_error_of(exc)
+    return JSONResponse(error.body(), status_code=error.status)
 
 
 async def drain(ctx: ServerContext, timeout: float) -> None:

@@ -42,14 +42,18 @@ async def prepare_chat(ctx: ServerContext, chat: ChatInput, admit: bool = True,
         ids = ctx.tokenizer.encode(prompt, add_special_tokens=False)
     else:
         prompt, ids = raw_prompt, ctx.tokenizer.encode(raw_prompt, add_special_tokens=True)
-    max_tokens = resolve_max_tokens(ctx, len(ids), chat.sampling.max_tokens)
-    kind = RequestOutputKind.DELTA if chat.sampling.stream else RequestOutputKind.FINAL_ONLY
-    params = sampling_params(ctx, chat.sampling, max_tokens=max_tokens, output_kind=kind)
-    params.structured_outputs = structured
-    if plan.structured is not None:
-        params.structured_outputs = plan.structured
-        params.is_call_list = plan.mode == "required"  # ended at an exact repeat
+    fields = chat.sampling
+    max_tokens = resolve_max_tokens(ctx, len(ids), fields.max_tokens,
+                                    is_cap=fields.max_tokens_is_cap,
+                                    context_limit=fields.context_limit,
+                                    context_field=fields.context_field)
+    kind = RequestOutputKind.DELTA if fields.stream else RequestOutputKind.FINAL_ONLY
+    grammar = plan.structured if plan.structured is not None else structured
     after = grammar_after_reasoning(ctx, chat, prompt)
-    if params.structured_outputs is not None and after is not None:
-        params.structured_outputs = replace(params.structured_outputs, after_reasoning=after)
+    if grammar is not None and after is not None:
+        grammar = replace(grammar, after_reasoning=after)
+    params = sampling_params(ctx, fields, max_tokens=max_tokens, output_kind=kind,
+                             structured=grammar,
+                             # a forced list of calls, ended at an exact repeat
+                             is_call_list=plan.structured is not None and plan.mode == "required")
     return prompt, ids, params, plan

@@ -7,12 +7,21 @@ from nanoserve.entrypoints.serving.chat_input import SamplingInput
 from nanoserve.entrypoints.serving.errors import bad_request, from_value_error
 from nanoserve.entrypoints.serving.limits import check_bad_words, check_stops
 from nanoserve.entrypoints.serving.server_context import ServerContext
-from nanoserve.sampling_params import RequestOutputKind, SamplingParams
+from nanoserve.sampling_params import (
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
 
 def sampling_params(ctx: ServerContext, fields: SamplingInput, *, max_tokens: int,
-                    output_kind: RequestOutputKind) -> SamplingParams:
-    """The request's SamplingParams: explicit fields over the model's generation defaults."""
+                    output_kind: RequestOutputKind,
+                    structured: StructuredOutputsParams | None = None,
+                    is_call_list: bool = False) -> SamplingParams:
+    """The request's SamplingParams, built and checked once and carried to the engine as they
+    are: explicit fields over the model's generation defaults, the resolved output budget, the
+    grammar (`structured`, from the response format or a tool plan) and whether the output is
+    a forced list of calls."""
     if fields.stream_options is not None and not fields.stream:
         raise bad_request("stream_options can only be given when stream is true",
                           "stream_options")
@@ -38,17 +47,19 @@ def sampling_params(ctx: ServerContext, fields: SamplingInput, *, max_tokens: in
         spaces_between_special_tokens=fields.spaces_between_special_tokens,
         include_stop_str_in_output=fields.include_stop_str_in_output,
         allowed_token_ids=fields.allowed_token_ids, bad_words=fields.bad_words,
-        logit_bias=bias, logprobs=fields.logprobs, prompt_logprobs=fields.prompt_logprobs,
+        logit_bias=bias, logprobs=fields.logprobs,
+        prompt_logprobs=(fields.prompt_logprobs if fields.prompt_logprobs is not None
+                         else fields.echo_logprobs),
         logprobs_mode=fields.logprobs_mode, thinking_token_budget=fields.thinking_token_budget,
-        extra_args=fields.extra_args, output_kind=output_kind)
+        extra_args=fields.extra_args, output_kind=output_kind,
+        structured_outputs=structured, is_call_list=is_call_list)
     try:
         params = SamplingParams.from_generation_config(ctx.generation_defaults, **explicit)
-        params.check_token_ids(ctx.vocab_size)
+        params.check_limits(ctx.vocab_size, ctx.max_logprobs, fields.logprobs_field)
         for cls in ctx.processor_classes:
             cls.validate_params(params)
     except ValueError as e:
         raise from_value_error(e) from None
-    _check_logprob_counts(ctx, params, fields.logprobs_field)
     if params.thinking_token_budget is not None and not ctx.has_reasoning_tokens:
         raise bad_request("thinking_token_budget needs a model with reasoning tags "
                           "(<think> and </think> tokens); this model has none",
@@ -56,18 +67,6 @@ def sampling_params(ctx: ServerContext, fields: SamplingInput, *, max_tokens: in
     if params.bad_words:
         params.update_from_tokenizer(ctx.tokenizer)
     return params
-
-
-def _check_logprob_counts(ctx: ServerContext, params: SamplingParams,
-                          logprobs_field: str) -> None:
-    """At most --max-logprobs, named as the request names the count (chat's top_logprobs,
-    completions' logprobs)."""
-    field_of = {"logprobs": logprobs_field, "prompt_logprobs": "prompt_logprobs"}
-    for name, field_name in field_of.items():
-        asked = getattr(params, name)
-        if asked is not None and asked > ctx.max_logprobs:
-            raise bad_request(f"{field_name} must be <= {ctx.max_logprobs} (--max-logprobs), "
-                              f"got {asked}", field_name)
 
 
 def _check_temperature(fields: SamplingInput) -> None:
