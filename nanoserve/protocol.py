@@ -228,6 +228,8 @@ class StepOutput(msgspec.Struct, array_like=True):
     sample_seconds: float = 0.0  # time in the grammar mask and the sampler
     # one vector per StepInput.pooling entry that `is_last`, in order (float32)
     pooled: list[np.ndarray] = []
+    # the slots added this step whose sequence a custom logits processor keeps from drafts
+    draft_refusing_slots: list[int] = []
 
 
 _ARRAY_EXT = 1  # msgpack extension code of a numpy array

@@ -136,7 +136,7 @@ def compare_compiled(engine: EngineCore, batch_sizes: list[int], context_len: in
                      ) -> list[tuple[int, float, float, float, bool]]:
     """(batch, native step seconds, compiled step seconds, seconds to compile, whether one
     step's final hidden states were the same bits), medians over interleaved rounds."""
-    model, plan = engine.loaded.model, engine.runner.plan
+    model, plan = engine.runner.model, engine.runner.plan
     figures: list[tuple[int, float, float, float, bool]] = []
     for batch in batch_sizes:
         ids = start_decoding(engine, batch, context_len, 2 * rounds * (repeats + 1) + 3,

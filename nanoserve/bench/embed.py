@@ -81,11 +81,11 @@ def run_embed_bench(args: argparse.Namespace, build_llm: LLMFactory) -> int:
     start = time.perf_counter()
     llm = cast(EmbeddingLLM, build_llm(engine_args))
     pooling = llm.engine.config.model.pooling
-    print(f"nanoserve loaded {llm.engine.loaded.name} in {time.perf_counter() - start:.1f} s "
+    print(f"nanoserve loaded {llm.engine.model_info.name} in {time.perf_counter() - start:.1f} s "
           f"({llm.engine.config.model.torch_device}, threads={torch.get_num_threads()}, "
-          f"pooling={pooling}, weights={llm.engine.loaded.quantization})")
+          f"pooling={pooling}, weights={llm.engine.model_info.quantization})")
     reference = None if args.skip_transformers else timed_load_transformers(
-        llm.engine.loaded.path)
+        llm.engine.model_info.path)
     best: dict[str, Round] = {}
     agreement: list[float] = []
     for round_ in range(args.repeats):

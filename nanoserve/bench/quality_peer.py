@@ -77,7 +77,7 @@ def run_vs_llama_cpp(llm: object, mode: str, text: Path, n_ctx: int, threads: in
     """One table row: this mode's perplexity counted as llama-perplexity counts it, and the
     tool's own on the same file (llm: an offline LLM holding a GGUF model)."""
     tokenizer, engine = llm.tokenizer, llm.engine  # type: ignore[attr-defined]
-    model_path = engine.loaded.path
+    model_path = engine.model_info.path
     if model_path.suffix != ".gguf":
         raise ValueError(f"--vs-llama-cpp needs a GGUF model file, not {model_path}")
     ids = tokenizer.encode(text.read_text(encoding="utf-8"))  # with a BOS, as llama.cpp

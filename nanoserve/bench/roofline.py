@@ -39,7 +39,7 @@ def start_decoding(engine: EngineCore, batch: int, context_len: int, num_steps: 
 
     Each gets enough `max_tokens` to decode through `num_steps` more steps."""
     rng = random.Random(1)
-    vocab = engine.loaded.arch.vocab_size
+    vocab = engine.model_info.arch.vocab_size
     # Early requests decode while later ones still prefill (chunked): room for all those steps.
     budget = engine.config.scheduler.max_num_batched_tokens
     prefill_steps = batch * context_len // max(1, budget - batch) + 2

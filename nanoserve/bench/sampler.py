@@ -188,8 +188,8 @@ def interleaved_medians_ms(timers: Sequence[Callable[[], float]],
 def run_sampler_bench(args: argparse.Namespace, build_llm: LLMFactory) -> int:
     llm = build_llm(EngineArgs.from_cli_args(args))
     sizes = [int(b) for b in args.batch_sizes.split(",")]
-    vocab = llm.engine.loaded.arch.vocab_size
-    print(f"logits [B, {vocab}] from {llm.engine.loaded.name}, float32, "
+    vocab = llm.engine.model_info.arch.vocab_size
+    print(f"logits [B, {vocab}] from {llm.engine.model_info.name}, float32, "
           f"threads={torch.get_num_threads()}; medians of {args.repeats}, interleaved\n")
     print(f"{'B':>5} {'nanoserve ms':>13} {'PyTorch path ms':>16} {'per-row loop ms':>16}"
           f" {'multinomial ms':>15} {'vs PyTorch path':>16} {'vs loop':>8}"

@@ -186,7 +186,7 @@ def run_step_profile(engine: EngineCore, args: argparse.Namespace) -> list[StepP
           f"CPU kernels: {loaded_tier() or 'none'} (NANOSERVE_CPU_ISA to choose), "
           f"median of {args.repeats}\nkernel schedule: "
           f"{engine.kernel_schedule or 'none'} (--kernel-tuning)\n")
-    model = engine.loaded.model
+    model = engine.runner.model
     probe = ReadProbe(model)  # read rates sampled between the timed steps
     profiles = [profile_decode_step(engine, size, args.context_len, args.repeats, probe)
                 for size in sizes]

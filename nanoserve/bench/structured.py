@@ -70,8 +70,8 @@ def run_structured_bench(args: argparse.Namespace, build_llm: LLMFactory) -> int
     start = time.perf_counter()
     llm = build_llm(engine_args)
     engine = llm.engine
-    print(f"loaded {engine.loaded.name} in {time.perf_counter() - start:.1f} s "
-          f"(quantization {engine.loaded.quantization}); medians of {args.repeats} "
+    print(f"loaded {engine.model_info.name} in {time.perf_counter() - start:.1f} s "
+          f"(quantization {engine.model_info.quantization}); medians of {args.repeats} "
           "alternating runs")
     parts = args.parts.split(",")
     if "compile" in parts:
@@ -85,7 +85,7 @@ def run_structured_bench(args: argparse.Namespace, build_llm: LLMFactory) -> int
 
 # -- 2) compile times ---------------------------------------------------------------------------
 def _report_compile_times(engine: EngineCore, repeats: int) -> None:
-    loaded = engine.loaded
+    loaded = engine.model_info
     cold = GrammarCompiler(loaded.tokenizer, loaded.arch.vocab_size, loaded.eos_token_ids,
                            max_cached=0)
     warm_up = time.perf_counter()
@@ -120,7 +120,7 @@ def _compile_seconds(compiler: GrammarCompiler, params: StructuredOutputsParams)
 # -- 1) throughput ------------------------------------------------------------------------------
 def _report_throughput(engine: EngineCore, args: argparse.Namespace) -> None:
     rng = np.random.default_rng(1)
-    vocab = engine.loaded.arch.vocab_size
+    vocab = engine.model_info.arch.vocab_size
     prompts = [rng.integers(3, vocab, args.input_len).tolist() for _ in range(args.batch)]
     free = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     items = list(ITEM_SCHEMAS.values())
@@ -164,7 +164,7 @@ BLOCK_STEPS = 10  # steps per block; blocks of the variants take turns
 
 
 def _report_itl(engine: EngineCore, args: argparse.Namespace) -> None:
-    loaded = engine.loaded
+    loaded = engine.model_info
     at_nice_0 = GrammarCompiler(loaded.tokenizer, loaded.arch.vocab_size, loaded.eos_token_ids,
                                 worker_nice=0)
     at_nice_0.compile(StructuredOutputsParams(regex="a"))  # its tokenizer, before timing
@@ -194,7 +194,7 @@ def _interleaved_step_times(engine: EngineCore, args: argparse.Namespace,
     """One free batch decodes; its steps go to the variants in turn, BLOCK_STEPS at a time (so
     the machine's other load falls on all alike). In a variant's block a compile of a schema
     never seen before is always in flight; it is finished, untimed, before the next block."""
-    vocab = engine.loaded.arch.vocab_size
+    vocab = engine.model_info.arch.vocab_size
     rng = np.random.default_rng(0)
     num_steps = args.itl_steps * len(variants)
     free = SamplingParams(temperature=0.0, max_tokens=num_steps + 2, ignore_eos=True)

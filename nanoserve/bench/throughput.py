@@ -103,10 +103,10 @@ def run_throughput_bench(args: argparse.Namespace, build_llm: LLMFactory) -> int
                           max_num_seqs=max(engine_args.max_num_seqs, args.num_prompts))
     start = time.perf_counter()
     llm = build_llm(engine_args)
-    print(f"nanoserve loaded {llm.engine.loaded.name} in {time.perf_counter() - start:.1f} s "
+    print(f"nanoserve loaded {llm.engine.model_info.name} in {time.perf_counter() - start:.1f} s "
           f"({llm.engine.config.model.torch_device}, threads={torch.get_num_threads()})")
     reference = None if args.skip_transformers else timed_load_transformers(
-        llm.engine.loaded.path)
+        llm.engine.model_info.path)
     sizes = [args.num_prompts] + ([] if args.skip_single or args.num_prompts == 1 else [1])
     best: dict[tuple[str, int], Result] = {}  # (engine, sequences) -> its fastest round
     for size in sizes:
@@ -129,7 +129,7 @@ def run_throughput_bench(args: argparse.Namespace, build_llm: LLMFactory) -> int
 
     print(f"\n{args.num_prompts} prompts x {args.input_len} tokens -> {args.output_len} "
           f"output tokens each (greedy, EOS ignored); nanoserve weights: "
-          f"{llm.engine.loaded.quantization}, transformers: float32; best of {args.repeats} "
+          f"{llm.engine.model_info.quantization}, transformers: float32; best of {args.repeats} "
           f"rounds each")
     print(f"{'sequences':>10} {'nanoserve tok/s':>16} {'transformers tok/s':>19} {'ratio':>7}")
     for i, ours_result in enumerate(ours):
@@ -140,7 +140,7 @@ def run_throughput_bench(args: argparse.Namespace, build_llm: LLMFactory) -> int
     if not args.skip_roofline:
         batch = args.num_prompts
         step = measure_decode_step(llm.engine, batch, args.input_len)
-        matmuls = measure_matmuls(llm.engine.loaded.model, batch, args.input_len)
+        matmuls = measure_matmuls(llm.engine.runner.model, batch, args.input_len)
         print(f"\ndecode step at batch {batch}, context ~{args.input_len}: {step * 1e3:.1f} ms")
         print(f"  its matmuls alone: {matmuls.total * 1e3:.1f} ms (projections and LM head "
               f"{matmuls.projections * 1e3:.1f} ms, attention QK/PV {matmuls.attention * 1e3:.1f}"

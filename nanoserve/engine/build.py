@@ -40,7 +40,7 @@ def build_engine_core(config: EngineConfig, *, engine_tokenizer: bool = False) -
         max_rows = EngineCore.max_sampled_rows(config)
         if config.model.zero_cost_runner:
             runner = ZeroCostRunner(rank0.runner, max_rows)
-        # the sampler lives in the worker; the core reads it only to validate requests
+        # the sampler lives in rank 0's worker (the core admits with the same checks)
         sampler = Sampler(config.scheduler.max_num_seqs, loaded.arch.vocab_size,
                           config.model.torch_device, loaded.eos_token_ids,
                           ReasoningTokens.of(loaded.tokenizer),
@@ -48,7 +48,7 @@ def build_engine_core(config: EngineConfig, *, engine_tokenizer: bool = False) -
         worker = Worker(runner, sampler)
         executor: Executor = (InProcessExecutor(worker) if ranks is None
                               else TPExecutor(worker, ranks))
-        core = EngineCore(config, executor, loaded, rank0.num_blocks)
+        core = EngineCore(config, executor, loaded.info(), rank0.num_blocks)
         core.kernel_schedule = rank0.kernel_schedule
     except BaseException:
         if ranks is not None:

@@ -39,7 +39,7 @@ from nanoserve.engine.scheduler import ScheduledRequest, Scheduler
 from nanoserve.engine.step_input import build_step_input
 from nanoserve.engine.zero_cost_runner import ZeroCostRunner
 from nanoserve.model.kv_groups import kv_layer_groups
-from nanoserve.model.loader import LoadedModel
+from nanoserve.model.loader import ModelInfo
 from nanoserve.pooling_params import PoolingParams
 from nanoserve.profiling import scope
 from nanoserve.protocol import (
@@ -51,6 +51,8 @@ from nanoserve.protocol import (
     TokenLogprobs,
 )
 from nanoserve.reasoning_section import ReasoningTokens
+from nanoserve.sample.admission import SamplingAdmission
+from nanoserve.sample.logits_processor import load_processor_classes
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.structured.manager import StructuredOutputManager
 
@@ -67,45 +69,47 @@ class EngineCore:
     """The continuous-batching engine: `add_request`, `step`, `abort`, `has_unfinished`.
     Built by `engine/build.py`'s `build_engine_core`, which starts its executor's workers."""
 
-    def __init__(self, config: EngineConfig, executor: Executor, loaded: LoadedModel,
+    def __init__(self, config: EngineConfig, executor: Executor, model_info: ModelInfo,
                  num_blocks: int) -> None:
         """`executor` runs each step on the workers (their KV caches hold `num_blocks`
-        blocks); `loaded` is rank 0's model and tokenizer, which the core reads for the
-        vocabulary, the EOS ids and the grammars."""
+        blocks; their runners hold the weights); `model_info` is what the core reads of the
+        model: the vocabulary, the EOS ids, the tokenizer for the grammars."""
         self.config = config
         self.executor = executor
-        self.loaded = loaded
+        self.model_info = model_info
         block_size = config.cache.block_size
-        groups = kv_layer_groups(loaded.arch)
+        groups = kv_layer_groups(model_info.arch)
         self.max_model_len = self._max_model_len(groups.tokens_held(num_blocks, block_size))
         self.kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching,
                                        record_events=config.kv_events.enable_kv_cache_events,
                                        group_windows=groups.windows)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len,
-                                   self._pacer(config, loaded))
+                                   self._pacer(config, model_info))
         # every running request's blocks by slot; a step's block table is read from it
         num_slots = config.scheduler.max_num_seqs
         self.block_tables = [BlockTable(num_slots, -(-self.max_model_len // block_size))
                              for _ in groups.windows]  # one per KV layer group
         self.block_table = self.block_tables[0]
         self.proposer = load_draft_proposer(config.scheduler.draft_proposer)
-        # the sampler lives in the worker; the core reads it only to validate requests
-        self.sampler = executor.local_worker.sampler
+        reasoning = ReasoningTokens.of(model_info.tokenizer)
+        # the sampler lives in rank 0's worker; the core admits with the same checks
+        self.admission = SamplingAdmission(
+            model_info.eos_token_ids, reasoning is not None,
+            tuple(load_processor_classes(config.sampler.logits_processors)))
         self.seed_rng = random.Random(config.model.seed)
         self.structured = StructuredOutputManager(
-            loaded.tokenizer, loaded.arch.vocab_size, loaded.eos_token_ids,
-            self.max_sampled_rows(config), config.model.torch_device,
-            ReasoningTokens.of(loaded.tokenizer))
+            model_info.tokenizer, model_info.arch.vocab_size, model_info.eos_token_ids,
+            self.max_sampled_rows(config), config.model.torch_device, reasoning)
         self.compiling: dict[str, Request] = {}  # requests whose grammar is compiling
         self.kernel_schedule = ""  # the CPU kernels' schedule in one line (kernel_tuning/)
         self.stats = SchedulerStats()  # brought up to date by every step and abort
 
     @staticmethod
-    def _pacer(config: EngineConfig, loaded: LoadedModel) -> PrefillPacer | None:
+    def _pacer(config: EngineConfig, model_info: ModelInfo) -> PrefillPacer | None:
         factor = config.scheduler.prefill_pacing
         if not factor:
             return None
-        arch = loaded.arch
+        arch = model_info.arch
         return PrefillPacer(factor, tokens_per_unit_of_context(
             arch.hidden_size, arch.active_intermediate_size, arch.num_layers, arch.num_heads,
             arch.num_kv_heads, arch.head_dim))
@@ -119,7 +123,7 @@ class EngineCore:
         return config.scheduler.max_num_seqs * (1 + drafts)
 
     def _max_model_len(self, cache_tokens: int) -> int:
-        arch = self.loaded.arch
+        arch = self.model_info.arch
         wanted = self.config.model.max_model_len
         limit = arch.max_position_embeddings  # a sliding window is attended as it is, no cap
         if wanted is not None:
@@ -158,14 +162,15 @@ class EngineCore:
         requests.
         """
         if pooling_params is not None:
-            pooling_params.check(self.loaded.arch.hidden_size, self.loaded.arch.vocab_size)
+            pooling_params.check(self.model_info.arch.hidden_size,
+                                 self.model_info.arch.vocab_size)
             params = SamplingParams(max_tokens=1)  # never read: a pooling request samples nothing
-        request = Request(request_id, prompt_token_ids, params, self.loaded.eos_token_ids,
+        request = Request(request_id, prompt_token_ids, params, self.model_info.eos_token_ids,
                           pooling_params, self.config.model.pooling)
         request.tenant = tenant
         if prefill_leader is not None:
             request.prefill_leader = self.scheduler.requests.get(prefill_leader)
-        vocab = self.loaded.arch.vocab_size
+        vocab = self.model_info.arch.vocab_size
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is out of range [0, {vocab})")
@@ -184,8 +189,8 @@ class EngineCore:
     def _check_sampling(self, params: SamplingParams) -> None:
         """Refuse what the sampler cannot do, with the API's checks and words (the API server
         ran them already; a client of the engine's own has not)."""
-        params.check_limits(self.loaded.arch.vocab_size, self.config.sampler.max_logprobs)
-        self.sampler.validate(params)
+        params.check_limits(self.model_info.arch.vocab_size, self.config.sampler.max_logprobs)
+        self.admission.check(params)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free everything it holds; False if it was not in the engine."""
@@ -234,6 +239,11 @@ class EngineCore:
                                          time.perf_counter() - started)
         self.stats.sample_seconds += out.sample_seconds
         self._collect_prompt_logprobs(sched.scheduled, step, out)
+        if out.draft_refusing_slots:
+            refusing = set(out.draft_refusing_slots)
+            for s in sched.scheduled:
+                if s.request.slot in refusing:
+                    s.request.refuses_drafts = True
         # 4) commit each request's tokens (1 + its accepted drafts), finish those that stop
         first_rows = np.cumsum(step.num_sample_rows) - step.num_sample_rows  # [requests]
         new_token_ids = [out.sampled_token_ids[row : row + taken]
@@ -312,7 +322,7 @@ class EngineCore:
         cannot see draft rows (every built-in stage and the grammar mask take draft rows as a
         one-token decode after the drafts before them: sample/stages.py, `_fill_grammars`)."""
         return (request.slot is not None and not request.is_pooling
-                and not self.sampler.refuses_drafts(request.slot))
+                and not request.refuses_drafts)
 
     # -- structured outputs ---------------------------------------------------------------------
     def _fill_grammars(self, sampling: list[ScheduledRequest]) -> tuple[np.ndarray, np.ndarray]:

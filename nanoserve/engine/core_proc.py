@@ -78,12 +78,12 @@ class EngineCoreProc:
     def ready_message(self) -> EngineReady:
         core = self.core
         return EngineReady(
-            model_name=core.loaded.name, max_model_len=core.max_model_len,
-            vocab_size=core.loaded.arch.vocab_size, num_blocks=core.kv_cache.num_blocks,
+            model_name=core.model_info.name, max_model_len=core.max_model_len,
+            vocab_size=core.model_info.arch.vocab_size, num_blocks=core.kv_cache.num_blocks,
             block_size=core.config.cache.block_size,
             logits_processors=[f"{p.__module__}:{p.__qualname__}"
-                               for p in map(type, core.sampler.processors)],
-            hidden_size=core.loaded.arch.hidden_size, pooling=core.config.model.pooling,
+                               for p in core.admission.processor_classes],
+            hidden_size=core.model_info.arch.hidden_size, pooling=core.config.model.pooling,
             engine_index=self.engine_index, cpu_isa=loaded_tier() or "",
             kernel_schedule=core.kernel_schedule)
 

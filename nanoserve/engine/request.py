@@ -65,6 +65,9 @@ class Request:
         self.draft_acceptance = 1.0
         self.tenant = ""  # the digest of the API key it came with (SequenceData.tenant)
         self.steps_without_drafts = 0
+        # a custom logits processor of its sampler slot cannot see draft rows (the worker
+        # says so when the slot is added: StepOutput.draft_refusing_slots)
+        self.refuses_drafts = False
         # prefill only: what to pool once the prompt is computed, and how ("last" | "mean";
         # a "score" request reads the last position whatever the engine's --pooling)
         self.pooling_params = pooling_params

@@ -1,20 +1,21 @@
 """A tensor-parallel worker: ranks 1..N-1, each a process that runs only the forward.
 
 A worker holds its shard of the weights and of the KV cache (its KV heads of every block, the
-same block ids as rank 0) and loops on the steps rank 0 publishes: the same `StepInput` rank
-0's own worker runs, so the ranks meet in the same collectives in the same order (the
-all-reduces of every layer, the logits gathered to rank 0). It has no scheduler, sampler,
-tokenizer or grammar: only rank 0 samples (nano-vllm's `ModelRunner.loop`).
+same block ids as rank 0) and follows the steps rank 0 publishes with rank 0's worker class
+(worker.py, without a sampler): the same `StepInput` rank 0's own worker runs, so the ranks
+meet in the same collectives in the same order (the all-reduces of every layer, the logits
+gathered to rank 0). It has no scheduler, sampler, tokenizer or grammar: only rank 0 samples
+(nano-vllm's `ModelRunner.loop`).
 
 It is started as `python -m nanoserve.engine.tp_worker RANK WORLD PORT STEP_ADDRESS CORES`
-(`start_worker`), the config as msgpack on stdin (never pickled). A rank on another node
-than rank 0 is started by its node's headless launcher (tp_node.py) with no STEP_ADDRESS: it
-reads the tcp address rank 0 published its steps on from the rendezvous store, and, its parent
-being that launcher, checks that rank 0 is there by asking the store (which lives in rank 0).
-The engine core runs in a daemonic multiprocessing child, which multiprocessing forbids to
-have children of its own; a plain subprocess is the same fresh interpreter a spawn context
-would give. A worker exits on `WorkerShutdown`, when rank 0 (or its launcher) is gone, or on
-any error (a collective whose peer died raises): rank 0 notices the exit and fails the engine
+(`start_worker`), the config as msgpack on stdin (never pickled). A rank on another node than
+rank 0 is started by its node's headless launcher (tp_node.py) with no STEP_ADDRESS: it reads
+the tcp address rank 0 published its steps on from the rendezvous store, and, its parent being
+that launcher, checks that rank 0 is there by asking the store (which lives in rank 0). The
+engine core runs in a daemonic multiprocessing child, which multiprocessing forbids to have
+children of its own; a plain subprocess is the same fresh interpreter a spawn context would
+give. A worker exits on `WorkerShutdown`, when rank 0 (or its launcher) is gone, or on any
+error (a collective whose peer died raises): rank 0 notices the exit and fails the engine
 (tp_executor.py).
 """
 
@@ -30,17 +31,16 @@ import traceback
 from dataclasses import replace
 
 import msgspec
-import torch
 import torch.distributed as dist
 import zmq
 
 from nanoserve.config import EngineConfig, SamplerConfig, SchedulerConfig
 from nanoserve.engine.cores import pin_to_cores
 from nanoserve.engine.memory import keep_freed_memory_in_heap
-from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.engine.rank_build import build_rank
+from nanoserve.engine.worker import Worker
 from nanoserve.model.parallel import connect_rendezvous, destroy_group, init_group
-from nanoserve.protocol import StepInput, WorkerShutdown, decode_worker_message
+from nanoserve.protocol import WorkerShutdown, decode_worker_message
 
 _PARENT_CHECK_MS = 500  # how long an idle worker waits for a step before checking rank 0
 STEP_ADDRESS_KEY = "nanoserve/step_address"  # rank 0's tcp step publisher, in the store
@@ -65,23 +65,6 @@ def start_worker(config_bytes: bytes, rank: int, world_size: int, port: int,
     return proc
 
 
-class TPWorker:
-    """A rank's model runner, driven by the steps rank 0 publishes."""
-
-    def __init__(self, runner: ModelRunner) -> None:
-        self.runner = runner
-
-    @torch.inference_mode()
-    def execute(self, step: StepInput) -> None:
-        """The forward and every logits computation rank 0 makes for this step (each gathers
-        over the group): the sampled and prompt-logprob rows, then "score" pooling rows."""
-        _, _, hidden = self.runner.execute_step(step)
-        score_rows = [e.first_row + e.num_rows - 1 for e in step.pooling
-                      if e.is_last and e.params.task == "score"]
-        if score_rows:  # the rows, in the order rank 0's Pooler asks for them
-            self.runner.compute_logits(hidden.index_select(0, torch.tensor(score_rows)))
-
-
 def run_tp_worker(config: EngineConfig, rank: int, world_size: int, port: int,
                   step_address: str, cores: list[int] | None) -> int:
     """Join the group, load this rank's shard, run steps until told to stop; the exit code."""
@@ -95,7 +78,8 @@ def run_tp_worker(config: EngineConfig, rank: int, world_size: int, port: int,
     is_remote = not step_address  # on another node than rank 0
     if is_remote:  # rank 0 set it before it joined the group
         step_address = store.get(STEP_ADDRESS_KEY).decode()
-    worker = TPWorker(build_rank(config, group, engine_tokenizer=True).runner)  # as rank 0's
+    # rank 0's worker class, without a sampler: it follows the steps (worker.py)
+    worker = Worker(build_rank(config, group, engine_tokenizer=True).runner, sampler=None)
     gc.collect()
     gc.freeze()  # the loaded model out of the collector's sight, as in the engine core
     # 2) subscribe to the steps: rank 0 waits for every subscription before its first step
@@ -119,7 +103,7 @@ def run_tp_worker(config: EngineConfig, rank: int, world_size: int, port: int,
         message = decode_worker_message(sock.recv())
         if isinstance(message, WorkerShutdown):
             break
-        worker.execute(message)
+        worker.follow(message)
     sock.close(linger=0)
     context.term()
     destroy_group(group)

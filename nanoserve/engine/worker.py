@@ -1,11 +1,13 @@
 """What one rank does in a step: the forward, pooling, the grammar mask, the sampler.
 
-A worker sees only the step input (protocol.py's `StepInput`): flat token ids, positions,
-cache rows, block tables, the rows to sample and the slots added and released. It never sees
-a `Request` or the scheduler, so the same worker can run in another process. It keeps the
-sampler's per-slot state and its own copy of each running sequence's token ids (the stages
-that read a sequence's history, and custom logits processors, read them), appending the tokens
-each step commits.
+One class on every rank: rank 0's worker samples; a tensor-parallel rank above 0 has no sampler
+(`sampler=None`) and `follow`s each step: the forward and every logits computation rank 0 makes
+in it, so the ranks meet in the same collectives in the same order. A worker sees only the step
+input (protocol.py's `StepInput`): flat token ids, positions, cache rows, block tables, the
+rows to sample and the slots added and released. It never sees a `Request` or the scheduler, so
+the same worker can run in another process. It keeps the sampler's per-slot state and its own
+copy of each running sequence's token ids (the stages that read a sequence's history, and
+custom logits processors, read them), appending the tokens each step commits.
 """
 
 from __future__ import annotations
@@ -26,26 +28,45 @@ from nanoserve.structured.bitmask import apply_bitmask
 
 
 class Worker:
-    """A model runner (model + KV cache) and a sampler, driven one `StepInput` at a time."""
+    """A model runner (model + KV cache) and, on rank 0, a sampler, driven one `StepInput` at
+    a time."""
 
-    def __init__(self, runner: ModelRunner | ZeroCostRunner, sampler: Sampler) -> None:
+    def __init__(self, runner: ModelRunner | ZeroCostRunner, sampler: Sampler | None) -> None:
         self.runner = runner
         self.sampler = sampler
         self.output_token_ids: dict[int, list[int]] = {}  # by slot, the worker's own copy
         self.pooler = Pooler()  # prefill-only requests' vectors (and means' running sums)
 
     @torch.inference_mode()
+    def follow(self, step: StepInput) -> None:
+        """A rank above 0: the forward and every logits computation rank 0 makes for this step
+        (each gathers over the group): the sampled and prompt-logprob rows inside the forward,
+        then "score" pooling rows, in the order rank 0's Pooler asks for them."""
+        _, _, hidden = self.runner.execute_step(step)
+        score_rows = [e.first_row + e.num_rows - 1 for e in step.pooling
+                      if e.is_last and e.params.task == "score"]
+        if score_rows:
+            self.runner.compute_logits(hidden.index_select(0, torch.tensor(score_rows)))
+
+    @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:
+        """Rank 0's step: the forward, pooling, the grammar mask and the draw."""
+        sampler = self.sampler
+        assert sampler is not None, "a rank without a sampler follows the steps (follow)"
         # 1) slots: the released ones are cleared before the new ones are written
         for slot in step.released_slots:
-            self.sampler.remove_request(slot)
+            sampler.remove_request(slot)
             self.output_token_ids.pop(slot, None)
             self.pooler.release(slot)
         for new in step.new_sequences:
             output_ids = list(new.output_token_ids)
             self.output_token_ids[new.slot] = output_ids
-            self.sampler.add_request(SequenceData(new.slot, new.params, new.prompt_token_ids,
-                                                  output_ids, new.seed))
+            sampler.add_request(SequenceData(new.slot, new.params, new.prompt_token_ids,
+                                             output_ids, new.seed))
+        # the core decides drafts; which new slots a custom processor keeps from them is the
+        # sampler's to know (a processor's add_request), so it goes back with the output
+        refusing = [new.slot for new in step.new_sequences
+                    if sampler.refuses_drafts(new.slot)]
         # 2) the forward, and the logits of the rows that sample
         with scope("nanoserve.model"):
             logits, prompt_logits, hidden = self.runner.execute_step(step)  # [S, vocab]
@@ -60,12 +81,12 @@ class Worker:
                 apply_bitmask(logits, torch.from_numpy(step.grammar_bitmask),
                               torch.from_numpy(step.grammar_rows), packed=True)
         with scope("nanoserve.sample"):
-            batch = self.sampler.make_batch(step.sample_slots, step.sample_positions,
+            batch = sampler.make_batch(step.sample_slots, step.sample_positions,
                                             step.draft_token_ids, step.num_sample_rows)
-            sampled = self.sampler.sample(logits, batch)
+            sampled = sampler.sample(logits, batch)
         self._append_committed(step, sampled.token_ids, sampled.num_accepted)
         return StepOutput(sampled.token_ids, sampled.num_accepted, sampled.logprobs, prompts,
-                          time.perf_counter() - start, pooled)
+                          time.perf_counter() - start, pooled, refusing)
 
     def _append_committed(self, step: StepInput, token_ids: list[int],
                           num_accepted: list[int]) -> None:

@@ -74,7 +74,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     """A terminal chat: the history grows turn by turn; Ctrl-C stops a reply, Ctrl-D quits."""
     llm = build_llm(EngineArgs.from_cli_args(args))
     # settings for a person: the model's own, else a tail-cutting preset; flags given win
-    defaults = chat_defaults(llm.engine.loaded.generation_config, llm.engine.max_model_len)
+    defaults = chat_defaults(llm.engine.model_info.generation_config, llm.engine.max_model_len)
     for name, value in defaults.sampling().items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -82,7 +82,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     history: list[dict[str, str]] = []
     if args.system:
         history.append({"role": "system", "content": args.system})
-    print(f"nanoserve chat with {llm.engine.loaded.name} (Ctrl-D or /quit to leave)")
+    print(f"nanoserve chat with {llm.engine.model_info.name} (Ctrl-D or /quit to leave)")
     print(describe(vars(args), defaults.source))
     while True:
         try:

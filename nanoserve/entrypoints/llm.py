@@ -55,7 +55,7 @@ class LLM:
                              "runs one engine core; several run behind `nanoserve serve "
                              "--data-parallel-size N`")
         self.engine = build_engine_core(config)
-        self.tokenizer = self.engine.loaded.tokenizer
+        self.tokenizer = self.engine.model_info.tokenizer
         self._request_ids = itertools.count()
 
     def get_tokenizer(self) -> Any:
@@ -63,7 +63,7 @@ class LLM:
 
     def get_default_sampling_params(self) -> SamplingParams:
         """vLLM's defaults under the model's generation_config.json (temperature, top_p, ...)."""
-        return SamplingParams.from_generation_config(self.engine.loaded.generation_config)
+        return SamplingParams.from_generation_config(self.engine.model_info.generation_config)
 
     def _submit(self, processor: OutputProcessor, text: str | None, token_ids: list[int],
                 params: SamplingParams) -> str:

@@ -46,11 +46,11 @@ _DEFAULT_MODEL_ALIASES = (None, "", DEFAULT_MODEL_NAME, f"HuggingFaceTB/{DEFAULT
 LOAD_QUANTIZED_BLOCK = {"int8": 32}
 
 
-@dataclass
-class LoadedModel:
-    """A model ready to run, with everything the engine and the frontend need to know about it."""
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the engine core and the frontend know about a loaded model, without its weights
+    (those live in the workers' runners)."""
 
-    model: CausalLM
     arch: ArchConfig  # this rank's (its heads and MLP rows; the whole model at one rank)
     # a transformers PreTrainedTokenizerBase, or for an engine process (`engine_tokenizer`)
     # only what the engine reads of it (tokenizer.py's EngineTokenizer)
@@ -60,6 +60,25 @@ class LoadedModel:
     eos_token_ids: tuple[int, ...]
     generation_config: dict[str, Any] = field(default_factory=dict)
     quantization: str = "none"  # the resolved mode the matmul weights are held in
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to run, with everything the engine and the frontend need to know about it."""
+
+    model: CausalLM
+    arch: ArchConfig  # this rank's (its heads and MLP rows; the whole model at one rank)
+    tokenizer: Any  # as ModelInfo's
+    path: Path
+    name: str
+    eos_token_ids: tuple[int, ...]
+    generation_config: dict[str, Any] = field(default_factory=dict)
+    quantization: str = "none"  # the resolved mode the matmul weights are held in
+
+    def info(self) -> ModelInfo:
+        """All of it but the weights."""
+        return ModelInfo(self.arch, self.tokenizer, self.path, self.name, self.eos_token_ids,
+                         self.generation_config, self.quantization)
 
 
 def default_model_path() -> Path:

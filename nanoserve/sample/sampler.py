@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from nanoserve.reasoning_section import ReasoningTokens
+from nanoserve.sample.admission import SamplingAdmission
 from nanoserve.sample.fused import UNDECIDED, draw_rows, load_sampling_kernels
 from nanoserve.sample.logits_processor import LogitsProcessor, ProcessorBatch
 from nanoserve.sample.logprobs import TokenLogprobs, gather_logprobs
@@ -71,33 +72,10 @@ class Sampler:
         self.kernels = load_sampling_kernels(device) if use_kernels else None
 
     def validate(self, params: SamplingParams) -> None:
-        """Admission checks that need the sampler's view: processors' arguments, reasoning."""
-        for processor in self.processors:
-            type(processor).validate_params(params)
-        if params.thinking_token_budget is not None and self.state.reasoning is None:
-            raise ValueError("thinking_token_budget needs a model with reasoning tags "
-                             "(<think> and </think> tokens); this model has none")
-        self._check_something_allowed(params)
-
-    def _check_something_allowed(self, params: SamplingParams) -> None:
-        """allowed_token_ids must keep a token that bad_words (one-token words) and, before
-        min_tokens, the end-of-sequence and stop ids do not ban: else no draw is possible."""
-        if params.allowed_token_ids is None:
-            return
-        allowed = set(params.allowed_token_ids)
-        allowed -= {word[0] for word in params.bad_words_token_ids if len(word) == 1}
-        if not allowed:
-            raise ValueError(f"allowed_token_ids={params.allowed_token_ids} are all banned by "
-                             "bad_words; allow at least one other token")
-        if params.min_tokens > 0:
-            stop_ids = set(params.stop_token_ids)
-            if not params.ignore_eos:
-                stop_ids |= set(self.eos_token_ids)
-            if not allowed - stop_ids:
-                raise ValueError(
-                    f"allowed_token_ids={params.allowed_token_ids} leave only end-of-sequence or "
-                    f"stop_token_ids, which min_tokens={params.min_tokens} bans; allow at least "
-                    "one other token or set min_tokens=0")
+        """Admission checks that need the sampler's view: processors' arguments, reasoning
+        (the engine core's own `SamplingAdmission`, with this sampler's settings)."""
+        SamplingAdmission(self.eos_token_ids, self.state.reasoning is not None,
+                          tuple(map(type, self.processors))).check(params)
 
     def add_request(self, seq: SequenceData) -> None:
         """Write a sequence's parameters into its slot (on admission to the running batch)."""

@@ -53,7 +53,7 @@ def measured() -> Measured:
     for mode in ("none", "gguf"):
         engine = make_engine(None, quantization=mode, max_model_len=NUM_TOKENS + 64,
                              num_blocks=(NUM_TOKENS + 64) // 16 + 8)
-        tokenizer = engine.loaded.tokenizer
+        tokenizer = engine.model_info.tokenizer
         ppl = perplexity(engine, text_token_ids(tokenizer, ESSAY, NUM_TOKENS))
         results[mode] = (ppl, greedy_tokens(engine, prompt_token_ids(tokenizer), MAX_TOKENS))
         del engine

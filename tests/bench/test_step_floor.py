@@ -17,7 +17,7 @@ from nanoserve.model.quant_linear import QuantizedWeight
 def test_the_floor_counts_the_packed_weights_the_cache_rows_and_the_products(
         tiny_model_dir: Any) -> None:
     engine = make_engine(tiny_model_dir("qwen2"), quantization="int8")
-    model = engine.loaded.model
+    model = engine.runner.model
     key_cache = engine.executor.worker.runner.kv_caches[0][0]
     weights = [w for layer in model.decoder_layers
                for w in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
@@ -55,7 +55,7 @@ def test_the_read_rate_is_measured_on_a_buffer_the_size_of_the_steps_weights(
     at the rate a buffer of the step's own bytes, read again and again, gets there (a tiny
     model's at least 64 MB, so that it measures a stream and not L2)."""
     engine = make_engine(tiny_model_dir("qwen2"), quantization="int8")
-    model = engine.loaded.model
+    model = engine.runner.model
     rates = measure_rates(model, repeats=2)
     weights = [w for layer in model.decoder_layers
                for w in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]

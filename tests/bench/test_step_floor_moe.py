@@ -31,7 +31,7 @@ def test_the_floor_reads_the_chosen_experts_and_does_their_products(
         tmp_path: Path, default_tokenizer: Any) -> None:
     path = write_tiny_moe("qwen2_moe", tmp_path / "moe", default_tokenizer)
     engine = make_engine(path, quantization="int8")
-    model = engine.loaded.model
+    model = engine.runner.model
     key_cache = engine.runner.kv_caches[0][0]
     rates = MachineRates(read_bytes_per_s=1e9, macs_per_s=1e9)
     whole = [model.lm_head] + [w for layer in model.decoder_layers

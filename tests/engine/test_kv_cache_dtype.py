@@ -86,7 +86,7 @@ def test_engine_allocates_the_resolved_dtype_and_twice_the_blocks(
     assert {t.dtype for pair in half.runner.kv_caches for t in pair} == {torch.float16}
     if can_read_cache_in_place(CPU, torch.int8):  # rows of head_dim int8 values + a 4-byte scale
         int8 = make_engine(path, "int8")
-        head_dim = int8.loaded.arch.head_dim
+        head_dim = int8.model_info.arch.head_dim
         assert {(t.dtype, t.shape[-1]) for pair in int8.runner.kv_caches for t in pair} == {
             (torch.int8, head_dim + 4)}
         assert int8.kv_cache.num_blocks == exact.kv_cache.num_blocks * 4 * head_dim // (
@@ -110,7 +110,7 @@ def test_cpu_default_cache_stops_at_what_the_running_sequences_can_fill(
     assert full.kv_cache.num_blocks == 4 * 1024 // 16
     assert full.max_model_len == 1024
     assert default_engine(max_num_seqs=4, max_model_len=200).kv_cache.num_blocks == 4 * 13
-    arch = full.loaded.arch
+    arch = full.model_info.arch
     gib_blocks = GiB // kv_bytes_per_block(arch, 16, torch.float32)
     assert kv_cache_num_blocks(None, arch, 16, torch.float32, CPU, max_num_seqs=10**6,
                                context_len=1024) == gib_blocks

@@ -69,7 +69,7 @@ def engine() -> EngineCore:
 
 @pytest.fixture(scope="module")
 def prompts(engine: EngineCore) -> dict[str, list[int]]:
-    return {name: engine.loaded.tokenizer.encode(text) for name, text in PROMPTS.items()}
+    return {name: engine.model_info.tokenizer.encode(text) for name, text in PROMPTS.items()}
 
 
 def run(engine: EngineCore, prompts: dict[str, list[int]], params: dict[str, SamplingParams],

@@ -108,7 +108,7 @@ def smollm_reference() -> Any:
 @pytest.mark.slow
 def test_default_model_prefill_logits_match_transformers(smollm_reference: Any) -> None:
     engine = make_engine(None)
-    prompts = random_prompts(engine.loaded.arch.vocab_size, seed=2)
+    prompts = random_prompts(engine.model_info.arch.vocab_size, seed=2)
     assert_logits_match(engine, smollm_reference, [prompts["p7"], prompts["p300"]])
 
 

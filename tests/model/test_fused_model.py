@@ -198,7 +198,7 @@ def test_default_model_logits_stay_within_the_quantized_path_s_own_noise() -> No
     the fused path (whose norms and SiLU round differently in the last bit) moves as much. So
     the bound is that noise level, not bit equality."""
     engine = make_engine(None, quantization="gguf")
-    ids = engine.loaded.tokenizer.encode(
+    ids = engine.model_info.tokenizer.encode(
         "The quick brown fox jumps over the lazy dog. Paris is the capital of France, and "
         "Berlin is the capital of")
     logits = {}

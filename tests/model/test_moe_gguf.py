@@ -68,11 +68,11 @@ def test_quantized_experts_run_through_the_int8_kernel(qtype: Q, tiny_dirs: dict
     (measured ~1.2% of the norm for these 64-wide layers), and batching changes no token."""
     path = write_tiny_moe_gguf(tiny_dirs["qwen3_moe"], tmp_path / f"{qtype.name}.gguf", qtype)
     engine = make_engine(path, quantization="gguf", max_num_batched_tokens=48)
-    block = engine.loaded.model.decoder_layers[0].moe
+    block = engine.runner.model.decoder_layers[0].moe
     assert block is not None
     assert all(isinstance(w, QuantizedWeight) and w.ggml_type == qtype
                for mlp in block.experts for w in (mlp.gate_up_proj, mlp.down_proj))
-    prompts = random_prompts(engine.loaded.arch.vocab_size, seed=5)
+    prompts = random_prompts(engine.model_info.arch.vocab_size, seed=5)
     quantized = prefill_logits(engine, prompts["p100"])
     exact = prefill_logits(make_engine(path), prompts["p100"])
     assert ((quantized - exact).norm() / exact.norm()).item() < 3e-2
@@ -128,7 +128,7 @@ def test_upcycled_default_model_equals_the_dense_one_token_for_token(
     for model in (None, upcycled):
         engine = make_engine(model, quantization="gguf", max_num_batched_tokens=24)
         outputs.append(run_to_completion(engine, prompts, greedy))
-    assert engine.loaded.arch.moe is not None
+    assert engine.model_info.arch.moe is not None
     assert engine.runner.plan.use_fused_ops and engine.runner.plan.layer_stack is None
     dense, moe = outputs
     assert moe == dense

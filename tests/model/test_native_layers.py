@@ -49,7 +49,7 @@ def test_the_native_stack_equals_the_python_loop_bit_for_bit(family: str,
                                                              tiny_model_dir: Any) -> None:
     engine = small_engine(tiny_model_dir(family), "int8")
     generator = torch.Generator().manual_seed(0)
-    for layer in engine.loaded.model.decoder_layers:  # the checkpoint's biases are all zero
+    for layer in engine.runner.model.decoder_layers:  # the checkpoint's biases are all zero
         if layer.qkv_bias is not None:
             layer.qkv_bias.copy_(0.05 * torch.randn(layer.qkv_bias.shape, generator=generator))
     both = NativeAndPython(engine.runner.plan)
@@ -68,7 +68,7 @@ def test_the_native_stack_runs_5_bit_weights_as_the_python_loop(qtype: str, tiny
     path = write_gguf(tiny_model_dir("llama"), tmp_path / "q5.gguf", ggml_type,
                       with_rope_factors=False)
     engine = small_engine(path, "gguf")
-    assert engine.loaded.model.decoder_layers[0].down_proj.ggml_type == ggml_type
+    assert engine.runner.model.decoder_layers[0].down_proj.ggml_type == ggml_type
     both = NativeAndPython(engine.runner.plan)
     run_to_completion(engine, prompts(2), GREEDY)
     assert both.num_mixed_steps > 0

@@ -43,7 +43,7 @@ def test_each_layer_reduces_after_o_and_after_down(quantization: str,
     """Both op tables call the group twice a layer, on [T, hidden] partial sums."""
     path: Path = tiny_model_dir("qwen3")
     engine = make_engine(path, quantization=quantization)
-    model = engine.loaded.model
+    model = engine.runner.model
     group = RecordingGroup()
     model.group = group
     run_to_completion(engine, {"a": [5, 6, 7]}, SamplingParams(temperature=0.0, max_tokens=2))

@@ -33,7 +33,7 @@ def relative_error(ours: torch.Tensor, exact: torch.Tensor) -> float:
 def logits(model: Path, quantization: str) -> tuple[torch.Tensor, Any]:
     engine = make_engine(model, quantization=quantization)
     with torch.inference_mode():
-        return prefill_logits(engine, PROMPT), engine.loaded.model
+        return prefill_logits(engine, PROMPT), engine.runner.model
 
 
 @pytest.fixture(scope="module")

@@ -37,7 +37,7 @@ def test_loaded_weights_lie_in_one_buffer_in_read_order_with_the_same_bytes(
         tiny_model_dir: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tiny_model_dir("qwen3")
     engine = make_engine(path, quantization="int8")
-    weights = _read_order(engine.loaded.model)
+    weights = _read_order(engine.runner.model)
     assert all(w.is_packed for w in weights)
     starts = [w.data.data_ptr() for w in weights]
     assert starts == sorted(starts) and len(set(starts)) == len(starts)
@@ -47,7 +47,7 @@ def test_loaded_weights_lie_in_one_buffer_in_read_order_with_the_same_bytes(
     # the same checkpoint loaded with the weights left where the loader made them
     monkeypatch.setattr(weight_loading, "gather_packed_weights", lambda model: 0)
     scattered = make_engine(path, quantization="int8")
-    originals = _read_order(scattered.loaded.model)
+    originals = _read_order(scattered.runner.model)
     assert all(torch.equal(a.data, b.data) for a, b in zip(originals, weights, strict=True))
     assert run_to_completion(engine, prompts(2), GREEDY) == \
         run_to_completion(scattered, prompts(2), GREEDY)
@@ -55,7 +55,7 @@ def test_loaded_weights_lie_in_one_buffer_in_read_order_with_the_same_bytes(
 
 def test_a_model_without_packed_weights_is_left_as_it_is(tiny_model_dir: Any) -> None:
     engine = make_engine(tiny_model_dir("llama"))  # exact float weights
-    model = engine.loaded.model
+    model = engine.runner.model
     head = model.lm_head
     assert gather_packed_weights(model) == 0
     assert model.lm_head is head

@@ -62,7 +62,7 @@ def scripted(params: SamplingParams, truth: list[int]) -> SamplingParams:
 
 @pytest.fixture(scope="module")
 def encode() -> Any:
-    return engine_for().loaded.tokenizer.encode
+    return engine_for().model_info.tokenizer.encode
 
 
 def test_after_rejected_drafts_a_prefix_cache_hit_gives_the_same_output(encode: Any) -> None:
