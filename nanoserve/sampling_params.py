@@ -131,6 +131,10 @@ class SamplingParams:
     # the frontend's: the output is a forced JSON list of calls, ended at an exact repeat
     # (output/repeats.py); the engine ignores it
     is_call_list: bool = False
+    # vLLM's `cache_salt`: mixed into the first block's prefix-cache key, so only requests with
+    # the same salt share cached blocks (a multi-user server's prompts cannot be probed by
+    # timing); read by the engine's KV-cache manager and the data-parallel router
+    cache_salt: str | None = None
     # filled by update_from_tokenizer (the frontend), read by the sampler
     bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
@@ -191,6 +195,9 @@ class SamplingParams:
                    "a non-empty list (omit it to allow every token)")
         for stop in self.stop or ():
             _check(isinstance(stop, str) and stop != "", "stop", stop, "non-empty strings")
+        if self.cache_salt is not None:
+            _check(isinstance(self.cache_salt, str) and self.cache_salt != "", "cache_salt",
+                   self.cache_salt, "a non-empty string")
         if self.extra_args:  # they cross to the engine as msgpack, whose integers are 64-bit
             wide = _wide_int(self.extra_args)
             _check(wide is None, "extra_args", wide, "JSON whose integers fit in 64 bits")

@@ -31,7 +31,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from nanoserve.config import LOAD_BALANCE_METHODS
-from nanoserve.engine.kv_cache import BlockHash, hash_block
+from nanoserve.engine.kv_cache import BlockHash, hash_block, salt_root
 
 ROUTING_POLICIES = LOAD_BALANCE_METHODS  # --load-balance-method
 
@@ -59,11 +59,14 @@ class RoutingConfig:
                              f"{self.max_hashes_per_engine}")
 
 
-def prompt_block_hashes(token_ids: Sequence[int], block_size: int) -> list[BlockHash]:
-    """The chained hashes of the prompt's full blocks, as the engine's prefix cache keys them."""
+def prompt_block_hashes(token_ids: Sequence[int], block_size: int,
+                        cache_salt: str | None = None) -> list[BlockHash]:
+    """The chained hashes of the prompt's full blocks, as the engine's prefix cache keys them
+    (a salted request's from its salt's root)."""
     hashes: list[BlockHash] = []
+    root = salt_root(cache_salt)
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        hashes.append(hash_block(hashes[-1] if hashes else None,
+        hashes.append(hash_block(hashes[-1] if hashes else root,
                                  token_ids[start : start + block_size]))
     return hashes
 

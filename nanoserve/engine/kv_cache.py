@@ -35,6 +35,14 @@ def hash_block(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
     return digest.digest()
 
 
+def salt_root(cache_salt: str | None) -> BlockHash | None:
+    """The parent of a request's first block: None, or with a `cache_salt` a key of the salt,
+    so one salt's chain never meets another's (or the unsalted one's)."""
+    if cache_salt is None:
+        return None
+    return hashlib.blake2b(b"cache_salt\0" + cache_salt.encode(), digest_size=16).digest()
+
+
 class KVBlock:
     __slots__ = ("block_hash", "block_id", "ref_count")
 
@@ -283,8 +291,9 @@ class KVCacheManager:
         hashes = request.block_hashes
         size = self.block_size
         tokens = request.all_token_ids
+        root = salt_root(request.params.cache_salt) if not hashes else None
         for i in range(len(hashes), len(tokens) // size):
-            hashes.append(hash_block(hashes[-1] if hashes else None,
+            hashes.append(hash_block(hashes[-1] if hashes else root,
                                      tokens[i * size : (i + 1) * size]))
         return hashes
 

@@ -36,6 +36,18 @@ def test_hashes_are_the_prefix_caches_own() -> None:
     assert prompt_block_hashes([1, 2, 3], BLOCK) == []
 
 
+
+def test_a_salted_prompts_hashes_are_its_own_chain() -> None:
+    """cache_salt: the router hashes a salted prompt as the engine keys it, and no block of it
+    (the first included) matches the unsalted or another salt's chain."""
+    ids = prompt(1, 1)
+    cache = KVCacheManager(num_blocks=8, block_size=BLOCK)
+    salted = Request("r", ids, SamplingParams(cache_salt="a"))
+    assert prompt_block_hashes(ids, BLOCK, "a") == cache._block_hashes(salted)
+    chains = [set(prompt_block_hashes(ids, BLOCK, salt)) for salt in (None, "a", "b")]
+    assert not chains[0] & chains[1] and not chains[1] & chains[2] and not chains[0] & chains[2]
+
+
 def test_a_shared_prefix_sticks_to_the_engine_that_saw_it() -> None:
     router = DPRouter(4)
     first = {group: router.route(hashes(group, 0), [0, 0, 0, 0]) for group in range(4)}

@@ -78,6 +78,34 @@ def test_cached_tokens_count_the_prefix_cache_hits(client: openai.OpenAI) -> Non
     assert again.usage.prompt_tokens_details.cached_tokens > again.usage.prompt_tokens - 16
 
 
+def test_cache_salt_keeps_cached_prompts_apart(client: openai.OpenAI) -> None:
+    """vLLM's `cache_salt`: a prompt cached under one salt is a hit for the same salt only;
+    neither the unsalted request nor another salt reads its blocks, and the output is the same
+    either way. An empty salt is a 400 naming the field."""
+    story = " ".join(f"Verse {i} of a salted song." for i in range(40))
+
+    def cached(salt: str | None) -> tuple[int, str]:
+        extra = {} if salt is None else {"cache_salt": salt}
+        done = client.completions.create(model=MODEL, prompt=story, max_tokens=4,
+                                         temperature=0, extra_body=extra)
+        return done.usage.prompt_tokens_details.cached_tokens, done.choices[0].text
+
+    first, text = cached("tenant-a")
+    assert first == 0
+    again, same_text = cached("tenant-a")
+    assert again > 0 and same_text == text
+    assert cached(None) == (0, text)  # the unsalted chain is another chain
+    assert cached("tenant-b") == (0, text)
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": story}], max_tokens=2,
+        temperature=0, extra_body={"cache_salt": "tenant-c"})
+    assert chat.usage.prompt_tokens_details.cached_tokens == 0  # the template's preamble too
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=1,
+                                  extra_body={"cache_salt": ""})
+    assert e.value.body["param"] == "cache_salt" and "non-empty" in e.value.body["message"]
+
+
 def test_chat_stream_shape_with_n_and_usage(server: RunningServer) -> None:
     body = {"model": MODEL, "messages": CHAT, "max_tokens": 12, "n": 3, "temperature": 1.0,
             "ignore_eos": True,

@@ -66,6 +66,7 @@ class SamplingFields(OpenAIModel):
     thinking_token_budget: int | None = documented(None, minimum=0, maximum=MAX_INT64)
     logprobs_mode: Literal["raw", "processed"] = "raw"
     extra_args: dict[str, Any] | None = None
+    cache_salt: str | None = documented(None, minLength=1)  # the prefix cache's (vLLM's)
     # structured outputs, every shape vLLM takes (read by structured_outputs.py, which names
     # the field in its errors): OpenAI's, vLLM's object, and vLLM's older top-level names
     response_format: dict[str, Any] | None = None

@@ -92,6 +92,7 @@ class ResponsesRequest(OpenAIModel):
     top_p: float | None = documented(None, exclusiveMinimum=0, maximum=1)
     stream: bool = False
     ignore_eos: bool = False  # vLLM's extra sampling field (benchmarks: fixed-length output)
+    cache_salt: str | None = documented(None, minLength=1)  # the prefix cache's (vLLM's)
     reasoning: dict[str, Any] | None = None
     store: bool | None = None
     include: list[str] | None = None

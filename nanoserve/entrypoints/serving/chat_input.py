@@ -132,6 +132,7 @@ class SamplingInput:
     logprobs_mode: str = "raw"
     thinking_token_budget: int | None = None
     extra_args: dict[str, Any] | None = None
+    cache_salt: str | None = None  # vLLM's: only requests with this salt share cached blocks
     stream: bool = False
     stream_options: StreamOptions | None = None
 

@@ -61,19 +61,19 @@ class DPEngineClient:
     def num_engines(self) -> int:
         return self.client.num_engines
 
-    def place(self, prompt_token_ids: list[int]) -> int:
-        """The engine core for a new request with this prompt."""
+    def place(self, prompt_token_ids: list[int], cache_salt: str | None = None) -> int:
+        """The engine core for a new request with this prompt (and prefix-cache salt)."""
         if self.num_engines == 1:
             return 0
         loads = [engine_load(self.num_in_flight[k], s.num_waiting, s.num_running)
                  for k, s in enumerate(self.engine_stats)]
-        hashes = (prompt_block_hashes(prompt_token_ids, self.block_size)
+        hashes = (prompt_block_hashes(prompt_token_ids, self.block_size, cache_salt)
                   if self.router.config.policy == "cache_aware" else [])
         return self.router.route(hashes, loads)
 
     async def add(self, requests: list[EngineRequest]) -> int:
         """Send one API request's engine requests (its samples) to one engine core: which."""
-        engine = self.place(requests[0].prompt_token_ids)
+        engine = self.place(requests[0].prompt_token_ids, requests[0].params.cache_salt)
         for request in requests:
             self.engine_of[request.request_id] = engine
             self.num_in_flight[engine] += 1

@@ -51,7 +51,7 @@ def sampling_params(ctx: ServerContext, fields: SamplingInput, *, max_tokens: in
         prompt_logprobs=(fields.prompt_logprobs if fields.prompt_logprobs is not None
                          else fields.echo_logprobs),
         logprobs_mode=fields.logprobs_mode, thinking_token_budget=fields.thinking_token_budget,
-        extra_args=fields.extra_args, output_kind=output_kind,
+        extra_args=fields.extra_args, cache_salt=fields.cache_salt, output_kind=output_kind,
         structured_outputs=structured, is_call_list=is_call_list)
     try:
         params = SamplingParams.from_generation_config(ctx.generation_defaults, **explicit)
