@@ -12,6 +12,7 @@ import asyncio
 import logging
 import os
 import socket
+from collections.abc import Callable
 from multiprocessing.process import BaseProcess
 
 import msgspec
@@ -34,8 +35,9 @@ from nanoserve.entrypoints.serving.process_exit import exit_now
 from nanoserve.entrypoints.serving.request_logger import RequestLogger
 from nanoserve.entrypoints.serving.server_context import ServerContext
 from nanoserve.entrypoints.web.router import page_banner
-from nanoserve.model.loader import load_frontend, resolve_model_path
+from nanoserve.model.loader import FrontendModel, load_frontend, resolve_model_path
 from nanoserve.parsers.tool_format import template_tool_format
+from nanoserve.protocol import EngineReady
 from nanoserve.reasoning_section import ReasoningTokens
 from nanoserve.sample.logits_processor import load_processor_classes
 from nanoserve.structured.grammar import GrammarTokenizer
@@ -82,6 +84,50 @@ async def serve_api(engine_config: EngineConfig, server_config: ServerConfig,
         policy=parallel.load_balance_method,
         balance_abs_threshold=max(1, engine_config.scheduler.max_num_seqs // 8)),
         ready.block_size)
+    ctx = _server_context(engine_config, server_config, frontend, ready, client, engine_alive,
+                          index, engine_pids)
+    engine, name = ctx.engine, ctx.model_name
+    app = build_app(ctx, server_config)
+    server = DrainingServer(uvicorn.Config(
+        app, log_level=server_config.log_level, access_log=False,
+        timeout_graceful_shutdown=max(1, int(server_config.shutdown_timeout)),
+        h11_max_incomplete_event_size=64 * 1024), ctx, server_config.shutdown_timeout)
+    exit_status = 0
+
+    def on_dead() -> None:
+        nonlocal exit_status
+        exit_status = 1
+        # let the in-flight error responses go out, then stop
+        asyncio.get_running_loop().call_later(0.5, _stop, server)
+
+    engine.on_dead = on_dead
+    engine.start()
+    watchers = [asyncio.create_task(_watch_parent(server))] if watch_parent else []
+    logger.info("serving %s on http://%s:%d (API server %d, CPU kernels: %s)", name,
+                server_config.host, server_config.port, index, ready.cpu_isa or "none")
+    if server_config.web_ui and index == 0:
+        # printed, not logged, so that it shows at any --log-level; the engine is ready and the
+        # socket listens, so the page answers as soon as this line is read
+        print(page_banner(server_config.host, server_config.port, name), flush=True)
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        for task in watchers:
+            task.cancel()
+        await engine.stop()
+        if engine_processes is not None:  # single-process mode; after a death, the others
+            await client.shutdown(timeout=1.0)
+        client.close()
+    return exit_status
+
+
+
+def _server_context(engine_config: EngineConfig, server_config: ServerConfig,
+                    frontend: FrontendModel, ready: EngineReady, client: DPEngineClient,
+                    engine_alive: Callable[[], bool], index: int,
+                    engine_pids: list[int]) -> ServerContext:
+    """What every route of this API server reads: the engine client over the ready engine
+    cores, the tokenizer and template, the tool-call parser, the limits and the names."""
     name = server_config.served_model_name or ready.model_name
     tool_format = template_tool_format(server_config.chat_template
                                        or _template_text(frontend.tokenizer))
@@ -115,38 +161,7 @@ async def serve_api(engine_config: EngineConfig, server_config: ServerConfig,
         kv_event_sources=kv_event_sources(engine_config.kv_events,
                                           engine_config.parallel.data_parallel_size))
     ctx_holder.append(ctx)
-    app = build_app(ctx, server_config)
-    server = DrainingServer(uvicorn.Config(
-        app, log_level=server_config.log_level, access_log=False,
-        timeout_graceful_shutdown=max(1, int(server_config.shutdown_timeout)),
-        h11_max_incomplete_event_size=64 * 1024), ctx, server_config.shutdown_timeout)
-    exit_status = 0
-
-    def on_dead() -> None:
-        nonlocal exit_status
-        exit_status = 1
-        # let the in-flight error responses go out, then stop
-        asyncio.get_running_loop().call_later(0.5, _stop, server)
-
-    engine.on_dead = on_dead
-    engine.start()
-    watchers = [asyncio.create_task(_watch_parent(server))] if watch_parent else []
-    logger.info("serving %s on http://%s:%d (API server %d, CPU kernels: %s)", name,
-                server_config.host, server_config.port, index, ready.cpu_isa or "none")
-    if server_config.web_ui and index == 0:
-        # printed, not logged, so that it shows at any --log-level; the engine is ready and the
-        # socket listens, so the page answers as soon as this line is read
-        print(page_banner(server_config.host, server_config.port, name), flush=True)
-    try:
-        await server.serve(sockets=[sock])
-    finally:
-        for task in watchers:
-            task.cancel()
-        await engine.stop()
-        if engine_processes is not None:  # single-process mode; after a death, the others
-            await client.shutdown(timeout=1.0)
-        client.close()
-    return exit_status
+    return ctx
 
 
 class DrainingServer(uvicorn.Server):
