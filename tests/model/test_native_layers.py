@@ -343,3 +343,30 @@ def test_gemma3_270m_outputs_equal_with_and_without_the_native_stack(
     assert stacks[False] is not None and stacks[True] is None
     assert all(len(entries) == 8 for entries in results[False].values())
     assert results[False] == results[True]
+
+
+@needs_native
+def test_mistral_native_stack_attends_its_window_as_the_python_loop(
+        tmp_path: Path, default_tokenizer: Any) -> None:
+    """Mistral: every layer in a window of 24 keys (one KV group, one RoPE table), prompts far
+    past it: the native stack's steps equal the Python loop's bit for bit."""
+    import transformers
+    from conftest import _spread_norm_weights
+    from helpers import make_engine
+
+    config = transformers.MistralConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        sliding_window=24, bos_token_id=1, eos_token_id=2, initializer_range=0.05)
+    torch.manual_seed(1234)
+    model = transformers.MistralForCausalLM(config)
+    _spread_norm_weights(model)
+    model.save_pretrained(tmp_path)
+    default_tokenizer.save_pretrained(tmp_path)
+    engine = make_engine(tmp_path, quantization="int8", max_num_batched_tokens=48,
+                         num_blocks=96)
+    assert engine.loaded.model.features.windows == (24, 24)
+    both = CountingNativeAndPython(engine.runner.plan)
+    run_to_completion(engine, prompts(4), GREEDY)
+    assert both.num_mixed_steps > 0 and max(both.max_positions) > 5 * 24
+    assert both.identical and all(both.identical)
