@@ -1,7 +1,7 @@
 // decode_layers.cpp's forward for a few tokens, in one parallel region.
 //
 // Each thread holds its own copy of what every thread needs whole and is cheap to make: the
-// normed rows, their int8 quantization, SiLU's output, and (all but thread 0, which updates
+// normed rows, their int8 quantization, the gate's output, and (all but thread 0, which updates
 // the caller's tensor) the residual stream. It computes those itself, the same rows in the
 // same order, so nothing waits on them. What is split is what costs: each matmul's output
 // groups (thread t takes groups [G t / n, G (t + 1) / n)), RoPE's tokens and the cache write,
