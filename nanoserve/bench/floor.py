@@ -37,6 +37,7 @@ from nanoserve.bench.timing import best_seconds
 from nanoserve.kernel_tuning.schedule import running_schedule
 from nanoserve.model.llama import CausalLM
 from nanoserve.model.quant_linear import QuantizedWeight
+from nanoserve.model.quantization import ConcatWeight
 
 _MIN_READ_BYTES = 64 << 20  # a tiny model's step would measure L2's rate, not a stream's
 
@@ -114,6 +115,8 @@ def _weight_bytes(weight: Any, rows: int) -> int:
         if rows >= running_schedule().wide_min_rows and weight.wide is not None:
             return weight.wide.numel()
         return weight.data.numel() * weight.data.element_size()
+    if isinstance(weight, ConcatWeight):  # a GGUF file's q, k and v in different types
+        return sum(_weight_bytes(part, rows) for part in weight.parts)
     return weight.numel() * weight.element_size()
 
 

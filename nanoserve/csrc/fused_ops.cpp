@@ -1,5 +1,6 @@
 // The decoder layer's element-wise work on the quantized CPU path, in three kinds of call:
-// RMSNorm (with the residual add folded in), RoPE with the KV cache write, and SiLU-and-mul.
+// RMSNorm (with the residual add folded in), RoPE with the KV cache write, and the gate
+// (SiLU-and-mul, or Gemma's GELU-tanh-and-mul).
 // What each computes, the PyTorch ops it replaces and the measured figures that chose it:
 // nanoserve/model/fused_ops.py. float32 activations; AVX2 + FMA + F16C.
 //
@@ -97,6 +98,20 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   return out;
 }
 
+// gate_up [T, 2I] -> [T, I] = gelu_tanh(gate) * up (Gemma's gate; gelu_tanh_times says how).
+torch::Tensor gelu_tanh_mul(torch::Tensor gate_up) {
+  check_rows(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up must have an even number of columns");
+  const int64_t rows = gate_up.size(0), n = gate_up.size(1) / 2;
+  auto out = torch::empty({rows, n}, gate_up.options());
+  const float* src = gate_up.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, rows, grain_rows(4 * n), [&](int64_t first, int64_t last) {
+    for (int64_t r = first; r < last; ++r) gelu_tanh_mul_row(src + r * 2 * n, n, dst + r * n);
+  });
+  return out;
+}
+
 // The attention block's element-wise work between the qkv matmul and attention, per token:
 // add the qkv bias (Qwen2), RMSNorm each q and k head (Qwen3), rotate q and k by the cos/sin
 // table rows of the token's position, and write k and v into the paged caches
@@ -187,6 +202,7 @@ TORCH_LIBRARY_FRAGMENT(nanoserve, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor(a!) hidden, Tensor delta, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("gelu_tanh_mul(Tensor gate_up) -> Tensor");
   m.def("rope_store(Tensor(a!) qkv, Tensor? bias, Tensor? q_norm, Tensor? k_norm, float eps, "
         "Tensor cos_table, Tensor sin_table, Tensor positions, Tensor(b!) k_cache, "
         "Tensor(c!) v_cache, Tensor cache_index) -> Tensor");
@@ -196,6 +212,7 @@ TORCH_LIBRARY_IMPL(nanoserve, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_mul", &silu_mul);
+  m.impl("gelu_tanh_mul", &gelu_tanh_mul);
   m.impl("rope_store", &rope_store);
 }
 
@@ -203,6 +220,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of each row of x (float32)");
   m.def("add_rms_norm", &add_rms_norm, "hidden += delta in place, then RMSNorm of each row");
   m.def("silu_mul", &silu_mul, "silu(gate) * up for gate_up [T, 2I] -> [T, I]");
+  m.def("gelu_tanh_mul", &gelu_tanh_mul, "gelu_tanh(gate) * up for gate_up [T, 2I] -> [T, I]");
   m.def("rope_store", &rope_store,
         "qkv bias, q/k norm, RoPE of q and k, k/v written to the paged cache; returns q");
 }

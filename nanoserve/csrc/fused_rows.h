@@ -1,5 +1,6 @@
 // The decoder layer's element-wise rows (fused_ops.cpp's calls are built from them): RMSNorm
-// with the residual add, SiLU-and-mul, and RoPE with the KV cache write. decode_layers.cpp's
+// with the residual add, SiLU-and-mul (GELU-tanh-and-mul for Gemma), and RoPE with the KV
+// cache write. decode_layers.cpp's
 // one-region forward calls the same functions, so both give the same bits. float32 rows; AVX2 +
 // FMA + F16C.
 #pragma once
@@ -43,6 +44,31 @@ inline void silu_mul_row(const float* gate_up, int64_t n, float* out) {
     const __m256i m = tail_mask(n - i);
     _mm256_maskstore_ps(out + i, m, silu_times(_mm256_maskload_ps(gate + i, m),
                                                _mm256_maskload_ps(up + i, m)));
+  }
+}
+
+// gelu_tanh(g) * u. PyTorch's 0.5 g (1 + tanh(c (g + 0.044715 g^3))), c = sqrt(2 / pi), is
+// g * sigmoid(2 c (g + 0.044715 g^3)): computed so, as silu_times computes its sigmoid, which
+// keeps the relative error small where 1 + tanh cancels (g below ~-3).
+inline __m256 gelu_tanh_times(__m256 g, __m256 u) {
+  const __m256 inner = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_mul_ps(g, g), g),
+                                       _mm256_set1_ps(0.044715f), g);
+  const __m256 e = exp256(_mm256_mul_ps(inner, _mm256_set1_ps(-1.5957691216057308f)));
+  return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), u);
+}
+
+// One row of gelu_tanh_mul: gate_up [2n] (gate, then up) -> out [n].
+inline void gelu_tanh_mul_row(const float* gate_up, int64_t n, float* out) {
+  const float* gate = gate_up;
+  const float* up = gate_up + n;
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(out + i,
+                     gelu_tanh_times(_mm256_loadu_ps(gate + i), _mm256_loadu_ps(up + i)));
+  if (i < n) {
+    const __m256i m = tail_mask(n - i);
+    _mm256_maskstore_ps(out + i, m, gelu_tanh_times(_mm256_maskload_ps(gate + i, m),
+                                                    _mm256_maskload_ps(up + i, m)));
   }
 }
 

@@ -52,15 +52,17 @@ class ForwardPlan:
         assert model.rotary is not None, "weights not loaded: use nanoserve.model.loader"
         table, layers = self._bind_layers()
         cos, sin = table.rope_tables(model.rotary, positions)
-        rope_local = (None if model.rotary_local is None
-                      else table.rope_tables(model.rotary_local, positions))
+        rope_local = (table.rope_tables(model.rotary_local, positions)
+                      if model.rotary_local is not None and model.features.has_local_rope
+                      else None)
         stack = self._native_stack(kv_caches, attention) if table.is_fused else None
         if stack is not None:
             hidden = model.embed(input_ids)
             # a scope for `bench step`: a few tokens run as one native region the profiler
             # cannot see into (csrc/team_forward.h)
             with scope("nanoserve.layers"):
-                return attention.run_layer_stack(stack, hidden, cos, sin, positions, meta)
+                return attention.run_layer_stack(stack, hidden, cos, sin, positions, meta,
+                                                 rope_local, group_metas)
         return model.forward(input_ids, positions, kv_caches, attention, meta, table, layers,
                              cos, sin, rope_local, group_metas)
 

@@ -5,6 +5,7 @@ What each computes, against the plain PyTorch ops it replaces (layer_ops.py's EX
   rms_norm(x, w, eps)             F.rms_norm(x, (N,), w, eps)                       [T, N]
   add_rms_norm(h, delta, w, eps)  h += delta (in place), then F.rms_norm(h, ...)     [T, N]
   silu_mul(gate_up)               gate, up = gate_up.chunk(2, -1); F.silu(gate) * up [T, I]
+  gelu_tanh_mul(gate_up)          the same with F.gelu(gate, approximate="tanh")     [T, I]
   rope_store(qkv, bias, q_norm, k_norm, eps, cos_table, sin_table, positions,
              k_cache, v_cache, cache_index) -> q [T, H, D]
       qkv + bias (Qwen2); F.rms_norm of each q and k head (Qwen3); apply_rope on q and k with
@@ -15,10 +16,10 @@ What each computes, against the plain PyTorch ops it replaces (layer_ops.py's EX
       qkv's k and v columns are left holding the rotated k and biased v (prefill chunks that
       attend to themselves read them there).
 
-tests/model/test_fused_ops.py holds each to the plain ops: norms and SiLU within 1e-5 relative
+tests/model/test_fused_ops.py holds each to the plain ops: norms and gates within 1e-5 relative
 (another summation order, another exp polynomial), RoPE within 1e-6, v exactly and k in a
 float16 cache within one float16 step (a k that differs in its last float32 bit may round the
-other way). All four take float32 activations and run on one thread below ~32K elements (a
+other way). All five take float32 activations and run on one thread below ~32K elements (a
 decode of a few dozen rows), on both above.
 
 Why: the plain layer runs ~25 PyTorch ops between its four matmuls, each a few microseconds of
@@ -52,12 +53,13 @@ def kernels() -> ModuleType | None:
 
 @dataclass(frozen=True)
 class FusedOps:
-    """The kernel's four calls, plain or each inside a profiler scope (`bench step` sees them
+    """The kernel's five calls, plain or each inside a profiler scope (`bench step` sees them
     only that way; choosing once per step keeps the check off every call)."""
 
     rms_norm: Callable[..., torch.Tensor]
     add_rms_norm: Callable[..., torch.Tensor]
     silu_mul: Callable[..., torch.Tensor]
+    gelu_tanh_mul: Callable[..., torch.Tensor]
     rope_store: Callable[..., torch.Tensor]
     is_profiled: bool
 
@@ -66,7 +68,7 @@ class FusedOps:
 def fused_ops(profiled: bool = False) -> FusedOps:
     native = kernels()
     assert native is not None, "check kernels() before choosing the fused path"
-    names = ("rms_norm", "add_rms_norm", "silu_mul", "rope_store")
+    names = ("rms_norm", "add_rms_norm", "silu_mul", "gelu_tanh_mul", "rope_store")
     calls = {name: getattr(native, name) for name in names}
     if profiled:
         calls = {name: _scoped(f"nanoserve::{name}", call) for name, call in calls.items()}

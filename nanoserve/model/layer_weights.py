@@ -11,6 +11,7 @@ from typing import Any, Protocol
 import torch
 
 from nanoserve.model.arch import ArchConfig
+from nanoserve.model.layer_features import LayerFeatures
 from nanoserve.model.parallel import TensorParallelGroup
 
 
@@ -19,6 +20,8 @@ class LayerWeights(Protocol):
 
     @property
     def arch(self) -> ArchConfig: ...
+    @property
+    def features(self) -> LayerFeatures: ...
     @property
     def input_layernorm(self) -> torch.Tensor: ...
     @property
@@ -37,6 +40,10 @@ class LayerWeights(Protocol):
     def gate_up_proj(self) -> Any: ...
     @property
     def down_proj(self) -> Any: ...
+    @property
+    def attn_output_norm(self) -> torch.Tensor | None: ...  # Gemma's sandwich norms
+    @property
+    def mlp_output_norm(self) -> torch.Tensor | None: ...
 
 
 class StackedModel(Protocol):
@@ -44,6 +51,8 @@ class StackedModel(Protocol):
 
     @property
     def arch(self) -> ArchConfig: ...
+    @property
+    def features(self) -> LayerFeatures: ...
     @property
     def group(self) -> TensorParallelGroup: ...
     @property

@@ -37,6 +37,7 @@ from torch import nn
 
 from nanoserve.model.arch import ArchConfig
 from nanoserve.model.attention import AttentionBackend, AttentionMetadata
+from nanoserve.model.layer_features import GELU_TANH, LayerFeatures
 from nanoserve.model.layer_ops import OpTable, StepContext
 from nanoserve.model.linear import linear
 from nanoserve.model.moe import BoundMoe, MoeBlock
@@ -50,16 +51,18 @@ class DecoderLayer(nn.Module):
     residual add. Its forward is `BoundDecoderLayer.forward`, over an op table. In a MoE
     layer (layer `index` of a Qwen2/3-MoE) the MLP is moe.py's router and experts."""
 
-    def __init__(self, arch: ArchConfig, index: int = 0) -> None:
+    def __init__(self, arch: ArchConfig, index: int = 0,
+                 features: LayerFeatures | None = None) -> None:
         super().__init__()
         self.arch = arch
+        self.features = features = features or LayerFeatures.of(arch)
         qkv_size = arch.q_size + 2 * arch.kv_size
         self.input_layernorm = _param(arch.hidden_size)
         self.qkv_proj = _param(qkv_size, arch.hidden_size)
-        self.qkv_bias = _param(qkv_size) if arch.has_qkv_bias else None
+        self.qkv_bias = _param(qkv_size) if features.has_qkv_bias else None
         self.o_proj = _param(arch.hidden_size, arch.q_size)
-        self.q_norm = _param(arch.head_dim) if arch.has_qk_norm else None
-        self.k_norm = _param(arch.head_dim) if arch.has_qk_norm else None
+        self.q_norm = _param(arch.head_dim) if features.has_qk_norm else None
+        self.k_norm = _param(arch.head_dim) if features.has_qk_norm else None
         self.post_attention_layernorm = _param(arch.hidden_size)  # before the MLP
         # a MoE layer's MLP is its router and experts (moe.py), in place of gate_up and down
         self.moe = MoeBlock(arch) if arch.moe is not None and arch.moe.is_sparse(index) else None
@@ -68,8 +71,9 @@ class DecoderLayer(nn.Module):
         self.down_proj = (_param(arch.hidden_size, arch.intermediate_size)
                           if self.moe is None else None)
         # Gemma's sandwich: norms of the attention's and the MLP's outputs too
-        self.attn_output_norm = _param(arch.hidden_size) if arch.has_sandwich_norms else None
-        self.mlp_output_norm = _param(arch.hidden_size) if arch.has_sandwich_norms else None
+        sandwich = features.has_sandwich_norms
+        self.attn_output_norm = _param(arch.hidden_size) if sandwich else None
+        self.mlp_output_norm = _param(arch.hidden_size) if sandwich else None
 
 
 class BoundDecoderLayer:
@@ -89,9 +93,9 @@ class BoundDecoderLayer:
         """Layer `index` of its model, its cache rows through KV layer group `kv_group`'s
         block tables (model/kv_groups.py)."""
         calls = table.bind(layer)
-        arch = layer.arch
+        features = layer.features
         self.rms_norm, self.add_rms_norm = table.rms_norm, table.add_rms_norm
-        self.silu_mul = table.gelu_tanh_mul if arch.hidden_act == "gelu_tanh" else table.silu_mul
+        self.silu_mul = table.gelu_tanh_mul if features.activation == GELU_TANH else table.silu_mul
         self.input_norm = layer.input_layernorm
         self.post_norm = layer.post_attention_layernorm
         self.attn_output_norm, self.mlp_output_norm = layer.attn_output_norm, layer.mlp_output_norm
@@ -100,13 +104,11 @@ class BoundDecoderLayer:
         self.moe = None if layer.moe is None else BoundMoe(layer.moe, table, self.silu_mul)
         self.all_reduce = group.all_reduce
         # a windowed layer attends its window, with the local RoPE base where there is one
-        self.window = arch.layer_window(index)
+        self.window = features.windows[index]
         self.kv_group = kv_group
-        self.is_local = bool(self.window) and arch.rope_local_theta is not None
-        # the backends scale q · k by 1 / sqrt(head_dim); Gemma's query_pre_attn_scalar may
-        # differ (1.0 where it does not: q is left as it is)
-        self.q_scale = arch.attention_scale * arch.head_dim ** 0.5
-        self.forward = self._forward_sandwich if arch.has_sandwich_norms else self._forward
+        self.is_local = features.uses_local_rope[index]
+        self.q_scale = features.q_scale  # (1.0: q is left as it is)
+        self.forward = self._forward_sandwich if features.has_sandwich_norms else self._forward
 
     def _forward(self, hidden: torch.Tensor, delta: torch.Tensor | None, step: StepContext,
                  k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
@@ -162,7 +164,10 @@ class CausalLM(nn.Module):
         self.vocab_start, self.vocab_end = vocab_range(arch, self.group)
         num_rows = self.vocab_end - self.vocab_start
         self.embed_tokens = _param(num_rows, arch.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_layers))
+        # what every layer computes beyond Llama's (sandwich norms, GELU, windows, ...)
+        self.features = features = LayerFeatures.of(arch)
+        self.layers = nn.ModuleList(DecoderLayer(arch, i, features)
+                                    for i in range(arch.num_layers))
         self.norm = _param(arch.hidden_size)
         # Tied models reuse the embedding matrix: the loader points `lm_head` at the same tensor.
         self.lm_head = _param(num_rows, arch.hidden_size)

@@ -64,10 +64,11 @@ class TwoPaths:
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 attention: AttentionBackend[Any], meta: AttentionMetadata) -> torch.Tensor:
-        def run(on: bool) -> torch.Tensor:
+                 attention: AttentionBackend[Any], meta: AttentionMetadata,
+                 **groups: Any) -> torch.Tensor:
+        def run(on: bool) -> torch.Tensor:  # (`groups`: KV layer groups 1..'s metadata)
             setattr(self.plan, self.flag, on)
-            return self.forward(input_ids, positions, kv_caches, attention, meta)
+            return self.forward(input_ids, positions, kv_caches, attention, meta, **groups)
 
         off, off_caches, on = from_one_cache(kv_caches, lambda: run(False), lambda: run(True))
         self.record(off, off_caches, on, kv_caches)

@@ -1,7 +1,7 @@
 """The fused element-wise kernels (`csrc/fused_ops.cpp`) against the plain PyTorch ops they
 replace (layer_ops.py's EXACT_OPS), on odd shapes and both KV cache dtypes.
 
-Tolerances: norms and SiLU within 1e-5 relative (another summation order, another exp
+Tolerances: norms, SiLU and GELU-tanh within 1e-5 relative (another summation order, another exp
 polynomial: measured ~4e-7); RoPE within 1e-6; v and the untouched cache rows exactly; the
 float16 cache within one float16 step of the reference's own rounding (a k that differs in its
 last float32 bit may round the other way).
@@ -60,6 +60,19 @@ def test_silu_mul_matches_torch(rows: int, features: int) -> None:
     out = OPS.silu_mul(gate_up)
     assert out.shape == (rows, features) and torch.isfinite(out).all()
     assert_close(out, F.silu(gate) * up, 1e-5)
+
+
+@pytest.mark.parametrize(("rows", "features"), ROW_SHAPES)
+def test_gelu_tanh_mul_matches_torch(rows: int, features: int) -> None:
+    """Gemma's gate, against F.gelu(approximate="tanh") computed in float64 (float32's own
+    1 + tanh cancels below ~-3, where the kernel's sigmoid form does not)."""
+    gen = torch.Generator().manual_seed(rows * 1000 + features)
+    gate_up = 4 * torch.randn(rows, 2 * features, generator=gen)
+    gate_up[0, :3] = torch.tensor([-100.0, 100.0, 0.0])[: min(3, features)]  # exp's clamps
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    out = OPS.gelu_tanh_mul(gate_up)
+    assert out.shape == (rows, features) and torch.isfinite(out).all()
+    assert_close(out, (F.gelu(gate, approximate="tanh") * up).float(), 1e-5)
 
 
 def test_norms_refuse_mismatched_shapes() -> None:

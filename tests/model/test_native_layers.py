@@ -1,8 +1,10 @@
 """native_layers.py's one-call layer stack against the Python layer loop over the same fused
 kernels: the same compiled kernels in the same order, so every step's hidden states and every
 cache entry are equal bit for bit (not merely close), on the tiny Llama (tied head), Qwen2 (qkv
-bias) and Qwen3 (q/k norm) checkpoints quantized to int8 at load, through steps that mix
-decodes with chunked prefills."""
+bias), Qwen3 (q/k norm) and Gemma 3 (sandwich norms, GELU-tanh, query scale, windows with their
+own RoPE base and KV layer groups) checkpoints quantized to int8 at load or written as GGUF
+files, through steps that mix decodes with chunked prefills; and the real Gemma 3 270M's
+outputs and logprobs with the stack equal those under `--enforce-eager`."""
 
 from __future__ import annotations
 
@@ -14,8 +16,9 @@ from typing import Any
 import pytest
 import torch
 from gguf import GGMLQuantizationType
-from helpers import run_to_completion
+from helpers import hf_model, run_to_completion
 from test_fused_model import GREEDY, TwoPaths, prompts, small_engine
+from test_gemma3 import TINY_WINDOW
 from test_loading import write_gguf
 
 from nanoserve.model.native_layers import native_module
@@ -146,4 +149,224 @@ def test_few_token_steps_equal_the_python_loop_on_every_cache(
     both = NativeAndPython(engine.runner.plan)
     outputs = run_to_completion(engine, step_prompts, GREEDY)
     assert all(len(ids) == GREEDY.max_tokens for ids in outputs.values())
+    assert both.identical and all(both.identical)
+
+
+# -- Gemma 3: sandwich norms, GELU-tanh gate, query scale, windows, local RoPE, KV groups -----
+class CountingNativeAndPython(NativeAndPython):
+    """NativeAndPython that also keeps each step's token count and largest position."""
+
+    def __init__(self, plan: Any) -> None:
+        super().__init__(plan)
+        self.num_tokens: list[int] = []
+        self.max_positions: list[int] = []
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, *args: Any,
+                 **groups: Any) -> torch.Tensor:
+        self.num_tokens.append(len(input_ids))
+        self.max_positions.append(int(positions.max()))
+        return super().__call__(input_ids, positions, *args, **groups)
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma3_dir(tmp_path_factory: pytest.TempPathFactory, default_tokenizer: Any) -> Path:
+    """test_gemma3.py's tiny Gemma 3: six layers, windows of 16 on four of them with their own
+    RoPE base (three KV layer groups), a query scale of 24 ** -0.5 over a head of 32."""
+    import transformers
+    from conftest import _spread_norm_weights
+    from test_gemma3 import tiny_gemma3_config
+
+    path = tmp_path_factory.mktemp("tiny-gemma3-native")
+    torch.manual_seed(1234)
+    model = transformers.Gemma3ForCausalLM(tiny_gemma3_config())
+    _spread_norm_weights(model)
+    model.save_pretrained(path)
+    default_tokenizer.save_pretrained(path)
+    return path
+
+
+@needs_native
+@pytest.mark.parametrize("kv_cache_dtype", ["float32", "float16", "int8"])
+def test_gemma3_native_stack_equals_the_python_loop_bit_for_bit(
+        kv_cache_dtype: str, tiny_gemma3_dir: Path) -> None:
+    """Steps of one token, of a few (the one-region forward) and of a prefill chunk (the
+    dispatcher path), far past the window: every step's hidden states and caches equal the
+    Python loop's bit for bit, each layer in its window, with its RoPE table and KV group."""
+    from helpers import make_engine
+
+    from nanoserve.model.layer_features import GELU_TANH
+
+    engine = make_engine(tiny_gemma3_dir, quantization="int8", max_num_batched_tokens=48,
+                         num_blocks=96, kv_cache_dtype=kv_cache_dtype)
+    features = engine.loaded.model.features
+    assert features.has_sandwich_norms and features.activation == GELU_TANH
+    assert features.q_scale != 1.0 and features.has_windows and features.has_local_rope
+    assert engine.kv_cache.group_windows.count(0) == 1 and len(engine.kv_cache.group_windows) == 3
+    both = CountingNativeAndPython(engine.runner.plan)
+    run_to_completion(engine, prompts(2), GREEDY)
+    assert both.num_mixed_steps > 0
+    assert 1 in both.num_tokens and any(1 < t <= 15 for t in both.num_tokens)
+    assert any(t > 15 for t in both.num_tokens) and max(both.max_positions) > 10 * 16
+    assert both.identical and all(both.identical)
+
+
+def write_gemma3_gguf(hf_dir: Path, out: Path) -> Path:
+    """A tiny Gemma 3 checkpoint as llama.cpp's converter writes it: norms as 1 + w, q and k
+    rows as they are (no permute), Q8_0 blocks (Q5_0 for attn_v and ffn_down, a file's mixed
+    types: q, k and v then load as two row parts, a ConcatWeight)."""
+    import gguf
+
+    from nanoserve.model.gguf_file import GGUFFile
+    from nanoserve.model.loader import default_model_path
+
+    model = hf_model(hf_dir)
+    cfg = model.config
+    meta = GGUFFile(default_model_path()).metadata
+    writer = gguf.GGUFWriter(str(out), "gemma3")
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_sliding_window(cfg.sliding_window)
+    writer.add_rope_freq_base(cfg.rope_parameters["full_attention"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list(meta["tokenizer.ggml.tokens"])
+    writer.add_token_types(meta["tokenizer.ggml.token_type"])
+    writer.add_token_merges(meta["tokenizer.ggml.merges"])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+             "input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+             "pre_feedforward_layernorm": "ffn_norm",
+             "post_feedforward_layernorm": "post_ffw_norm"}
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight":
+            continue  # tied
+        w = tensor.float().numpy()
+        if name.endswith("norm.weight"):
+            w = w + 1.0
+        if name == "model.embed_tokens.weight":
+            gguf_name = "token_embd.weight"
+        elif name == "model.norm.weight":
+            gguf_name = "output_norm.weight"
+        else:
+            layer, rest = name.removeprefix("model.layers.").split(".", 1)
+            gguf_name = f"blk.{layer}.{names[rest.rsplit('.', 1)[0]]}.weight"
+        qtype = (GGMLQuantizationType.Q5_0 if gguf_name.split(".")[-2] in ("attn_v", "ffn_down")
+                 else GGMLQuantizationType.Q8_0)
+        if w.ndim == 2:
+            writer.add_tensor(gguf_name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(gguf_name, w)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+@needs_native
+def test_a_gemma3_gguf_file_runs_the_native_stack_as_the_python_loop(
+        tmp_path: Path, default_tokenizer: Any) -> None:
+    """A quantized Gemma 3 GGUF file (`--quantization gguf`: its own Q8_0 and Q5_0 blocks, q/k
+    and v of two types; five windowed layers of six, each its own KV group): the native stack's
+    steps equal the Python loop's bit for bit, past the window."""
+    import transformers
+    from conftest import _spread_norm_weights
+    from helpers import make_engine
+    from test_gemma3 import tiny_gemma3_config
+
+    from nanoserve.model.arch import FULL, SLIDING
+
+    config = tiny_gemma3_config()
+    config.layer_types = [SLIDING] * 5 + [FULL]  # llama.cpp's gemma3 pattern
+    torch.manual_seed(7)
+    model = transformers.Gemma3ForCausalLM(config)
+    _spread_norm_weights(model)
+    model.save_pretrained(tmp_path / "hf")
+    default_tokenizer.save_pretrained(tmp_path / "hf")
+    path = write_gemma3_gguf(tmp_path / "hf", tmp_path / "gemma3.gguf")
+    engine = make_engine(path, quantization="gguf", max_num_batched_tokens=48, num_blocks=160)
+    layer = engine.loaded.model.decoder_layers[0]
+    assert layer.down_proj.ggml_type == GGMLQuantizationType.Q5_0
+    assert [part.ggml_type for part in layer.qkv_proj.parts] == [GGMLQuantizationType.Q8_0,
+                                                                 GGMLQuantizationType.Q5_0]
+    assert engine.kv_cache.group_windows == (TINY_WINDOW,) * 5 + (0,)
+    both = CountingNativeAndPython(engine.runner.plan)
+    run_to_completion(engine, prompts(3), GREEDY)
+    assert both.num_mixed_steps > 0 and max(both.max_positions) > 10 * TINY_WINDOW
+    assert both.identical and all(both.identical)
+
+
+@needs_native
+@pytest.mark.slow
+def test_gemma3_270m_outputs_equal_with_and_without_the_native_stack(
+        gemma_270m_gguf: Path) -> None:
+    """The real Gemma 3 270M (its own Q5_0, Q4_K, Q6_K and Q8_0 blocks): greedy and seeded
+    requests with logprobs, prompts shorter and longer than its 512-token window, batched,
+    give the same tokens and logprobs with the native stack as under `--enforce-eager`."""
+    from nanoserve.engine.build import build_engine_core
+    from nanoserve.engine_args import EngineArgs
+    from nanoserve.sampling_params import SamplingParams
+
+    prompts_by_kind = {"short": [2, 818, 5279, 529, 7001, 563],  # "<bos>The capital of France is"
+                       "window": [2] + [(11 * i) % 30000 + 500 for i in range(530)]}
+    requests = {f"{kind}-{name}": (ids, SamplingParams(
+        temperature=0.0 if kind == "greedy" else 0.8, top_p=0.95, seed=7, max_tokens=8,
+        ignore_eos=True, logprobs=2))
+        for kind in ("greedy", "seeded") for name, ids in prompts_by_kind.items()}
+    results, stacks = {}, {}
+    for eager in (False, True):
+        engine = build_engine_core(EngineArgs(
+            model=str(gemma_270m_gguf), device="cpu", quantization="gguf",
+            kv_cache_memory_gb=0.25, max_model_len=2048, max_num_batched_tokens=256,
+            enforce_eager=eager).to_config())
+        for rid, (ids, params) in requests.items():
+            engine.add_request(rid, ids, params)
+        got: dict[str, list[Any]] = {rid: [] for rid in requests}
+        while engine.has_unfinished():
+            for out in engine.step():
+                got[out.request_id] += [(e.token_id, e.logprob, e.top_ids, e.top_logprobs)
+                                        for e in out.new_logprobs or ()]
+        results[eager] = got
+        stacks[eager] = engine.runner.plan.layer_stack
+    assert stacks[False] is not None and stacks[True] is None
+    assert all(len(entries) == 8 for entries in results[False].values())
+    assert results[False] == results[True]
+
+
+@needs_native
+def test_mistral_native_stack_attends_its_window_as_the_python_loop(
+        tmp_path: Path, default_tokenizer: Any) -> None:
+    """Mistral: every layer in a window of 24 keys (one KV group, one RoPE table), prompts far
+    past it: the native stack's steps equal the Python loop's bit for bit."""
+    import transformers
+    from conftest import _spread_norm_weights
+    from helpers import make_engine
+
+    config = transformers.MistralConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        sliding_window=24, bos_token_id=1, eos_token_id=2, initializer_range=0.05)
+    torch.manual_seed(1234)
+    model = transformers.MistralForCausalLM(config)
+    _spread_norm_weights(model)
+    model.save_pretrained(tmp_path)
+    default_tokenizer.save_pretrained(tmp_path)
+    engine = make_engine(tmp_path, quantization="int8", max_num_batched_tokens=48,
+                         num_blocks=96)
+    assert engine.loaded.model.features.windows == (24, 24)
+    both = CountingNativeAndPython(engine.runner.plan)
+    run_to_completion(engine, prompts(4), GREEDY)
+    assert both.num_mixed_steps > 0 and max(both.max_positions) > 5 * 24
     assert both.identical and all(both.identical)

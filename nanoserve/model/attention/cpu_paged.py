@@ -78,10 +78,17 @@ class CpuPagedBackend(AttentionBackend[CpuPagedMetadata]):
         return build_layer_stack(model, kv_caches)
 
     def run_layer_stack(self, stack: Any, hidden: torch.Tensor, cos: torch.Tensor,
-                        sin: torch.Tensor, positions: torch.Tensor,
-                        meta: CpuPagedMetadata) -> torch.Tensor:
-        return stack.forward(hidden, cos, sin, positions, meta.cache_index, meta.block_table,
-                             meta.context_lens)
+                        sin: torch.Tensor, positions: torch.Tensor, meta: CpuPagedMetadata,
+                        rope_local: tuple[torch.Tensor, torch.Tensor] | None = None,
+                        group_metas: list[CpuPagedMetadata] | None = None) -> torch.Tensor:
+        args = (hidden, cos, sin, positions, meta.cache_index, meta.block_table,
+                meta.context_lens)
+        if rope_local is None and not group_metas:  # (the compiled stand-in takes these only)
+            return stack.forward(*args)
+        local_cos, local_sin = rope_local or (cos, sin)
+        metas = group_metas or []
+        return stack.forward(*args, local_cos, local_sin, [m.cache_index for m in metas],
+                             [m.block_table for m in metas])
 
     def build_metadata(self, step: StepInput) -> CpuPagedMetadata:
         num_queries = np.diff(step.query_start_loc)  # [R], tokens per request
