@@ -198,7 +198,7 @@ def test_gemma3_native_stack_equals_the_python_loop_bit_for_bit(
 
     engine = make_engine(tiny_gemma3_dir, quantization="int8", max_num_batched_tokens=48,
                          num_blocks=96, kv_cache_dtype=kv_cache_dtype)
-    features = engine.loaded.model.features
+    features = engine.runner.model.features
     assert features.has_sandwich_norms and features.activation == GELU_TANH
     assert features.q_scale != 1.0 and features.has_windows and features.has_local_rope
     assert engine.kv_cache.group_windows.count(0) == 1 and len(engine.kv_cache.group_windows) == 3
@@ -297,7 +297,7 @@ def test_a_gemma3_gguf_file_runs_the_native_stack_as_the_python_loop(
     default_tokenizer.save_pretrained(tmp_path / "hf")
     path = write_gemma3_gguf(tmp_path / "hf", tmp_path / "gemma3.gguf")
     engine = make_engine(path, quantization="gguf", max_num_batched_tokens=48, num_blocks=160)
-    layer = engine.loaded.model.decoder_layers[0]
+    layer = engine.runner.model.decoder_layers[0]
     assert layer.down_proj.ggml_type == GGMLQuantizationType.Q5_0
     assert [part.ggml_type for part in layer.qkv_proj.parts] == [GGMLQuantizationType.Q8_0,
                                                                  GGMLQuantizationType.Q5_0]
@@ -365,7 +365,7 @@ def test_mistral_native_stack_attends_its_window_as_the_python_loop(
     default_tokenizer.save_pretrained(tmp_path)
     engine = make_engine(tmp_path, quantization="int8", max_num_batched_tokens=48,
                          num_blocks=96)
-    assert engine.loaded.model.features.windows == (24, 24)
+    assert engine.runner.model.features.windows == (24, 24)
     both = CountingNativeAndPython(engine.runner.plan)
     run_to_completion(engine, prompts(4), GREEDY)
     assert both.num_mixed_steps > 0 and max(both.max_positions) > 5 * 24
