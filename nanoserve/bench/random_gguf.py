@@ -14,6 +14,7 @@ import argparse
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -37,6 +38,21 @@ TYPES = {"Q4_0": gguf.GGMLQuantizationType.Q4_0, "Q4_1": gguf.GGMLQuantizationTy
          "Q8_0": gguf.GGMLQuantizationType.Q8_0, "Q4_K": gguf.GGMLQuantizationType.Q4_K}
 
 
+def add_default_tokenizer(writer: gguf.GGUFWriter, meta: dict[str, Any],
+                          chat_template: bool = True) -> None:
+    """The default model's tokenizer (`meta`: its GGUF metadata) into `writer`: a random-weight
+    file of any shape then reads and writes text as SmolLM2 does (its chat template too)."""
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list(meta["tokenizer.ggml.tokens"])
+    writer.add_token_types(meta["tokenizer.ggml.token_type"])
+    writer.add_token_merges(meta["tokenizer.ggml.merges"])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    if chat_template:
+        writer.add_chat_template(meta["tokenizer.chat_template"])
+
+
 def write_random_gguf(out: Path, shape: Shape, qtype: gguf.GGMLQuantizationType,
                       seed: int = 0) -> Path:
     meta = GGUFFile(default_model_path()).metadata
@@ -54,14 +70,7 @@ def write_random_gguf(out: Path, shape: Shape, qtype: gguf.GGMLQuantizationType,
     writer.add_layer_norm_rms_eps(1e-5)
     vocab = len(meta["tokenizer.ggml.tokens"])
     writer.add_vocab_size(vocab)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("smollm")
-    writer.add_token_list(meta["tokenizer.ggml.tokens"])
-    writer.add_token_types(meta["tokenizer.ggml.token_type"])
-    writer.add_token_merges(meta["tokenizer.ggml.merges"])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_chat_template(meta["tokenizer.chat_template"])
+    add_default_tokenizer(writer, meta)
 
     def matrix(name: str, rows: int, cols: int, kind: gguf.GGMLQuantizationType) -> None:
         values = rng.standard_normal((rows, cols), dtype=np.float32) * 0.02

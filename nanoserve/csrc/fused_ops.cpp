@@ -82,8 +82,9 @@ torch::Tensor add_rms_norm(torch::Tensor hidden, torch::Tensor delta, torch::Ten
   return out;
 }
 
-// gate_up [T, 2I] (gate, then up) -> [T, I] = silu(gate) * up, silu(x) = x / (1 + exp(-x)).
-torch::Tensor silu_mul(torch::Tensor gate_up) {
+// gate_up [T, 2I] (gate, then up) -> [T, I] = gate's activation times up, each row by `row`.
+template <void (*row)(const float*, int64_t, float*)>
+torch::Tensor gated_mul(torch::Tensor gate_up) {
   check_rows(gate_up, "gate_up");
   TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up must have an even number of columns");
   const int64_t rows = gate_up.size(0), n = gate_up.size(1) / 2;
@@ -91,25 +92,17 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   const float* src = gate_up.data_ptr<float>();
   float* dst = out.data_ptr<float>();
   at::parallel_for(0, rows, grain_rows(4 * n), [&](int64_t first, int64_t last) {
-    for (int64_t r = first; r < last; ++r) {
-      silu_mul_row(src + r * 2 * n, n, dst + r * n);
-    }
+    for (int64_t r = first; r < last; ++r) row(src + r * 2 * n, n, dst + r * n);
   });
   return out;
 }
 
-// gate_up [T, 2I] -> [T, I] = gelu_tanh(gate) * up (Gemma's gate; gelu_tanh_times says how).
+// silu(gate) * up, silu(x) = x / (1 + exp(-x)).
+torch::Tensor silu_mul(torch::Tensor gate_up) { return gated_mul<silu_mul_row>(gate_up); }
+
+// gelu_tanh(gate) * up (Gemma's gate; gelu_tanh_times says how).
 torch::Tensor gelu_tanh_mul(torch::Tensor gate_up) {
-  check_rows(gate_up, "gate_up");
-  TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up must have an even number of columns");
-  const int64_t rows = gate_up.size(0), n = gate_up.size(1) / 2;
-  auto out = torch::empty({rows, n}, gate_up.options());
-  const float* src = gate_up.data_ptr<float>();
-  float* dst = out.data_ptr<float>();
-  at::parallel_for(0, rows, grain_rows(4 * n), [&](int64_t first, int64_t last) {
-    for (int64_t r = first; r < last; ++r) gelu_tanh_mul_row(src + r * 2 * n, n, dst + r * n);
-  });
-  return out;
+  return gated_mul<gelu_tanh_mul_row>(gate_up);
 }
 
 // The attention block's element-wise work between the qkv matmul and attention, per token:

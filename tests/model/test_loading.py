@@ -16,6 +16,7 @@ import torch
 from helpers import hf_model
 from test_equivalence import prefill_logits
 
+from nanoserve.bench.random_gguf import add_default_tokenizer
 from nanoserve.model.arch import UnsupportedModelError
 from nanoserve.model.gguf_file import GGUFFile
 from nanoserve.model.loader import DEFAULT_MODEL_NAME, default_model_path, load_model
@@ -64,14 +65,7 @@ def write_gguf(hf_dir: Path, out: Path, qtype: gguf.GGMLQuantizationType,
     writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("smollm")
-    writer.add_token_list(meta["tokenizer.ggml.tokens"])
-    writer.add_token_types(meta["tokenizer.ggml.token_type"])
-    writer.add_token_merges(meta["tokenizer.ggml.merges"])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_chat_template(meta["tokenizer.chat_template"])
+    add_default_tokenizer(writer, meta)
 
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     base = 1.0 / (cfg.rope_parameters["rope_theta"]

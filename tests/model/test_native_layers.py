@@ -216,6 +216,7 @@ def write_gemma3_gguf(hf_dir: Path, out: Path) -> Path:
     types: q, k and v then load as two row parts, a ConcatWeight)."""
     import gguf
 
+    from nanoserve.bench.random_gguf import add_default_tokenizer
     from nanoserve.model.gguf_file import GGUFFile
     from nanoserve.model.loader import default_model_path
 
@@ -235,13 +236,7 @@ def write_gemma3_gguf(hf_dir: Path, out: Path) -> Path:
     writer.add_rope_freq_base(cfg.rope_parameters["full_attention"]["rope_theta"])
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("smollm")
-    writer.add_token_list(meta["tokenizer.ggml.tokens"])
-    writer.add_token_types(meta["tokenizer.ggml.token_type"])
-    writer.add_token_merges(meta["tokenizer.ggml.merges"])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
+    add_default_tokenizer(writer, meta, chat_template=False)
     names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
              "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
              "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
