@@ -8,7 +8,6 @@ from __future__ import annotations
 from fastapi import FastAPI
 
 import nanoserve
-from nanoserve.config import ServerConfig
 from nanoserve.entrypoints.anthropic.routes import add_messages_routes
 from nanoserve.entrypoints.edge.middleware import add_edge_middleware
 from nanoserve.entrypoints.ollama.json_bodies import OllamaJsonBodies
@@ -24,6 +23,7 @@ from nanoserve.entrypoints.serving.server_context import ServerContext
 from nanoserve.entrypoints.serving.tenant import TenantMiddleware
 from nanoserve.entrypoints.web.router import PUBLIC_PATHS as WEB_PUBLIC_PATHS
 from nanoserve.entrypoints.web.router import WebPageInfo, web_defaults_router, web_router
+from nanoserve.server_config import ServerConfig
 
 
 def build_app(ctx: ServerContext, config: ServerConfig | None = None) -> FastAPI:

@@ -15,13 +15,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from nanoserve.bench.cli import add_bench_commands
-from nanoserve.config import RequestLimits, ServerConfig, api_key_from_env
 from nanoserve.engine_args import EngineArgs
 from nanoserve.entrypoints.serving.chat_defaults import chat_defaults, describe
 from nanoserve.native import check_cpu_isa
 from nanoserve.parsers.reasoning import REASONING_PARSERS
 from nanoserve.parsers.tool_calls import TOOL_CALL_PARSERS
 from nanoserve.sampling_params import SamplingParams
+from nanoserve.server_config import RequestLimits, ServerConfig, api_key_from_env
 
 if TYPE_CHECKING:
     from nanoserve.entrypoints.llm import LLM

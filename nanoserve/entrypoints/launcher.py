@@ -30,7 +30,7 @@ from multiprocessing.process import BaseProcess
 
 import msgspec
 
-from nanoserve.config import EngineConfig, ServerConfig
+from nanoserve.config import EngineConfig
 from nanoserve.engine.cores import split_cores
 from nanoserve.engine.launch import (
     EngineAddresses,
@@ -39,6 +39,7 @@ from nanoserve.engine.launch import (
     stop_engine_processes,
 )
 from nanoserve.entrypoints.serving.listen import AddressInUseError, bind_listening_socket
+from nanoserve.server_config import ServerConfig
 
 
 def run_serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:

@@ -19,7 +19,7 @@ import msgspec
 import torch
 import uvicorn
 
-from nanoserve.config import EngineConfig, ServerConfig
+from nanoserve.config import EngineConfig
 from nanoserve.engine.core_client import EngineCoreClient
 from nanoserve.engine.dp_router import RoutingConfig
 from nanoserve.engine.launch import EngineAddresses, engine_is_alive
@@ -40,6 +40,7 @@ from nanoserve.parsers.tool_format import template_tool_format
 from nanoserve.protocol import EngineReady
 from nanoserve.reasoning_section import ReasoningTokens
 from nanoserve.sample.logits_processor import load_processor_classes
+from nanoserve.server_config import ServerConfig
 from nanoserve.structured.grammar import GrammarTokenizer
 
 logger = logging.getLogger("nanoserve")

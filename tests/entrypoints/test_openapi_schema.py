@@ -10,10 +10,10 @@ from typing import Any, cast
 
 import pytest
 
-from nanoserve.config import ServerConfig
 from nanoserve.entrypoints.app import build_app
 from nanoserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from nanoserve.sampling_params import SamplingParams
+from nanoserve.server_config import ServerConfig
 
 # request fields under another name in SamplingParams
 SAMPLING_NAME = {"top_logprobs": "logprobs", "max_completion_tokens": "max_tokens"}

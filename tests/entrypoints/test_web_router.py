@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from nanoserve.config import ServerConfig
 from nanoserve.entrypoints.app import build_app
 from nanoserve.entrypoints.web import router
 from nanoserve.entrypoints.web.router import ASSETS, PAGES, STATIC_URL, page_banner
+from nanoserve.server_config import ServerConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 WEB_FILES = [*PAGES.values(), *ASSETS, "vendor/LICENSE.marked", "vendor/LICENSE.dompurify",

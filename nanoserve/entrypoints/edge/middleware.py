@@ -12,10 +12,10 @@ from __future__ import annotations
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
-from nanoserve.config import ServerConfig
 from nanoserve.entrypoints.anthropic.errors import AnthropicErrorShape
 from nanoserve.entrypoints.ollama.errors import OllamaErrorShape
 from nanoserve.entrypoints.serving.auth import APIKeyMiddleware
+from nanoserve.server_config import ServerConfig
 
 
 def add_edge_middleware(app: FastAPI, config: ServerConfig,

@@ -23,7 +23,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 import nanoserve
-from nanoserve.config import ServerConfig
 from nanoserve.entrypoints.edge.middleware import add_edge_middleware
 from nanoserve.entrypoints.router.forward import (
     RouteError,
@@ -41,6 +40,7 @@ from nanoserve.entrypoints.serving.auth import PUBLIC_PATHS
 from nanoserve.entrypoints.serving.limits import BodyLimitMiddleware
 from nanoserve.entrypoints.web.router import PUBLIC_PATHS as WEB_PUBLIC_PATHS
 from nanoserve.entrypoints.web.router import web_router
+from nanoserve.server_config import ServerConfig
 
 _METRICS_TIMEOUT_S = 5.0
 

@@ -10,13 +10,13 @@ import sys
 
 import uvicorn
 
-from nanoserve.config import ServerConfig
 from nanoserve.entrypoints.router.app import build_router_app
 from nanoserve.entrypoints.router.catalog import find_models
 from nanoserve.entrypoints.router.pool import ModelPool
 from nanoserve.entrypoints.serving.event_loop import run_event_loop
 from nanoserve.entrypoints.serving.listen import AddressInUseError, bind_listening_socket
 from nanoserve.entrypoints.web.router import page_banner
+from nanoserve.server_config import ServerConfig
 
 # options of the router itself, with how many values each takes (-1: one or more)
 _ROUTER_ONLY = {"--models-dir": 1, "--models-max": 1, "--keep-alive": 1, "--host": 1,

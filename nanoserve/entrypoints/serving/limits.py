@@ -14,8 +14,8 @@ from typing import Any
 
 from starlette.exceptions import HTTPException
 
-from nanoserve.config import RequestLimits
 from nanoserve.entrypoints.serving.errors import bad_request, error_body
+from nanoserve.server_config import RequestLimits
 
 
 def body_too_large(limit: int, size: int | None) -> str:

@@ -6,7 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from nanoserve.config import RequestLimits
 from nanoserve.entrypoints.serving.async_engine import AsyncEngine
 from nanoserve.entrypoints.serving.errors import APIError, bad_request
 from nanoserve.entrypoints.serving.limits import check_n
@@ -14,6 +13,7 @@ from nanoserve.entrypoints.serving.metrics import Metrics
 from nanoserve.entrypoints.serving.model_names import ModelNames
 from nanoserve.reasoning_section import ReasoningTokens
 from nanoserve.sample.logits_processor import LogitsProcessor
+from nanoserve.server_config import RequestLimits
 from nanoserve.structured.grammar import GrammarTokenizer
 
 

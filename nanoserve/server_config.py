@@ -1,0 +1,95 @@
+"""Frozen configuration of the HTTP server around the engine (`nanoserve serve`'s server
+flags): what one request may ask (`RequestLimits`) and the server's own settings
+(`ServerConfig`), built once by the CLI. The engine's configuration is config.py's.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one request may ask of the server. Past each limit the request gets a 4xx in
+    OpenAI's error shape naming the field, the value and the limit (entrypoints/serving/limits.py);
+    context length and logprobs are bounded by the engine's own settings (max_model_len,
+    max_logprobs)."""
+
+    # 4 MiB holds a 128k-token context as text or as token ids with room to spare (TGI's
+    # --payload-limit is 2 MB); anything bigger is refused before it is read.
+    max_request_body_bytes: int = 4 * 1024 * 1024
+    # OpenAI's own maximum for `n`: no client written for OpenAI's API sends more, pass@k runs
+    # (n up to 100) still fit, and one request stays at 2x the default running batch
+    # (max_num_seqs 64). vLLM's cap (16384) only stops absurd values: n=1000000 was accepted here
+    # and stalled every other client for ~40 s.
+    max_n: int = 128
+    max_stop_strings: int = 4  # OpenAI's and vLLM's limit
+    # the stop checker holds back up to len(stop)-1 characters and tests each prefix per token:
+    # quadratic in the length, so a bound keeps hostile stop strings cheap
+    max_stop_string_length: int = 256
+    # bad words are matched against each sample's output in Python on every step: 200,000 words
+    # in one request made the other requests of its batch 12x slower. vLLM's cap is 128 words
+    # (each word is also held to max_stop_string_length)
+    max_bad_words: int = 128
+    # seconds from admission until a request is aborted (its KV blocks freed) and answered with
+    # HTTP 408 (in a stream: an error event); None = no deadline, as vLLM (a client that gives
+    # up and disconnects already aborts its request)
+    request_timeout: float | None = None
+    # A client that stops reading its stream: once its unread updates have waited this many
+    # seconds, or this many have piled up, its request is aborted (KV blocks freed) and its
+    # updates dropped, so it holds neither memory nor a batch slot. Ten times the slowest
+    # inter-token gap measured under load here (~3 s at 32 streams on 2 cores), and OpenAI's
+    # ~3 tokens per update x 4,096 is more than any max_tokens this server allows by default.
+    slow_reader_timeout: float = 30.0
+    max_unread_updates: int = 4096
+
+    def __post_init__(self) -> None:
+        for name in ("max_request_body_bytes", "max_n", "max_stop_strings",
+                     "max_stop_string_length", "max_bad_words", "max_unread_updates"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.request_timeout is not None and not self.request_timeout > 0:
+            raise ValueError(f"request_timeout must be > 0 seconds, got {self.request_timeout}")
+        if not self.slow_reader_timeout > 0:
+            raise ValueError(
+                f"slow_reader_timeout must be > 0 seconds, got {self.slow_reader_timeout}")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The OpenAI-compatible server around the engine."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str | None = None  # None = the model's own name
+    reasoning_parser: str | None = None  # "qwen3" | "deepseek_r1"
+    # "hermes" | "llama3_json" | "qwen3_coder": reads tool_choice="auto" (None: the template's)
+    tool_call_parser: str | None = None
+    # /v1/rerank and /score: "cosine" (of the two texts' embeddings) or "yes_no" (the logit of
+    # "yes" against "no" after a judging prompt, Qwen3-Reranker's method). On the default
+    # model, 16 hand-made queries x 4 documents: cosine puts the answer first 11 times (MRR
+    # 0.82), yes_no 6 (MRR 0.64; chance: 4, 0.52), and cosine takes a third of the time.
+    score_method: str = "cosine"
+    chat_template: str | None = None  # the Jinja text that replaces the tokenizer's template
+    api_server_count: int = 1
+    shutdown_timeout: float = 30.0  # seconds in-flight requests may take to finish on SIGTERM
+    max_in_flight: int = 512  # past this many sequences (requests times n) in flight: 429
+    generation_config: str = "auto"  # "auto": the model's defaults; "vllm": vLLM's defaults
+    log_level: str = "info"
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    # origins a browser page may call the API from (CORS); empty = no CORS headers at all
+    allowed_origins: tuple[str, ...] = ()
+    # request logs carry ids and sizes; prompt text and sampling parameters only when asked
+    log_requests: bool = False
+    # the chat page at / and the dashboard at /dashboard (entrypoints/web/); --no-web-ui: off
+    web_ui: bool = True
+    # take Claude Code's `x-anthropic-billing-header: ...; cch=...;` line off the start of a
+    # system prompt, so its requests share the prefix cache (anthropic/billing_header.py)
+    strip_billing_header: bool = True
+
+
+def api_key_from_env() -> str | None:
+    """NANOSERVE_API_KEY, the alternative to --api-key."""
+    return os.environ.get("NANOSERVE_API_KEY") or None
