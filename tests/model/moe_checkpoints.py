@@ -12,6 +12,7 @@ import gguf
 import numpy as np
 import torch
 from conftest import _spread_norm_weights
+from gguf_writing import add_shape, finish
 
 from nanoserve.model.gguf_file import GGUFFile
 from nanoserve.model.loader import default_model_path
@@ -81,13 +82,6 @@ def _copy_tokenizer(writer: gguf.GGUFWriter, meta: dict[str, Any]) -> None:
     writer.add_chat_template(meta["tokenizer.chat_template"])
 
 
-def _finish(writer: gguf.GGUFWriter) -> None:
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
 # a transformers MoE model's parameter (after `model.layers.N.`) -> the GGUF name after `blk.N.`
 _LAYER_NAMES = {
     "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight":
@@ -115,17 +109,9 @@ def write_tiny_moe_gguf(hf_dir: Path, out: Path, qtype: Q = Q.F32) -> Path:
     cfg = model.config
     arch = "qwen3moe" if cfg.model_type == "qwen3_moe" else "qwen2moe"
     writer = gguf.GGUFWriter(str(out), arch)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
+    add_shape(writer, cfg, cfg.rope_parameters["rope_theta"])
     if arch == "qwen3moe":
         writer.add_key_length(cfg.head_dim)
-    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_vocab_size(cfg.vocab_size)
     writer.add_expert_count(cfg.num_experts)
     writer.add_expert_used_count(cfg.num_experts_per_tok)
     writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
@@ -142,7 +128,7 @@ def write_tiny_moe_gguf(hf_dir: Path, out: Path, qtype: Q = Q.F32) -> Path:
                 writer.add_tensor(gguf_name, gguf.quants.quantize(value, qtype), raw_dtype=qtype)
             else:
                 writer.add_tensor(gguf_name, value)
-    _finish(writer)
+    finish(writer)
     return out
 
 
@@ -241,5 +227,5 @@ def upcycle_default_model(out: Path, seed: int = 0) -> Path:
         writer.add_tensor(f"{blk}ffn_down_shexp.weight", zeros, raw_dtype=Q.Q4_1)
         writer.add_tensor(f"{blk}ffn_gate_inp_shexp.weight",
                           rng.standard_normal(hidden).astype(np.float32))
-    _finish(writer)
+    finish(writer)
     return out

@@ -13,6 +13,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from gguf_writing import add_shape, finish
 from helpers import hf_model
 from test_equivalence import prefill_logits
 
@@ -56,15 +57,7 @@ def write_gguf(hf_dir: Path, out: Path, qtype: gguf.GGMLQuantizationType,
     cfg = model.config
     meta = GGUFFile(default_model_path()).metadata
     writer = gguf.GGUFWriter(str(out), "llama")
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_vocab_size(cfg.vocab_size)
+    add_shape(writer, cfg, cfg.rope_parameters["rope_theta"])
     add_default_tokenizer(writer, meta)
 
     head_dim = cfg.hidden_size // cfg.num_attention_heads
@@ -99,10 +92,7 @@ def write_gguf(hf_dir: Path, out: Path, qtype: gguf.GGMLQuantizationType,
                               raw_dtype=tensor_qtype)
         else:
             writer.add_tensor(gguf_name, w)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     return out
 
 
@@ -211,10 +201,7 @@ def test_gguf_with_an_unsupported_quantization(tmp_path: Path) -> None:
     writer = gguf.GGUFWriter(str(path), "llama")
     qtype = gguf.GGMLQuantizationType.Q8_1  # gguf has no dequantizer for it
     writer.add_tensor("token_embd.weight", np.zeros((4, 40), dtype=np.uint8), raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     with pytest.raises(ValueError, match="Q8_1"):
         GGUFFile(path).dequantize("token_embd.weight")
 
@@ -223,10 +210,7 @@ def test_gguf_with_an_unsupported_architecture(tmp_path: Path) -> None:
     path = tmp_path / "gemma.gguf"
     writer = gguf.GGUFWriter(str(path), "gemma")
     writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     with pytest.raises(UnsupportedModelError, match="'gemma'"):
         load_model(str(path), CPU, torch.float32)
 

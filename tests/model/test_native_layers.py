@@ -215,6 +215,7 @@ def write_gemma3_gguf(hf_dir: Path, out: Path) -> Path:
     rows as they are (no permute), Q8_0 blocks (Q5_0 for attn_v and ffn_down, a file's mixed
     types: q, k and v then load as two row parts, a ConcatWeight)."""
     import gguf
+    from gguf_writing import add_shape, finish
 
     from nanoserve.bench.random_gguf import add_default_tokenizer
     from nanoserve.model.gguf_file import GGUFFile
@@ -224,18 +225,8 @@ def write_gemma3_gguf(hf_dir: Path, out: Path) -> Path:
     cfg = model.config
     meta = GGUFFile(default_model_path()).metadata
     writer = gguf.GGUFWriter(str(out), "gemma3")
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_key_length(cfg.head_dim)
-    writer.add_value_length(cfg.head_dim)
+    add_shape(writer, cfg, cfg.rope_parameters["full_attention"]["rope_theta"], cfg.head_dim)
     writer.add_sliding_window(cfg.sliding_window)
-    writer.add_rope_freq_base(cfg.rope_parameters["full_attention"]["rope_theta"])
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_vocab_size(cfg.vocab_size)
     add_default_tokenizer(writer, meta, chat_template=False)
     names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
              "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
@@ -263,10 +254,7 @@ def write_gemma3_gguf(hf_dir: Path, out: Path) -> Path:
             writer.add_tensor(gguf_name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(gguf_name, w)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     return out
 
 
@@ -345,19 +333,10 @@ def test_mistral_native_stack_attends_its_window_as_the_python_loop(
         tmp_path: Path, default_tokenizer: Any) -> None:
     """Mistral: every layer in a window of 24 keys (one KV group, one RoPE table), prompts far
     past it: the native stack's steps equal the Python loop's bit for bit."""
-    import transformers
-    from conftest import _spread_norm_weights
     from helpers import make_engine
+    from test_sliding_window import write_tiny_mistral
 
-    config = transformers.MistralConfig(
-        vocab_size=49152, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-        sliding_window=24, bos_token_id=1, eos_token_id=2, initializer_range=0.05)
-    torch.manual_seed(1234)
-    model = transformers.MistralForCausalLM(config)
-    _spread_norm_weights(model)
-    model.save_pretrained(tmp_path)
-    default_tokenizer.save_pretrained(tmp_path)
+    write_tiny_mistral(tmp_path, default_tokenizer)
     engine = make_engine(tmp_path, quantization="int8", max_num_batched_tokens=48,
                          num_blocks=96)
     assert engine.runner.model.features.windows == (24, 24)

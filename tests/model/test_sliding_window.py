@@ -130,14 +130,11 @@ def test_negative_window_is_refused() -> None:
         decode_attention(*case, window=-1)
 
 
-def test_mistral_window_runs_past_it_and_equals_transformers(
-        tmp_path: Path, default_tokenizer: Any) -> None:
-    """Mistral's every layer windowed: the context is no longer capped at the window, and
-    greedy tokens for prompts far past it equal transformers' (alone and batched)."""
+def write_tiny_mistral(path: Path, tokenizer: Any) -> Any:
+    """A 2-layer Mistral with every layer in a window of 24 keys, random weights (seed 1234)
+    and the default model's tokenizer, saved in `path`; its config."""
     import transformers
     from conftest import _spread_norm_weights
-    from helpers import hf_model
-    from test_equivalence import assert_tokens_match
 
     config = transformers.MistralConfig(
         vocab_size=49152, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
@@ -146,8 +143,19 @@ def test_mistral_window_runs_past_it_and_equals_transformers(
     torch.manual_seed(1234)
     model = transformers.MistralForCausalLM(config)
     _spread_norm_weights(model)
-    model.save_pretrained(tmp_path)
-    default_tokenizer.save_pretrained(tmp_path)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return config
+
+
+def test_mistral_window_runs_past_it_and_equals_transformers(
+        tmp_path: Path, default_tokenizer: Any) -> None:
+    """Mistral's every layer windowed: the context is no longer capped at the window, and
+    greedy tokens for prompts far past it equal transformers' (alone and batched)."""
+    from helpers import hf_model
+    from test_equivalence import assert_tokens_match
+
+    config = write_tiny_mistral(tmp_path, default_tokenizer)
     assert ArchConfig.from_hf_config(config.to_dict()).layer_window(1) == 24
     # the window's blocks are given back: 10 blocks (not 36) still make the batch preempt
     assert_tokens_match(str(tmp_path), hf_model(tmp_path), 49152, num_blocks=10)
