@@ -26,6 +26,18 @@ def add_shape(writer: gguf.GGUFWriter, cfg: Any, rope_theta: float,
     writer.add_vocab_size(cfg.vocab_size)
 
 
+def tensor_name(hf_name: str, short_names: dict[str, str]) -> tuple[str, str | None]:
+    """A transformers tensor's GGUF name, and for a layer's tensor its module ("self_attn.q_proj")
+    that `short_names` maps to llama.cpp's short name ("attn_q"); None for the others."""
+    if hf_name == "model.embed_tokens.weight":
+        return "token_embd.weight", None
+    if hf_name == "model.norm.weight":
+        return "output_norm.weight", None
+    layer, rest = hf_name.removeprefix("model.layers.").split(".", 1)
+    module = rest.rsplit(".", 1)[0]
+    return f"blk.{layer}.{short_names[module]}.weight", module
+
+
 def finish(writer: gguf.GGUFWriter) -> None:
     """Header, metadata and tensors to the file, then close it."""
     writer.write_header_to_file()

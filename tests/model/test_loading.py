@@ -13,7 +13,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from gguf_writing import add_shape, finish
+from gguf_writing import add_shape, finish, tensor_name
 from helpers import hf_model
 from test_equivalence import prefill_logits
 
@@ -74,18 +74,11 @@ def write_gguf(hf_dir: Path, out: Path, qtype: gguf.GGMLQuantizationType,
         if name == "lm_head.weight":
             continue  # tied
         w = tensor.float().numpy()
-        if name == "model.embed_tokens.weight":
-            gguf_name = "token_embd.weight"
-        elif name == "model.norm.weight":
-            gguf_name = "output_norm.weight"
-        else:
-            layer, rest = name.removeprefix("model.layers.").split(".", 1)
-            module = rest.rsplit(".", 1)[0]
-            gguf_name = f"blk.{layer}.{names[module]}.weight"
-            if module == "self_attn.q_proj":
-                w = llama_cpp_permute(w, cfg.num_attention_heads)
-            elif module == "self_attn.k_proj":
-                w = llama_cpp_permute(w, cfg.num_key_value_heads)
+        gguf_name, module = tensor_name(name, names)
+        if module == "self_attn.q_proj":
+            w = llama_cpp_permute(w, cfg.num_attention_heads)
+        elif module == "self_attn.k_proj":
+            w = llama_cpp_permute(w, cfg.num_key_value_heads)
         tensor_qtype = (qtype_of or {}).get(gguf_name.split(".")[-2], qtype)
         if w.ndim == 2 and tensor_qtype != gguf.GGMLQuantizationType.F32:
             writer.add_tensor(gguf_name, gguf.quants.quantize(w, tensor_qtype),

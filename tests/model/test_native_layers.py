@@ -215,7 +215,7 @@ def write_gemma3_gguf(hf_dir: Path, out: Path) -> Path:
     rows as they are (no permute), Q8_0 blocks (Q5_0 for attn_v and ffn_down, a file's mixed
     types: q, k and v then load as two row parts, a ConcatWeight)."""
     import gguf
-    from gguf_writing import add_shape, finish
+    from gguf_writing import add_shape, finish, tensor_name
 
     from nanoserve.bench.random_gguf import add_default_tokenizer
     from nanoserve.model.gguf_file import GGUFFile
@@ -241,13 +241,7 @@ def write_gemma3_gguf(hf_dir: Path, out: Path) -> Path:
         w = tensor.float().numpy()
         if name.endswith("norm.weight"):
             w = w + 1.0
-        if name == "model.embed_tokens.weight":
-            gguf_name = "token_embd.weight"
-        elif name == "model.norm.weight":
-            gguf_name = "output_norm.weight"
-        else:
-            layer, rest = name.removeprefix("model.layers.").split(".", 1)
-            gguf_name = f"blk.{layer}.{names[rest.rsplit('.', 1)[0]]}.weight"
+        gguf_name, _ = tensor_name(name, names)
         qtype = (GGMLQuantizationType.Q5_0 if gguf_name.split(".")[-2] in ("attn_v", "ffn_down")
                  else GGMLQuantizationType.Q8_0)
         if w.ndim == 2:
