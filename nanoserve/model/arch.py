@@ -7,6 +7,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from nanoserve.model.linear_arch import (
+    LINEAR,
+    LinearAttentionConfig,
+    hybrid_layer_types,
+    linear_from_hf,
+)
 from nanoserve.model.moe_arch import MoeConfig, moe_from_gguf, moe_from_hf
 
 # Hugging Face `model_type` -> our family. Mistral is Llama without qkv bias, every layer in
@@ -21,7 +27,15 @@ SUPPORTED_MODEL_TYPES = {
     # mixture of experts: the family's attention, the experts in `ArchConfig.moe`
     "qwen2_moe": "qwen2",
     "qwen3_moe": "qwen3",
+    # hybrids: Gated DeltaNet layers between gated full-attention ones (linear_arch.py)
+    "qwen3_5_text": "qwen3_5",
+    "qwen3_5": "qwen3_5",  # a multimodal config whose text model runs alone (text_config)
+    "qwen3_5_moe_text": "qwen3_5",
+    "qwen3_5_moe": "qwen3_5",
 }
+# a multimodal config -> its text model's type
+TEXT_MODEL_TYPES = {"gemma3": "gemma3_text", "qwen3_5": "qwen3_5_text",
+                    "qwen3_5_moe": "qwen3_5_moe_text"}
 SLIDING, FULL = "sliding_attention", "full_attention"  # transformers' `layer_types` values
 # Gemma 3's layers without `layer_types`: five windowed, then one global, repeating
 GEMMA3_SLIDING_PATTERN = 6
@@ -88,6 +102,12 @@ class ArchConfig:
     scales_embedding: bool = False
     query_pre_attn_scalar: float | None = None
     moe: MoeConfig | None = None  # a mixture-of-experts model's experts (moe_arch.py)
+    # a hybrid's Gated DeltaNet layers (LINEAR in layer_types; linear_arch.py), and its full
+    # attention layers' output gate (sigmoid(gate) * attention, the gate from q_proj) and
+    # rotary share (RoPE on the first partial_rotary_factor of each head's dims)
+    linear: LinearAttentionConfig | None = None
+    has_attn_output_gate: bool = False
+    partial_rotary_factor: float = 1.0
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -100,6 +120,28 @@ class ArchConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def norms_are_offsets(self) -> bool:
+        """The checkpoint's RMSNorm weights w are used as 1 + w (Gemma, Qwen3.5)."""
+        return self.family in ("gemma3", "qwen3_5")
+
+    def is_linear(self, layer: int) -> bool:
+        """Layer `layer` is a Gated DeltaNet layer (no KV cache: a state per sequence)."""
+        return bool(self.layer_types) and self.layer_types[layer] == LINEAR
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_layers) if self.is_linear(i))
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_layers) if not self.is_linear(i))
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dims of a head RoPE turns (the first ones; the rest pass through)."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def layer_window(self, layer: int) -> int:
         """The keys layer `layer` attends: its sliding window, or 0 for the whole context."""
@@ -129,8 +171,9 @@ class ArchConfig:
     def from_hf_config(cls, cfg: dict[str, Any]) -> ArchConfig:
         """Read a Hugging Face `config.json` dict; refuse what we cannot run, saying why."""
         model_type = cfg.get("model_type", "")
-        if model_type == "gemma3" and "text_config" in cfg:  # the text half of a Gemma 3 VLM
-            return cls.from_hf_config({**cfg["text_config"], "model_type": "gemma3_text",
+        if model_type in TEXT_MODEL_TYPES and "text_config" in cfg:  # a VLM's text half
+            return cls.from_hf_config({**cfg["text_config"],
+                                       "model_type": TEXT_MODEL_TYPES[model_type],
                                        "architectures": cfg.get("architectures")})
         if model_type not in SUPPORTED_MODEL_TYPES:
             archs = cfg.get("architectures") or [model_type]
@@ -152,11 +195,13 @@ class ArchConfig:
         window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
         if family == "gemma3":
             return _gemma3_from_hf(cfg, num_heads, head_dim, eos_ids)
+        hybrid = _hybrid_from_hf(cfg) if family == "qwen3_5" else {}
         return cls(
             family=family,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
+            # (a MoE model with no dense layer gives none: its experts' size stands in)
+            intermediate_size=cfg.get("intermediate_size") or cfg["moe_intermediate_size"],
             num_layers=cfg["num_hidden_layers"],
             num_heads=num_heads,
             num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
@@ -167,12 +212,13 @@ class ArchConfig:
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             has_qkv_bias=(bool(family == "qwen2" and cfg.get("qkv_bias", True))
                           or bool(cfg.get("attention_bias", False))),
-            has_qk_norm=family == "qwen3",
+            has_qk_norm=family in ("qwen3", "qwen3_5"),
             rope_scaling=_rope_scaling(cfg),
             sliding_window=window if family == "llama" else None,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             moe=moe_from_hf(cfg),
+            **hybrid,
         )
 
     @classmethod
@@ -254,6 +300,16 @@ def _gemma3_from_hf(cfg: dict[str, Any], num_heads: int, head_dim: int,
                                or cfg.get("rope_local_base_freq") or 10000.0),
         has_sandwich_norms=True, hidden_act="gelu_tanh", scales_embedding=True,
         query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar") or 256))
+
+
+def _hybrid_from_hf(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The ArchConfig fields of a Qwen3.5 text config: its layer kinds, DeltaNet shape, gated
+    attention and partial rotary (mRoPE's text positions are plain RoPE: every section gets
+    the same position)."""
+    params = cfg.get("rope_parameters") or {}
+    factor = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25))
+    return {"layer_types": hybrid_layer_types(cfg), "linear": linear_from_hf(cfg),
+            "has_attn_output_gate": True, "partial_rotary_factor": float(factor)}
 
 
 def _gemma3_from_gguf(get: Any) -> dict[str, Any]:

@@ -48,8 +48,10 @@ class MoeConfig:
 def moe_from_hf(cfg: dict[str, Any]) -> MoeConfig | None:
     """The MoE fields of a Qwen2-MoE / Qwen3-MoE `config.json` (None for a dense model), with
     transformers' rule for which layers are MoE (modeling_qwen3_moe.py's decoder layer)."""
-    if cfg.get("model_type") not in ("qwen2_moe", "qwen3_moe"):
+    if cfg.get("model_type") not in ("qwen2_moe", "qwen3_moe", "qwen3_5_moe_text"):
         return None
+    # Qwen3.5's router always renormalises its top k (its config has no norm_topk_prob)
+    norm_default = cfg["model_type"] == "qwen3_5_moe_text"
     # transformers 5 saves `num_local_experts`; the published checkpoints say `num_experts`
     num_experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
     step = int(cfg.get("decoder_sparse_step") or 1)
@@ -60,7 +62,7 @@ def moe_from_hf(cfg: dict[str, Any]) -> MoeConfig | None:
         num_experts=num_experts,
         num_experts_per_tok=int(cfg["num_experts_per_tok"]),
         moe_intermediate_size=int(cfg["moe_intermediate_size"]),
-        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", norm_default)),
         sparse_layers=sparse,
         shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
     )

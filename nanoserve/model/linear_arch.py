@@ -1,0 +1,72 @@
+"""The Gated DeltaNet part of a hybrid model's shape (Qwen3.5/3.6, Qwen3-Next), read from
+`config.json` or GGUF metadata.
+
+A hybrid model interleaves two layer kinds (`ArchConfig.layer_types`): gated full attention
+(`FULL`, its KV in the paged cache) and Gated DeltaNet (`LINEAR`), a linear-attention
+recurrence whose whole past is two fixed-size states per sequence: the last `conv_kernel - 1`
+inputs of a short causal depthwise convolution over q, k and v, and a [key_head_dim,
+value_head_dim] matrix per value head. Value heads share key heads in groups, like GQA's query
+heads: Hugging Face checkpoints put value head j on key head j // (value heads per key head);
+llama.cpp's GGUF converter reorders them "tiled", value head j on key head j % key heads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+LINEAR = "linear_attention"  # transformers' `layer_types` value of a Gated DeltaNet layer
+
+
+@dataclass(frozen=True)
+class LinearAttentionConfig:
+    """The shape of a model's Gated DeltaNet layers (every one has the same)."""
+
+    conv_kernel: int  # the causal conv's width: its state keeps conv_kernel - 1 inputs
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    v_heads_tiled: bool = False  # value head j reads key head j % num_key_heads (GGUF)
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the conv: q, k (key_dim each) and v (value_dim), in that order."""
+        return 2 * self.key_dim + self.value_dim
+
+    def key_head_of(self, value_head: int) -> int:
+        if self.v_heads_tiled:
+            return value_head % self.num_key_heads
+        return value_head // (self.num_value_heads // self.num_key_heads)
+
+    @property
+    def state_floats(self) -> int:
+        """float32 values one sequence's state takes in one layer (conv and recurrent)."""
+        return (self.conv_dim * (self.conv_kernel - 1)
+                + self.num_value_heads * self.key_head_dim * self.value_head_dim)
+
+
+def linear_from_hf(cfg: dict[str, Any]) -> LinearAttentionConfig:
+    return LinearAttentionConfig(
+        conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)),
+        num_key_heads=int(cfg.get("linear_num_key_heads", 16)),
+        num_value_heads=int(cfg.get("linear_num_value_heads", 32)),
+        key_head_dim=int(cfg.get("linear_key_head_dim", 128)),
+        value_head_dim=int(cfg.get("linear_value_head_dim", 128)))
+
+
+def hybrid_layer_types(cfg: dict[str, Any]) -> tuple[str, ...]:
+    """`layer_types`, or transformers' default: every `full_attention_interval`-th layer full."""
+    if cfg.get("layer_types"):
+        return tuple(cfg["layer_types"])
+    interval = int(cfg.get("full_attention_interval", 4))
+    return tuple("full_attention" if (i + 1) % interval == 0 else LINEAR
+                 for i in range(cfg["num_hidden_layers"]))
