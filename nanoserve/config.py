@@ -101,8 +101,13 @@ class CacheConfig:
     # "auto" = float16 on the CPU when the weights are quantized and the paged decode kernel
     # is built, else the model's dtype; "float32", "float16" or "int8" as asked.
     kv_cache_dtype: str = "auto"
+    # a hybrid model's DeltaNet states are snapshotted for the prefix cache every this many
+    # tokens (vLLM's name; engine/state_cache.py), and at each prompt's last full block
+    mamba_block_size: int = 256
 
     def __post_init__(self) -> None:
+        if self.mamba_block_size < 1:
+            raise ValueError(f"mamba_block_size must be >= 1, got {self.mamba_block_size}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not one of "
                              f"{list(KV_CACHE_DTYPES)}")

@@ -97,6 +97,10 @@ class EngineArgs:
     enable_prefix_caching: bool = _arg(
         CacheConfig.enable_prefix_caching, "do not reuse the KV blocks of shared prompt prefixes",
         flag="--no-prefix-caching", action="store_false")
+    mamba_block_size: int = _arg(
+        CacheConfig.mamba_block_size, "hybrid models (Qwen3.5): the tokens between two "
+        "snapshots of a sequence's Gated DeltaNet states, where a cached prefix can end (a "
+        "prompt's last full block is kept too) (default: %(default)s)", type=int)
     seed: int | None = _arg(ModelConfig.seed, "where unseeded requests get their seeds from "
                             "(default: %(default)s)", type=int)
     logits_processors: Sequence[str | type] = _arg(
@@ -205,7 +209,7 @@ class EngineArgs:
                 kv_cache_memory_bytes=None if self.kv_cache_memory_gb is None
                 else int(self.kv_cache_memory_gb * GiB),
                 enable_prefix_caching=self.enable_prefix_caching,
-                kv_cache_dtype=self.kv_cache_dtype),
+                kv_cache_dtype=self.kv_cache_dtype, mamba_block_size=self.mamba_block_size),
             scheduler=self._scheduler_config(),
             sampler=SamplerConfig(logits_processors=tuple(self.logits_processors),
                                   max_logprobs=self.max_logprobs),

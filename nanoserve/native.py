@@ -363,7 +363,7 @@ def _checkout_key() -> str:
 
 # decode_layers calls the ops the first three register: it loads after them
 KERNEL_NAMES: tuple[str, ...] = ("fused_ops", "paged_attention", "quant_matmul", "sampling",
-                                 "decode_layers")
+                                 "decode_layers", "delta_net")
 
 
 def build_tiers() -> list[str]:

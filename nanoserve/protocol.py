@@ -200,6 +200,12 @@ class StepInput(msgspec.Struct, tag=True, array_like=True):
     # and cache rows of their own (block_table and cache_index above are group 0's)
     group_block_tables: list[np.ndarray] = []  # per group, [R, max_blocks] int32
     group_cache_index: list[np.ndarray] = []  # per group, [T] int64
+    # hybrid models (engine/state_pool.py): each request's state slot [R], in batch order;
+    # the admitted requests' states set before the forward, (slot, snapshot slot or -1 for
+    # zeros); and the rows after which a state is copied to a snapshot slot, (row, slot)
+    seq_slots: list[int] = []
+    state_inits: list[tuple[int, int]] = []
+    state_snapshots: list[tuple[int, int]] = []
 
     @property
     def num_requests(self) -> int:

@@ -78,7 +78,7 @@ class StepFloor:
 def _matmul_weights(model: CausalLM) -> list[Any]:
     """Every weight a step reads whole: the projections and the LM head, not the experts."""
     weights = [w for layer in model.decoder_layers
-               for w in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+               for w in (getattr(layer, attr) for attr in layer.MATMUL_WEIGHTS)
                if w is not None]  # (a MoE layer has no gate_up nor down: `_expert_reads`)
     return [*weights, model.lm_head]
 
@@ -129,7 +129,10 @@ def step_floor(model: CausalLM, kv_cache: torch.Tensor, batch: int, context_len:
     weight_bytes = sum(_weight_bytes(w, batch) for w in weights) + expert_bytes
     row_bytes = kv_cache.shape[-1] * kv_cache.element_size()
     arch = model.arch
-    cache_bytes = batch * context_len * arch.num_layers * 2 * arch.num_kv_heads * row_bytes
+    attention_layers = len(arch.attention_layers)
+    cache_bytes = batch * context_len * attention_layers * 2 * arch.num_kv_heads * row_bytes
+    if arch.linear is not None:  # a hybrid's DeltaNet states: each read and written once
+        cache_bytes += batch * 2 * 4 * arch.linear.state_floats * len(arch.linear_layers)
     macs = batch * sum(n * k for n, k in map(_shape, weights)) + expert_macs
     return StepFloor(weight_bytes + cache_bytes, macs, rates)
 
@@ -145,7 +148,7 @@ def measure_rates(model: CausalLM, repeats: int = 5) -> MachineRates:
 def macs_per_s(model: CausalLM, repeats: int = 5) -> float:
     """The matmul kernel's multiply-adds per second on the model's largest projection at 256
     rows (the best of `repeats`), where it is bound by arithmetic."""
-    layer = model.decoder_layers[0]  # its MLP's gate/up, or its first expert's
+    layer = model.decoder_layers[-1]  # its MLP's gate/up, or its first expert's
     largest: Any = (layer.gate_up_proj if layer.moe is None
                     else layer.moe.experts[0].gate_up_proj)
     rows, (num_rows, in_features) = 256, _shape(largest)

@@ -59,8 +59,10 @@ from nanoserve.native import loaded_tier
 
 MATMUL_OPS = re.compile(r"mm$|addmm|linear|quant_matmul|linear_dynamic|_weight_int|matmul")
 ATTENTION_OPS = re.compile(r"attention|index_select|index_copy|_softmax")
-BUCKETS = ("matmuls", "attention", "element-wise", "one region", "model Python", "sampler",
-           "engine")
+# "state update": a hybrid model's DeltaNet kernel (the conv and the recurrence over each
+# sequence's states, model/delta_net_ops.py), shown where it ran
+BUCKETS = ("matmuls", "attention", "state update", "element-wise", "one region",
+           "model Python", "sampler", "engine")
 
 
 @dataclass
@@ -159,10 +161,13 @@ def _bucket_events(events: list) -> dict[str, float]:
     # the layer stack's time outside any operator: its one-region path (the dispatcher path's
     # kernels are operators, bucketed above)
     one_region = max(0.0, totals["nanoserve.layers"] - layer_ops)
+    state_update = totals["nanoserve.delta_rule"]  # one native call, no operator inside
     seconds = {
         "matmuls": totals["matmuls"], "attention": totals["attention"],
+        "state update": state_update,
         "element-wise": totals["element-wise"], "one region": one_region,
-        "model Python": max(0.0, totals["nanoserve.model"] - model_ops - one_region),
+        "model Python": max(0.0, totals["nanoserve.model"] - model_ops - one_region
+                            - state_update),
         "sampler": totals["nanoserve.sample"],
     }
     seconds["engine"] = max(0.0, totals["step"] - sum(seconds.values()))
@@ -173,6 +178,8 @@ def format_profiles(profiles: list[StepProfile]) -> str:
     header = "| bucket | " + " | ".join(f"batch {p.batch}" for p in profiles) + " |"
     lines = [header, "|---|" + "---:|" * len(profiles)]
     for name in BUCKETS:
+        if name == "state update" and not any(p.buckets[name] for p in profiles):
+            continue  # a model without DeltaNet layers
         cells = [f"{p.buckets[name] * 1e3:.1f} ms ({p.share(name):.0%})" for p in profiles]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines.append("| **step** | " + " | ".join(f"**{p.step_seconds * 1e3:.1f} ms**"

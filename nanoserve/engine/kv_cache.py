@@ -20,12 +20,11 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from nanoserve.engine.kv_events import BlockRemoved, BlockStored, KVEvent, wire_hash
 from nanoserve.engine.request import Request
-
-BlockHash = bytes
+from nanoserve.engine.state_cache import NO_SOURCE, BlockHash, StateSnapshots
 
 
 def hash_block(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
@@ -64,6 +63,8 @@ class BlockPool:
                                                                  for b in self.blocks)
         self.cached: dict[BlockHash, KVBlock] = {}
         self.evicted: list[BlockHash] | None = None  # recorded only when a list is set
+        # told of every evicted hash (a hybrid's state snapshots go with their block)
+        self.on_evict: Callable[[BlockHash], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -80,6 +81,8 @@ class BlockPool:
                     del self.cached[block.block_hash]
                     if self.evicted is not None:
                         self.evicted.append(block.block_hash)
+                    if self.on_evict is not None:
+                        self.on_evict(block.block_hash)
                 block.block_hash = None
             block.ref_count = 1
             taken.append(block)
@@ -141,6 +144,13 @@ class KVCacheManager:
         # Prefix-cache counters, in tokens (vLLM's meaning): looked up, and found cached.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        # a hybrid model's DeltaNet state snapshots: a prefix is found only up to one
+        self.states: StateSnapshots | None = None
+
+    def keep_state_snapshots(self, states: StateSnapshots) -> None:
+        """Find prefixes only where `states` holds a snapshot; drop one with its block."""
+        self.states = states
+        self.pool.on_evict = states.forget
 
     @property
     def num_groups(self) -> int:
@@ -168,9 +178,10 @@ class KVCacheManager:
         At least one token is always left to compute, so the step that finishes the prompt
         produces logits to sample from.
         """
+        request.state_source = NO_SOURCE
         if not self.enable_prefix_caching or request.computes_every_position:
             return [], 0  # prompt logprobs and mean pooling need every position computed
-        hashes = self._block_hashes(request)
+        hashes = self.block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[list[KVBlock]] = []
         for group in range(self.num_groups):
@@ -182,6 +193,8 @@ class KVCacheManager:
                 found.append(block)
             hits.append(found)
         num_hits = min(len(found) for found in hits)
+        if self.states is not None:  # up to the last DeltaNet state snapshot in the run
+            num_hits, request.state_source = self.states.longest_hit(hashes, num_hits)
         self.prefix_cache_queries += request.num_tokens
         self.prefix_cache_hits += num_hits * self.block_size
         return [found[:num_hits] for found in hits], num_hits * self.block_size
@@ -238,7 +251,7 @@ class KVCacheManager:
         start = self.req_num_registered.get(request.request_id, 0)
         if num_full <= start:
             return
-        hashes = self._block_hashes(request)
+        hashes = self.block_hashes(request)
         for group, blocks in enumerate(self.req_blocks[request.request_id]):
             run: list[int] = []  # this step's consecutive newly findable blocks, by index
             for i in range(start, num_full):
@@ -286,7 +299,7 @@ class KVCacheManager:
         self.req_num_registered.pop(request.request_id, None)
         self.req_num_given_back.pop(request.request_id, None)
 
-    def _block_hashes(self, request: Request) -> list[BlockHash]:
+    def block_hashes(self, request: Request) -> list[BlockHash]:
         """The chained hashes of the request's full blocks, extended as tokens arrive."""
         hashes = request.block_hashes
         size = self.block_size

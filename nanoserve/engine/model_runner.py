@@ -17,12 +17,14 @@ weights keep an exact cache.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import msgspec
 import numpy as np
 import torch
 
 from nanoserve.config import GiB
+from nanoserve.engine.state_pool import StatePool
 from nanoserve.model.arch import ArchConfig
 from nanoserve.model.attention import (
     cache_row_elements,
@@ -98,9 +100,10 @@ class ModelRunner:
 
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int,
                  device: torch.device, dtype: torch.dtype, *,
-                 use_native_layers: bool = True) -> None:
+                 use_native_layers: bool = True, num_state_slots: int = 0) -> None:
         """`use_native_layers`: let the attention backend's native layer stack run the
-        layers where it can (False: `--enforce-eager`, the Python layer loop)."""
+        layers where it can (False: `--enforce-eager`, the Python layer loop);
+        `num_state_slots`: a hybrid model's DeltaNet state slots (engine/state_pool.py)."""
         arch = model.arch
         self.model = model
         # how the layers run: the op table and the native stack (model/forward_plan.py)
@@ -123,6 +126,8 @@ class ModelRunner:
         self.attention = select_attention_backend(device, dtype, block_size=block_size,
                                                   num_kv_heads=arch.num_kv_heads,
                                                   num_blocks=num_blocks)
+        self.state_pool = (StatePool(arch, num_state_slots, device) if model.is_hybrid
+                           else None)
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -141,9 +146,11 @@ class ModelRunner:
             step, block_table=table, cache_index=rows))
             for table, rows in zip(step.group_block_tables, step.group_cache_index, strict=True)]
         # (asked for only where there are groups: wrappers of the plan take the plain call)
-        groups = {"group_metas": group_metas} if group_metas else {}
+        extra: dict[str, Any] = {"group_metas": group_metas} if group_metas else {}
+        if self.state_pool is not None:
+            extra["states"] = self.state_pool.step_states(step)
         hidden = self.plan.forward(self._tensor(step.token_ids), self._tensor(step.positions),
-                                   self.kv_caches, self.attention, meta, **groups)  # [T, hidden]
+                                   self.kv_caches, self.attention, meta, **extra)  # [T, hidden]
         prompt_logits = [
             self.model.compute_logits(
                 hidden[entry.first_row : entry.first_row + len(entry.target_token_ids)])

@@ -18,6 +18,7 @@ from nanoserve.engine.model_runner import (
     kv_cache_num_blocks,
     resolve_kv_cache_dtype,
 )
+from nanoserve.engine.state_pool import num_snapshot_slots
 from nanoserve.kernel_tuning.tuner import BUDGET_S, preferred_tier, tune_kernels
 from nanoserve.model.loader import LoadedModel, load_model
 from nanoserve.model.parallel import TensorParallelGroup
@@ -61,8 +62,16 @@ def build_rank(config: EngineConfig, group: TensorParallelGroup | None, *,
             context_len=model.max_model_len or loaded.arch.max_position_embeddings)
     if group is not None and group.world_size > 1:  # every rank's cache: rank 0's blocks
         num_blocks = group.broadcast_int(num_blocks)
+    num_state_slots = 0
+    if loaded.arch.linear is not None:  # a hybrid: its DeltaNet states beside the KV cache
+        if not is_alone:
+            raise ValueError("tensor parallelism does not run hybrid (Gated DeltaNet) models "
+                             "yet; use --tensor-parallel-size 1")
+        num_state_slots = config.scheduler.max_num_seqs + num_snapshot_slots(
+            loaded.arch, num_blocks, cache.enable_prefix_caching)
     runner = ModelRunner(loaded.model, num_blocks, cache.block_size, device, kv_dtype,
-                         use_native_layers=not model.enforce_eager)
+                         use_native_layers=not model.enforce_eager,
+                         num_state_slots=num_state_slots)
     schedule = ""
     if device.type == "cpu":
         # ranks of one host would time each other's noise: they read the cache, time nothing

@@ -52,6 +52,9 @@ class Request:
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at admission
         self.sampling_seed = 0  # the seed the sampler uses: params.seed, or drawn at admission
         self.slot: int | None = None  # row in the sampler's per-slot state while running
+        # a hybrid model's prefix hit: the snapshot slot its DeltaNet states start from, or
+        # -1 (zeros); set where its cached prefix is looked up (engine/state_cache.py)
+        self.state_source = -1
         # n > 1: the first sample, whose prompt blocks this one waits for and then shares
         self.prefill_leader: Request | None = None
         # prompt logprobs computed so far (positions 1..), handed out with the first token

@@ -28,19 +28,16 @@ def build_step_input(scheduled: list[ScheduledRequest], block_table: BlockTable,
     """The step input for `scheduled` (their blocks already synced into `block_table`, and
     into `group_tables` for the KV layer groups after the first); `grammar` is the core's
     filled bitmask: (sampled rows with a grammar, their rows)."""
-    order = sorted(range(len(scheduled)), key=lambda i: scheduled[i].num_new_tokens > 1)
+    order = batch_order(scheduled)
     num_decodes = sum(1 for s in scheduled if s.num_new_tokens == 1)
-    first_row = [0] * len(scheduled)
+    first_row = step_first_rows(scheduled)
     # 1) single-token requests, as whole-batch arrays
     decodes = [scheduled[i] for i in order[:num_decodes]]
-    for row, i in enumerate(order[:num_decodes]):
-        first_row[i] = row
     token_ids = [s.request.all_token_ids[s.start] for s in decodes]
     positions = [np.fromiter((s.start for s in decodes), dtype=np.int64, count=num_decodes)]
     # 2) runs of tokens: known tokens, then any draft tokens
     for i in order[num_decodes:]:
         s = scheduled[i]
-        first_row[i] = len(token_ids)
         num_known = s.num_new_tokens - len(s.draft_token_ids)
         token_ids.extend(s.request.all_token_ids[s.start : s.start + num_known])
         token_ids.extend(s.draft_token_ids)
@@ -70,12 +67,31 @@ def build_step_input(scheduled: list[ScheduledRequest], block_table: BlockTable,
         cache_index=cache_index, query_start_loc=query_start_loc,
         context_lens=context_lens.astype(np.int32),
         block_table=step_table,  # [R, max_blocks], a fresh copy
-        num_decodes=num_decodes, **rows, grammar_rows=grammar_rows,
+        num_decodes=num_decodes, logits_rows=rows["logits_rows"],
+        sample_slots=rows["sample_slots"], sample_positions=rows["sample_positions"],
+        draft_token_ids=rows["draft_token_ids"], num_sample_rows=rows["num_sample_rows"],
+        grammar_rows=grammar_rows,
         grammar_bitmask=grammar_bitmask,
         prompt_logprobs=_prompt_logprobs_rows(scheduled, first_row),
         new_sequences=new_sequences, released_slots=released_slots,
         pooling=_pooling_rows(scheduled, first_row),
-        group_block_tables=[t for _, t in groups], group_cache_index=[c for c, _ in groups])
+        group_block_tables=[t for _, t in groups], group_cache_index=[c for c, _ in groups],
+        seq_slots=slots.tolist())
+
+
+def batch_order(scheduled: Sequence[ScheduledRequest]) -> list[int]:
+    """The scheduled requests' indexes in batch order: single-token ones first."""
+    return sorted(range(len(scheduled)), key=lambda i: scheduled[i].num_new_tokens > 1)
+
+
+def step_first_rows(scheduled: Sequence[ScheduledRequest]) -> list[int]:
+    """Each scheduled request's first row in the step's flat batch (in scheduled order)."""
+    first_row = [0] * len(scheduled)
+    row = 0
+    for i in batch_order(scheduled):
+        first_row[i] = row
+        row += scheduled[i].num_new_tokens
+    return first_row
 
 
 def _sample_rows(scheduled: list[ScheduledRequest], first_row: list[int]

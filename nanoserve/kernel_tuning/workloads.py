@@ -70,8 +70,8 @@ def step_weights(model: CausalLM) -> StepWeights:
     """See `StepWeights`."""
     step = StepWeights()
     for layer in model.decoder_layers:
-        for weight in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
-            _add(step, weight)
+        for attr in layer.MATMUL_WEIGHTS:
+            _add(step, getattr(layer, attr))
     _add(step, model.lm_head)
     return step
 

@@ -10,7 +10,10 @@ from typing import Any
 from nanoserve.model.linear_arch import (
     LINEAR,
     LinearAttentionConfig,
+    gguf_hybrid_layer_types,
+    gguf_num_layers,
     hybrid_layer_types,
+    linear_from_gguf,
     linear_from_hf,
 )
 from nanoserve.model.moe_arch import MoeConfig, moe_from_gguf, moe_from_hf
@@ -229,7 +232,8 @@ class ArchConfig:
         `tensor_shapes` (the file's, by name) tell a MoE file's MoE layers (moe_arch.py)."""
         arch = meta.get("general.architecture", "")
         families = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3",
-                    "qwen2moe": "qwen2", "qwen3moe": "qwen3"}
+                    "qwen2moe": "qwen2", "qwen3moe": "qwen3",
+                    "qwen35": "qwen3_5", "qwen35moe": "qwen3_5"}
         if arch not in families:
             raise UnsupportedModelError(
                 f"unsupported GGUF architecture {arch!r}; nanoserve runs {sorted(families)}"
@@ -244,12 +248,16 @@ class ArchConfig:
         scaling = _gguf_rope_scaling(get)
         eos = meta.get("tokenizer.ggml.eos_token_id")
         gemma = _gemma3_from_gguf(get) if arch == "gemma3" else {}
+        hybrid = _hybrid_from_gguf(get, hidden // num_heads) if arch in ("qwen35", "qwen35moe") \
+            else {}
+        num_layers = gguf_num_layers(get)  # (a file's MTP blocks follow its decoder layers)
         return cls(
             family=families[arch],
             vocab_size=int(vocab),
             hidden_size=hidden,
-            intermediate_size=get("feed_forward_length"),
-            num_layers=get("block_count"),
+            # (a MoE file with no dense layer may give none: its experts' size stands in)
+            intermediate_size=get("feed_forward_length") or get("expert_feed_forward_length"),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=get("attention.head_count_kv") or num_heads,
             head_dim=get("attention.key_length") or hidden // num_heads,
@@ -258,12 +266,13 @@ class ArchConfig:
             max_position_embeddings=get("context_length", 4096),
             tie_word_embeddings=not has_output_weight,
             has_qkv_bias=families[arch] == "qwen2",
-            has_qk_norm=families[arch] in ("qwen3", "gemma3"),
+            has_qk_norm=families[arch] in ("qwen3", "gemma3", "qwen3_5"),
             rope_scaling=scaling,
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=() if eos is None else (int(eos),),
             **gemma,
-            moe=moe_from_gguf(meta, get("block_count"), tensor_shapes),
+            **hybrid,
+            moe=moe_from_gguf(meta, num_layers, tensor_shapes),
         )
 
 
@@ -310,6 +319,17 @@ def _hybrid_from_hf(cfg: dict[str, Any]) -> dict[str, Any]:
     factor = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25))
     return {"layer_types": hybrid_layer_types(cfg), "linear": linear_from_hf(cfg),
             "has_attn_output_gate": True, "partial_rotary_factor": float(factor)}
+
+
+def _hybrid_from_gguf(get: Any, default_head_dim: int) -> dict[str, Any]:
+    """The ArchConfig fields of a `qwen35`/`qwen35moe` file (linear_arch.py reads its DeltaNet
+    keys): the rotary share is `rope.dimension_count` over the head dim, the gate in q's rows
+    as in Hugging Face's q_proj (llama.cpp's qwen35.cpp views each head's 2 * D rows as the
+    query, then the gate)."""
+    head_dim = int(get("attention.key_length") or default_head_dim)
+    return {"layer_types": gguf_hybrid_layer_types(get), "linear": linear_from_gguf(get),
+            "has_attn_output_gate": True,
+            "partial_rotary_factor": int(get("rope.dimension_count") or head_dim) / head_dim}
 
 
 def _gemma3_from_gguf(get: Any) -> dict[str, Any]:

@@ -22,6 +22,7 @@ import torch
 
 from nanoserve.model.attention import AttentionBackend, AttentionMetadata
 from nanoserve.model.fused_ops import kernels
+from nanoserve.model.hybrid_layers import HybridStates
 from nanoserve.model.kv_groups import kv_layer_groups
 from nanoserve.model.layer_ops import EXACT_OPS, OpTable, fused_table
 from nanoserve.model.llama import BoundDecoderLayer, CausalLM
@@ -44,10 +45,12 @@ class ForwardPlan:
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: KVCaches,
                 attention: AttentionBackend[Any], meta: AttentionMetadata,
-                group_metas: list[AttentionMetadata] | None = None) -> torch.Tensor:
+                group_metas: list[AttentionMetadata] | None = None,
+                states: HybridStates | None = None) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> final hidden states [num_tokens, hidden_size].
         `meta` is `attention`'s own, from `attention.build_metadata` for this step (and
-        `group_metas` the same for KV layer groups 1.., model/kv_groups.py)."""
+        `group_metas` the same for KV layer groups 1.., model/kv_groups.py); `states` a
+        hybrid model's DeltaNet states for this step."""
         model = self.model
         assert model.rotary is not None, "weights not loaded: use nanoserve.model.loader"
         table, layers = self._bind_layers()
@@ -64,7 +67,7 @@ class ForwardPlan:
                 return attention.run_layer_stack(stack, hidden, cos, sin, positions, meta,
                                                  rope_local, group_metas)
         return model.forward(input_ids, positions, kv_caches, attention, meta, table, layers,
-                             cos, sin, rope_local, group_metas)
+                             cos, sin, rope_local, group_metas, states)
 
     def _bind_layers(self) -> tuple[OpTable, list[BoundDecoderLayer]]:
         """This forward's op table and the layers bound to it (bound at its first use)."""
@@ -76,7 +79,7 @@ class ForwardPlan:
         if bound is None:
             table = fused_table(key[1]) if key[0] else EXACT_OPS
             bound = self._bound_layers[key] = (table, [
-                BoundDecoderLayer(layer, table, self.model.group, index, kv_group)
+                layer.bind(table, self.model.group, index, kv_group)
                 for index, (layer, kv_group) in enumerate(zip(
                     self.model.decoder_layers, kv_layer_groups(self.model.arch).group_of_layer,
                     strict=True))])
@@ -86,8 +89,10 @@ class ForwardPlan:
         """The layers as one native call over these caches (built at first use), or None."""
         # Under tensor parallelism the Python layer loop runs: the native stack chains every
         # layer in C++ with no all-reduce between them, so it is None for any group but the
-        # plain one of one rank. A MoE model's too: the stack's layers are dense MLPs.
-        if not self.use_native_layers or self.model.arch.moe is not None:
+        # plain one of one rank. A MoE model's too: the stack's layers are dense MLPs; and a
+        # hybrid's, whose DeltaNet layers it does not run.
+        if (not self.use_native_layers or self.model.arch.moe is not None
+                or self.model.is_hybrid):
             return None
         built = self._layer_stack
         if built is None or built[0][0] is not kv_caches or built[0][1] is not attention:
@@ -113,7 +118,8 @@ class ForwardPlan:
         """Quantized matmul weights (any mode but "none") on the CPU in float32, and the kernel
         built: "none" stays the exact plain-PyTorch path."""
         model = self.model
-        layer = model.decoder_layers[0]
+        # an attention layer's (a hybrid has DeltaNet layers too)
+        layer = next(x for x in model.decoder_layers if hasattr(x, "qkv_proj"))
         weights = [w for w in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj,
                                layer.down_proj) if w is not None]  # (none in a MoE layer)
         return (model.norm.device.type == "cpu" and model.norm.dtype == torch.float32

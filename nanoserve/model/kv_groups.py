@@ -31,6 +31,9 @@ class KVGroups:
     windows: tuple[int, ...]  # per group
     layers: tuple[tuple[int, ...], ...]  # per group, its layers in order
     group_size: int  # layers a block holds (every group has this many)
+    # the model's layers, where some have no KV (a hybrid's DeltaNet layers: they are given
+    # group 0 and slot 0, and never read them); 0: every layer is in a group
+    num_layers: int = 0
 
     @property
     def num_groups(self) -> int:
@@ -48,17 +51,20 @@ class KVGroups:
     @property
     def group_of_layer(self) -> list[int]:
         found = {layer: g for g, members in enumerate(self.layers) for layer in members}
-        return [found[layer] for layer in range(len(found))]
+        return [found.get(layer, 0) for layer in range(self.num_layers or len(found))]
 
     @property
     def slot_of_layer(self) -> list[int]:
         found = {layer: j for members in self.layers for j, layer in enumerate(members)}
-        return [found[layer] for layer in range(len(found))]
+        return [found.get(layer, 0) for layer in range(self.num_layers or len(found))]
 
 
 def kv_layer_groups(arch: ArchConfig) -> KVGroups:
     """One group for a model whose layers attend alike; else groups of the largest size that
     divides both kinds' layer counts, global groups last."""
+    if arch.linear is not None:  # a hybrid: its attention layers (all global) hold KV
+        layers = arch.attention_layers
+        return KVGroups((0,), (layers,), len(layers), arch.num_layers)
     windows = [arch.layer_window(i) for i in range(arch.num_layers)]
     kinds = sorted(set(windows), reverse=True)  # windowed first
     if len(kinds) == 1:

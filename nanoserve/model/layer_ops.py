@@ -48,6 +48,7 @@ class StepContext:
     cache_index: torch.Tensor  # [T] int64, where each token's keys and values are written
     reads_new_kv: bool  # whether `attend` reads this step's k and v, not only the cache
     eps: float
+    states: Any = None  # a hybrid model's DeltaNet states (hybrid_layers.py: HybridStates)
 
 
 # (qkv [T, (H + 2 * Hkv) * D], step, k_cache, v_cache) -> q [T, H, D] and k, v [T, Hkv, D]

@@ -8,10 +8,20 @@ inputs of a short causal depthwise convolution over q, k and v, and a [key_head_
 value_head_dim] matrix per value head. Value heads share key heads in groups, like GQA's query
 heads: Hugging Face checkpoints put value head j on key head j // (value heads per key head);
 llama.cpp's GGUF converter reorders them "tiled", value head j on key head j % key heads.
+
+llama.cpp's `qwen35` / `qwen35moe` files (conversion/qwen.py, Qwen3NextModel's
+set_gguf_parameters) name the shape after Mamba's keys: `ssm.conv_kernel`, `ssm.state_size` (the
+key head dim), `ssm.group_count` (key heads), `ssm.time_step_rank` (value heads) and
+`ssm.inner_size` (value heads x value head dim); the layer kinds are
+`attention.recurrent_layers` (a bool per block, True for Gated DeltaNet) or, without it,
+`full_attention_interval` (src/models/qwen35.cpp, load_arch_hparams). A file's last
+`nextn_predict_layers` blocks are the multi-token-prediction head (`blk.N.nextn.*`), which
+nanoserve does not run.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,3 +80,34 @@ def hybrid_layer_types(cfg: dict[str, Any]) -> tuple[str, ...]:
     interval = int(cfg.get("full_attention_interval", 4))
     return tuple("full_attention" if (i + 1) % interval == 0 else LINEAR
                  for i in range(cfg["num_hidden_layers"]))
+
+
+def linear_from_gguf(get: Callable[..., Any]) -> LinearAttentionConfig:
+    """The DeltaNet shape from a `qwen35`/`qwen35moe` file's `ssm.*` keys (`get(key)` reads
+    `{arch}.key`); value heads in the converter's tiled order (when key and value heads are
+    as many, tiled and grouped are the same order)."""
+    num_value_heads = int(get("ssm.time_step_rank"))
+    return LinearAttentionConfig(
+        conv_kernel=int(get("ssm.conv_kernel")),
+        num_key_heads=int(get("ssm.group_count")),
+        num_value_heads=num_value_heads,
+        key_head_dim=int(get("ssm.state_size")),
+        value_head_dim=int(get("ssm.inner_size")) // num_value_heads,
+        v_heads_tiled=True)
+
+
+def gguf_num_layers(get: Callable[..., Any]) -> int:
+    """The decoder layers nanoserve runs: `block_count` less the MTP blocks after them."""
+    return int(get("block_count")) - int(get("nextn_predict_layers") or 0)
+
+
+def gguf_hybrid_layer_types(get: Callable[..., Any]) -> tuple[str, ...]:
+    """Each decoder layer's kind, as llama.cpp's qwen35 loader decides it: the file's
+    `attention.recurrent_layers` flags, else every `full_attention_interval`-th layer full
+    (4 where the file says neither)."""
+    num_layers = gguf_num_layers(get)
+    flags = get("attention.recurrent_layers")
+    if flags is None:
+        interval = int(get("full_attention_interval") or 4)
+        flags = [(i + 1) % interval != 0 for i in range(num_layers)]
+    return tuple(LINEAR if flag else "full_attention" for flag in flags[:num_layers])

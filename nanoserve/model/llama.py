@@ -37,6 +37,7 @@ from torch import nn
 
 from nanoserve.model.arch import ArchConfig
 from nanoserve.model.attention import AttentionBackend, AttentionMetadata
+from nanoserve.model.hybrid_layers import DeltaNetLayer, HybridStates
 from nanoserve.model.layer_features import GELU_TANH, LayerFeatures
 from nanoserve.model.layer_ops import OpTable, StepContext
 from nanoserve.model.linear import linear
@@ -50,6 +51,9 @@ class DecoderLayer(nn.Module):
     """One layer's weights: pre-norm attention block, then pre-norm gated MLP, each with a
     residual add. Its forward is `BoundDecoderLayer.forward`, over an op table. In a MoE
     layer (layer `index` of a Qwen2/3-MoE) the MLP is moe.py's router and experts."""
+
+    # its matmul weights, in the order a forward multiplies by them (None where absent)
+    MATMUL_WEIGHTS = ("qkv_proj", "attn_gate_proj", "o_proj", "gate_up_proj", "down_proj")
 
     def __init__(self, arch: ArchConfig, index: int = 0,
                  features: LayerFeatures | None = None) -> None:
@@ -74,6 +78,13 @@ class DecoderLayer(nn.Module):
         sandwich = features.has_sandwich_norms
         self.attn_output_norm = _param(arch.hidden_size) if sandwich else None
         self.mlp_output_norm = _param(arch.hidden_size) if sandwich else None
+        # Qwen3.5's output gate: attention * sigmoid(x @ attn_gate_proj.T), before o_proj
+        self.attn_gate_proj = (_param(arch.q_size, arch.hidden_size)
+                               if arch.has_attn_output_gate else None)
+
+    def bind(self, table: OpTable, group: TensorParallelGroup, index: int,
+             kv_group: int) -> BoundDecoderLayer:
+        return BoundDecoderLayer(self, table, group, index, kv_group)
 
 
 class BoundDecoderLayer:
@@ -84,9 +95,10 @@ class BoundDecoderLayer:
     Weights and calls are plain attributes, read without nn.Module's `__getattr__`.
     """
 
-    __slots__ = ("add_rms_norm", "all_reduce", "attn_output_norm", "down", "forward", "gate_up",
-                 "input_norm", "is_local", "kv_group", "mlp_output_norm", "moe", "o",
-                 "post_norm", "q_scale", "qkv", "rms_norm", "rope_store", "silu_mul", "window")
+    __slots__ = ("add_rms_norm", "all_reduce", "attn_gate", "attn_output_norm", "down",
+                 "forward", "gate_up", "input_norm", "is_local", "kv_group", "mlp_output_norm",
+                 "moe", "o", "post_norm", "q_scale", "qkv", "rms_norm", "rope_store",
+                 "silu_mul", "window")
 
     def __init__(self, layer: DecoderLayer, table: OpTable, group: TensorParallelGroup,
                  index: int = 0, kv_group: int = 0) -> None:
@@ -108,7 +120,10 @@ class BoundDecoderLayer:
         self.kv_group = kv_group
         self.is_local = features.uses_local_rope[index]
         self.q_scale = features.q_scale  # (1.0: q is left as it is)
-        self.forward = self._forward_sandwich if features.has_sandwich_norms else self._forward
+        self.attn_gate = (None if layer.attn_gate_proj is None
+                          else table.bind_matmul(layer.attn_gate_proj))
+        self.forward = (self._forward_sandwich if features.has_sandwich_norms
+                        else self._forward if self.attn_gate is None else self._forward_gated)
 
     def _forward(self, hidden: torch.Tensor, delta: torch.Tensor | None, step: StepContext,
                  k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
@@ -126,6 +141,25 @@ class BoundDecoderLayer:
         # parallelism o's output is this rank's partial sum: all-reduced before it is added.
         x = self.add_rms_norm(hidden, self.all_reduce(self.o(attn)), self.post_norm, eps)
         # down's output too (or the experts'): all-reduced here, added by the next norm
+        if self.moe is not None:
+            return self.all_reduce(self.moe(x))
+        return self.all_reduce(self.down(self.silu_mul(self.gate_up(x))))
+
+    def _forward_gated(self, hidden: torch.Tensor, delta: torch.Tensor | None,
+                       step: StepContext, k_cache: torch.Tensor,
+                       v_cache: torch.Tensor) -> torch.Tensor:
+        """Qwen3.5's full attention layer, `_forward`'s contract: the attention's output is
+        gated per element by sigmoid(x @ attn_gate.T) before o (transformers'
+        Qwen3_5Attention; its q_proj's gate rows, split out at load)."""
+        eps, attn_gate = step.eps, self.attn_gate
+        assert attn_gate is not None, "a gated attention layer"
+        x = (self.rms_norm(hidden, self.input_norm, eps) if delta is None
+             else self.add_rms_norm(hidden, delta, self.input_norm, eps))
+        q, k, v = self.rope_store(self.qkv(x), step, k_cache, v_cache)
+        attn = step.attend(q, k, v, k_cache, v_cache, step.meta, stored=True,
+                           window=self.window)  # [T, H * D]
+        attn = attn * torch.sigmoid(attn_gate(x))
+        x = self.add_rms_norm(hidden, self.all_reduce(self.o(attn)), self.post_norm, eps)
         if self.moe is not None:
             return self.all_reduce(self.moe(x))
         return self.all_reduce(self.down(self.silu_mul(self.gate_up(x))))
@@ -166,8 +200,10 @@ class CausalLM(nn.Module):
         self.embed_tokens = _param(num_rows, arch.hidden_size)
         # what every layer computes beyond Llama's (sandwich norms, GELU, windows, ...)
         self.features = features = LayerFeatures.of(arch)
-        self.layers = nn.ModuleList(DecoderLayer(arch, i, features)
-                                    for i in range(arch.num_layers))
+        # a hybrid's Gated DeltaNet layers among them (hybrid_layers.py)
+        self.layers = nn.ModuleList(
+            DeltaNetLayer(arch, i, features) if arch.is_linear(i)
+            else DecoderLayer(arch, i, features) for i in range(arch.num_layers))
         self.norm = _param(arch.hidden_size)
         # Tied models reuse the embedding matrix: the loader points `lm_head` at the same tensor.
         self.lm_head = _param(num_rows, arch.hidden_size)
@@ -176,22 +212,29 @@ class CausalLM(nn.Module):
 
     @property
     def decoder_layers(self) -> list[DecoderLayer]:
+        """The layers; in a hybrid model, DeltaNetLayers among them."""
         return list(self.layers)  # type: ignore[arg-type]
+
+    @property
+    def is_hybrid(self) -> bool:
+        return self.arch.linear is not None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 attention: AttentionBackend[Any], meta: AttentionMetadata, table: OpTable,
                 layers: list[BoundDecoderLayer], cos: torch.Tensor, sin: torch.Tensor,
                 rope_local: tuple[torch.Tensor, torch.Tensor] | None = None,
-                group_metas: list[AttentionMetadata] | None = None) -> torch.Tensor:
+                group_metas: list[AttentionMetadata] | None = None,
+                states: HybridStates | None = None) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> final hidden states [num_tokens, hidden_size],
         through `layers` (this model's, bound to `table`; the runner's `ForwardPlan` chooses
         both, and `cos`, `sin` are `table.rope_tables` at `positions`, `rope_local` the same
         of `rotary_local` where the model has one). `meta` is `attention`'s own, from
         `attention.build_metadata` for this step, and `group_metas` the same for KV layer
-        groups 1.. (their own block tables and cache rows)."""
+        groups 1.. (their own block tables and cache rows); `states` a hybrid model's
+        DeltaNet states (their layers ignore their cache pair)."""
         steps = [StepContext(positions, cos, sin, attention.forward, m, m.cache_index,
-                             m.reads_new_kv, self.arch.rms_norm_eps)
+                             m.reads_new_kv, self.arch.rms_norm_eps, states)
                  for m in (meta, *(group_metas or ()))]  # per KV layer group
         local = steps if rope_local is None else [
             replace(step, cos=rope_local[0], sin=rope_local[1]) for step in steps]

@@ -173,7 +173,7 @@ def load_model(model: str | None, device: torch.device, dtype: torch.dtype,
         gen_file = path / "generation_config.json"
         if gen_file.exists():
             generation_config = json.loads(gen_file.read_text())
-        if arch.has_sandwich_norms:  # a GGUF file holds them as weights already
+        if arch.norms_are_offsets:  # a GGUF file holds them as weights already
             tensors = gemma_norms_as_weights(tensors)
     else:
         gguf = GGUFFile(path)

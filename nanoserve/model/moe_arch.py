@@ -1,10 +1,10 @@
-"""The mixture-of-experts part of a model's shape (Qwen2-MoE, Qwen3-MoE), read from `config.json`
-or GGUF metadata.
+"""The mixture-of-experts part of a model's shape (Qwen2-MoE, Qwen3-MoE, Qwen3.5-MoE), read from
+`config.json` or GGUF metadata.
 
 A MoE layer replaces the dense MLP by `num_experts` small gated MLPs (each of
 `moe_intermediate_size` rows) and a router: every token runs through its top `num_experts_per_tok`
 experts, weighted by the router's softmax probabilities (renormalised over the chosen ones when
-`norm_topk_prob`), plus, in Qwen2-MoE, a shared expert that every token runs, scaled by a sigmoid
+`norm_topk_prob`), plus, in Qwen2-MoE and Qwen3.5-MoE, a shared expert that every token runs, scaled by a sigmoid
 gate. Which layers are MoE: transformers' rule for `config.json` (`decoder_sparse_step`, and
 `mlp_only_layers` kept dense); for GGUF the file's own tensors (a layer with a router,
 `blk.N.ffn_gate_inp`, is MoE), and every layer when they are not given.
@@ -17,8 +17,11 @@ from dataclasses import dataclass
 from typing import Any
 
 # GGUF architecture -> whether its router renormalises the top-k weights when the file does not
-# say (`{arch}.expert_weights_norm`): llama.cpp's qwen3moe does, its qwen2moe does not
-GGUF_NORM_TOPK_DEFAULT = {"qwen2moe": False, "qwen3moe": True}
+# say (`{arch}.expert_weights_norm`): llama.cpp's qwen3moe does, its qwen2moe does not; its
+# qwen35moe always does, whatever the file says (src/models/qwen35moe.cpp: build_moe_ffn with
+# norm_w true and a softmax router; the converter writes neither key)
+GGUF_NORM_TOPK_DEFAULT = {"qwen2moe": False, "qwen3moe": True, "qwen35moe": True}
+_GGUF_ALWAYS_NORM_TOPK = ("qwen35moe",)
 _GGUF_SOFTMAX_GATING = 1  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
 
 
@@ -70,7 +73,8 @@ def moe_from_hf(cfg: dict[str, Any]) -> MoeConfig | None:
 
 def moe_from_gguf(meta: dict[str, Any], num_layers: int,
                   tensor_shapes: Mapping[str, tuple[int, ...]] | None) -> MoeConfig | None:
-    """The MoE fields of a `qwen2moe` / `qwen3moe` GGUF file (None for another architecture).
+    """The MoE fields of a `qwen2moe` / `qwen3moe` / `qwen35moe` GGUF file (None for another
+    architecture).
     Sizes the metadata leaves out are read from the tensors' shapes where those are given."""
     arch = meta.get("general.architecture", "")
     if arch not in GGUF_NORM_TOPK_DEFAULT:
@@ -94,7 +98,8 @@ def moe_from_gguf(meta: dict[str, Any], num_layers: int,
         num_experts=int(get("expert_count") or experts_shape[0]),
         num_experts_per_tok=int(get("expert_used_count")),
         moe_intermediate_size=int(get("expert_feed_forward_length") or experts_shape[1]),
-        norm_topk_prob=bool(get("expert_weights_norm", GGUF_NORM_TOPK_DEFAULT[arch])),
+        norm_topk_prob=arch in _GGUF_ALWAYS_NORM_TOPK
+        or bool(get("expert_weights_norm", GGUF_NORM_TOPK_DEFAULT[arch])),
         sparse_layers=sparse,
         shared_expert_intermediate_size=int(get("expert_shared_feed_forward_length")
                                             or shared_shape[0]),

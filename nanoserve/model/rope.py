@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 
@@ -13,8 +14,14 @@ def inverse_frequencies(arch: ArchConfig, rope_factors: torch.Tensor | None = No
     """The per-pair rotation speeds, computed exactly as transformers does (float32 throughout).
 
     `rope_factors` is llama.cpp's way of storing Llama 3.1 scaling in a GGUF file (the
-    `rope_freqs.weight` tensor): each frequency is divided by its factor.
+    `rope_freqs.weight` tensor): each frequency is divided by its factor. With partial rotary
+    (Qwen3.5) the pairs past the rotary dims get frequency 0 (model/hybrid_weights.py puts
+    the head's dims in the order that makes this partial RoPE).
     """
+    if arch.rotary_dim < arch.head_dim:  # partial rotary: the dims RoPE leaves stay still
+        inv_freq = inverse_frequencies(replace(arch, head_dim=arch.rotary_dim,
+                                               partial_rotary_factor=1.0), rope_factors)
+        return torch.cat((inv_freq, inv_freq.new_zeros((arch.head_dim - arch.rotary_dim) // 2)))
     dim = arch.head_dim
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float) / dim
     inv_freq = 1.0 / (arch.rope_theta**exponents)  # [head_dim / 2]

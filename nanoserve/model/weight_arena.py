@@ -46,7 +46,7 @@ def hugepage_buffer(num_bytes: int) -> torch.Tensor:
 def _read_order(model: CausalLM) -> Iterator[tuple[torch.nn.Module, str]]:
     """(owner, attribute) of each matmul weight, in the order a forward multiplies by them."""
     for layer in model.decoder_layers:
-        for attr in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+        for attr in layer.MATMUL_WEIGHTS:  # (a hybrid's DeltaNet layer has its own)
             yield layer, attr
         if layer.moe is not None:  # a MoE layer's experts (its gate_up and down are None)
             for mlp in layer.moe.gated_mlps():

@@ -15,6 +15,7 @@ import torch
 
 from nanoserve.model.arch import ArchConfig
 from nanoserve.model.gguf_file import GGUFFile
+from nanoserve.model.hybrid_weights import pop_delta_net, reorder_heads, split_gated_query
 from nanoserve.model.llama import CausalLM
 from nanoserve.model.moe_weights import GGUF_MOE_LAYER_NAMES, pop_moe_weights, split_gguf_experts
 from nanoserve.model.parallel import TensorParallelGroup
@@ -53,6 +54,31 @@ _GGUF_GEMMA3_NAMES = {
     "ffn_norm": "pre_feedforward_layernorm",
     "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
+}
+# Qwen3.5's (`qwen35`, `qwen35moe`): the Gated DeltaNet mixer's tensors and the norm after the
+# mixer, as llama.cpp's converter names them (conversion/qwen.py, Qwen3NextModel and
+# _LinearAttentionVReorderBase; gguf-py's tensor map). Value heads stay in its tiled order
+# (linear_arch.py): in_proj_qkv's v rows, in_proj_z's, in_proj_a/b's rows, the conv's v
+# channels, out_proj's columns, ssm_a and dt_bias. The full-attention layers keep attn_q/k/v:
+# q_proj's rows hold each head's query then its gate, as in Hugging Face's (qwen35.cpp views
+# them so).
+_GGUF_QWEN35_NAMES = {
+    "post_attention_norm": "post_attention_layernorm",
+    "attn_qkv": "linear_attn.in_proj_qkv",
+    "attn_gate": "linear_attn.in_proj_z",
+    "ssm_beta": "linear_attn.in_proj_b",
+    "ssm_alpha": "linear_attn.in_proj_a",
+    "ssm_out": "linear_attn.out_proj",
+    "ssm_conv1d": "linear_attn.conv1d",  # float [conv_dim, kernel]: HF's [conv_dim, 1, kernel]
+    "ssm_norm": "linear_attn.norm",  # the gated norm's w itself (no 1 + w)
+}
+# ... and the two named apart from a module: `ssm_a` (no suffix) holds -exp(A_log), computed by
+# the converter; `ssm_dt.bias` is HF's dt_bias
+_GGUF_QWEN35_TENSORS = {"ssm_a": "linear_attn.neg_exp_a", "ssm_dt.bias": "linear_attn.dt_bias"}
+_GGUF_ARCH_LAYER_NAMES = {
+    "gemma3": {**_GGUF_LAYER_NAMES, **_GGUF_GEMMA3_NAMES},
+    "qwen35": {**_GGUF_LAYER_NAMES, **_GGUF_QWEN35_NAMES},
+    "qwen35moe": {**_GGUF_LAYER_NAMES, **_GGUF_QWEN35_NAMES},
 }
 _GGUF_GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -111,6 +137,8 @@ def read_gguf_tensors(gguf: GGUFFile, arch: ArchConfig, keep_blocks: bool = Fals
     for name in gguf.tensors:
         if name == "rope_freqs.weight":
             continue  # read by the loader as RoPE scaling factors
+        if _is_mtp_block(name, arch):
+            continue  # a multi-token-prediction head (Qwen3.5's `nextn`), not run here
         hf_name = gguf_to_hf_name(name, gguf_arch)
         tensor = gguf.tensors[name]
         if len(tensor.shape) == 3:  # a MoE layer's experts, stacked: a weight per expert
@@ -136,11 +164,13 @@ def read_gguf_tensors(gguf: GGUFFile, arch: ArchConfig, keep_blocks: bool = Fals
 
 def gemma_norms_as_weights(tensors: Iterator[tuple[str, ReadTensor]]
                            ) -> Iterator[tuple[str, ReadTensor]]:
-    """Gemma's checkpoints store each RMSNorm's weight w and multiply by 1 + w (in float32);
-    the layers here multiply by the weight, so it becomes 1 + w (llama.cpp's converter does the
-    same, so a GGUF file holds 1 + w already)."""
+    """Gemma's and Qwen3.5's checkpoints store each RMSNorm's weight w and multiply by 1 + w
+    (in float32); the layers here multiply by the weight, so it becomes 1 + w (llama.cpp's
+    converter does the same, so a GGUF file holds 1 + w already). A DeltaNet layer's gated
+    norm (`linear_attn.norm`) multiplies by its weight itself."""
     for name, value in tensors:
-        if name.endswith("norm.weight") and isinstance(value, torch.Tensor):
+        if (name.endswith("norm.weight") and isinstance(value, torch.Tensor)
+                and not name.endswith("linear_attn.norm.weight")):
             value = 1.0 + value.float()
         yield name, value
 
@@ -148,12 +178,22 @@ def gemma_norms_as_weights(tensors: Iterator[tuple[str, ReadTensor]]
 def gguf_to_hf_name(name: str, gguf_arch: str | None = None) -> str:
     if name in _GGUF_GLOBAL_NAMES:
         return _GGUF_GLOBAL_NAMES[name]
-    names = {**_GGUF_LAYER_NAMES, **_GGUF_GEMMA3_NAMES} if gguf_arch == "gemma3" \
-        else _GGUF_LAYER_NAMES
-    parts = name.split(".")
-    if parts[0] != "blk" or parts[2] not in names:
-        raise ValueError(f"unexpected GGUF tensor {name!r}")
-    return f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
+    names = _GGUF_ARCH_LAYER_NAMES.get(gguf_arch or "", _GGUF_LAYER_NAMES)
+    parts = name.split(".", 2)  # blk, N, the rest
+    if parts[0] == "blk" and len(parts) == 3:
+        if gguf_arch in ("qwen35", "qwen35moe") and parts[2] in _GGUF_QWEN35_TENSORS:
+            return f"model.layers.{parts[1]}.{_GGUF_QWEN35_TENSORS[parts[2]]}"
+        module, _, suffix = parts[2].partition(".")
+        if module in names and suffix:
+            return f"model.layers.{parts[1]}.{names[module]}.{suffix}"
+    raise ValueError(f"unexpected GGUF tensor {name!r}")
+
+
+def _is_mtp_block(name: str, arch: ArchConfig) -> bool:
+    """A tensor of a block after the decoder layers: a file's MTP head (llama.cpp's
+    `nextn_predict_layers` blocks, `blk.{num_layers}.*` on)."""
+    parts = name.split(".", 2)
+    return parts[0] == "blk" and parts[1].isdigit() and int(parts[1]) >= arch.num_layers
 
 
 def unpermute_rope_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -182,27 +222,13 @@ def load_into(model: CausalLM, tensors: Iterator[tuple[str, ReadTensor]], dtype:
         fused["lm_head"] = head
     for i in range(arch.num_layers):
         p = f"model.layers.{i}."
-        attn = p + "self_attn."
         fused[f"layers.{i}.input_layernorm"] = state.pop(p + "input_layernorm.weight")
-        if arch.has_sandwich_norms:  # Gemma: a norm before and after the attention and the MLP
-            fused[f"layers.{i}.attn_output_norm"] = state.pop(
-                p + "post_attention_layernorm.weight")
+        if arch.is_linear(i):  # a hybrid's Gated DeltaNet layer (hybrid_weights.py)
+            fused.update(pop_delta_net(state, p, f"layers.{i}.", arch))
             fused[f"layers.{i}.post_attention_layernorm"] = state.pop(
-                p + "pre_feedforward_layernorm.weight")
-            fused[f"layers.{i}.mlp_output_norm"] = state.pop(
-                p + "post_feedforward_layernorm.weight")
+                p + "post_attention_layernorm.weight")
         else:
-            fused[f"layers.{i}.post_attention_layernorm"] = state.pop(
-                p + "post_attention_layernorm.weight")
-        fused[f"layers.{i}.qkv_proj"] = fuse_rows(
-            [state.pop(f"{attn}{n}_proj.weight") for n in "qkv"])
-        if arch.has_qkv_bias:
-            fused[f"layers.{i}.qkv_bias"] = torch.cat(
-                [as_float(state.pop(f"{attn}{n}_proj.bias")) for n in "qkv"])
-        fused[f"layers.{i}.o_proj"] = state.pop(attn + "o_proj.weight")
-        if arch.has_qk_norm:
-            fused[f"layers.{i}.q_norm"] = state.pop(attn + "q_norm.weight")
-            fused[f"layers.{i}.k_norm"] = state.pop(attn + "k_norm.weight")
+            _pop_attention(state, fused, arch, i)
         if arch.moe is not None and arch.moe.is_sparse(i):  # its router and experts instead
             fused.update(pop_moe_weights(state, p, f"layers.{i}.moe.", arch.moe))
             continue
@@ -212,7 +238,47 @@ def load_into(model: CausalLM, tensors: Iterator[tuple[str, ReadTensor]], dtype:
     leftover = [k for k in state if "rotary_emb" not in k]
     if leftover:
         raise ValueError(f"unexpected weights in checkpoint: {leftover[:5]}")
+    _set_weights(model, fused, dtype, device, quantization)
 
+
+def _pop_attention(state: dict[str, ReadTensor], fused: dict[str, Loaded], arch: ArchConfig,
+                   i: int) -> None:
+    """Layer i's attention weights and the norm after it, fused (q/k/v into one)."""
+    p = f"model.layers.{i}."
+    attn = p + "self_attn."
+    if arch.has_sandwich_norms:  # Gemma: a norm before and after the attention and the MLP
+        fused[f"layers.{i}.attn_output_norm"] = state.pop(
+            p + "post_attention_layernorm.weight")
+        fused[f"layers.{i}.post_attention_layernorm"] = state.pop(
+            p + "pre_feedforward_layernorm.weight")
+        fused[f"layers.{i}.mlp_output_norm"] = state.pop(
+            p + "post_feedforward_layernorm.weight")
+    else:
+        fused[f"layers.{i}.post_attention_layernorm"] = state.pop(
+            p + "post_attention_layernorm.weight")
+    q, k, v = (state.pop(f"{attn}{n}_proj.weight") for n in "qkv")
+    q_norm = state.pop(attn + "q_norm.weight") if arch.has_qk_norm else None
+    k_norm = state.pop(attn + "k_norm.weight") if arch.has_qk_norm else None
+    if arch.has_attn_output_gate:  # Qwen3.5: the gate's rows sit in q_proj's
+        q, fused[f"layers.{i}.attn_gate_proj"] = split_gated_query(q, arch)
+    if arch.rotary_dim < arch.head_dim:  # partial rotary as full (hybrid_weights.py)
+        q, k = reorder_heads(q, arch, arch.num_heads), reorder_heads(k, arch,
+                                                                    arch.num_kv_heads)
+        q_norm = None if q_norm is None else reorder_heads(q_norm, arch, 1)
+        k_norm = None if k_norm is None else reorder_heads(k_norm, arch, 1)
+    fused[f"layers.{i}.qkv_proj"] = fuse_rows([q, k, v])
+    if arch.has_qkv_bias:
+        fused[f"layers.{i}.qkv_bias"] = torch.cat(
+            [as_float(state.pop(f"{attn}{n}_proj.bias")) for n in "qkv"])
+    fused[f"layers.{i}.o_proj"] = state.pop(attn + "o_proj.weight")
+    if q_norm is not None and k_norm is not None:
+        fused[f"layers.{i}.q_norm"], fused[f"layers.{i}.k_norm"] = q_norm, k_norm
+
+
+def _set_weights(model: CausalLM, fused: dict[str, Loaded], dtype: torch.dtype,
+                 device: torch.device, quantization: str) -> None:
+    """Put the fused weights into the model, each checked against its place's shape."""
+    arch = model.arch
     expected = dict(model.named_parameters())
     if arch.tie_word_embeddings:
         expected.pop("lm_head", None)
@@ -260,7 +326,8 @@ def _keep_wide_forms(model: torch.nn.Module) -> None:
         _set_weight(model, dotted_name.lstrip("."), weight.widened())
 
 
-_MATMUL_WEIGHTS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
+_MATMUL_WEIGHTS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head",
+                   "attn_gate_proj", "in_proj", "ba_proj", "out_proj")
 
 
 def _set_weight(model: torch.nn.Module, dotted_name: str, value: object) -> None:

@@ -31,7 +31,7 @@ def test_hashes_are_the_prefix_caches_own() -> None:
     ids = [*prompt(1, 1), 7, 8]  # a partial last block is not hashed
     cache = KVCacheManager(num_blocks=8, block_size=BLOCK)
     request = Request("r", ids, SamplingParams())
-    assert prompt_block_hashes(ids, BLOCK) == cache._block_hashes(request)
+    assert prompt_block_hashes(ids, BLOCK) == cache.block_hashes(request)
     assert len(prompt_block_hashes(ids, BLOCK)) == 5
     assert prompt_block_hashes([1, 2, 3], BLOCK) == []
 
@@ -43,7 +43,7 @@ def test_a_salted_prompts_hashes_are_its_own_chain() -> None:
     ids = prompt(1, 1)
     cache = KVCacheManager(num_blocks=8, block_size=BLOCK)
     salted = Request("r", ids, SamplingParams(cache_salt="a"))
-    assert prompt_block_hashes(ids, BLOCK, "a") == cache._block_hashes(salted)
+    assert prompt_block_hashes(ids, BLOCK, "a") == cache.block_hashes(salted)
     chains = [set(prompt_block_hashes(ids, BLOCK, salt)) for salt in (None, "a", "b")]
     assert not chains[0] & chains[1] and not chains[1] & chains[2] and not chains[0] & chains[2]
 

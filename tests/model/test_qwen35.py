@@ -1,0 +1,216 @@
+"""Qwen3.5 hybrids (Gated DeltaNet layers, three for every gated full-attention layer) compute
+what transformers computes, and their DeltaNet states behave as KV blocks do: prefill logits,
+greedy tokens alone, batched, in chunks of several sizes and through preemption, seeded
+logprobs the same in every batching, and a prefix cache that restores the exact states.
+"""
+
+from __future__ import annotations
+
+import random
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import _spread_norm_weights
+from helpers import hf_greedy, hf_model, make_engine, run_to_completion
+
+from nanoserve.engine.core import EngineCore
+from nanoserve.model.attention import PrefillChunk, SdpaBackend, SdpaMetadata
+from nanoserve.model.hybrid_layers import HybridStates
+from nanoserve.sampling_params import SamplingParams
+
+VOCAB = 49152  # the default model's tokenizer
+# dense: value heads twice the key heads, conv 4; "wide": as many value as key heads, conv 3
+# and other head counts; moe: a shared expert and 4 routed, top 2
+SHAPES: dict[str, dict[str, Any]] = {
+    "dense": dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                  linear_value_head_dim=16, linear_conv_kernel_dim=4, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=32),
+    "wide": dict(linear_num_key_heads=3, linear_num_value_heads=3, linear_key_head_dim=8,
+                 linear_value_head_dim=32, linear_conv_kernel_dim=3, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=64),
+    "moe": dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                linear_value_head_dim=16, linear_conv_kernel_dim=4, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=32, num_experts=4, num_experts_per_tok=2,
+                moe_intermediate_size=32, shared_expert_intermediate_size=48),
+}
+
+
+def tiny_qwen35_config(kind: str) -> Any:
+    """8 layers, every 4th full attention (layers 3 and 7), over the default tokenizer."""
+    import transformers
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=8,
+                  max_position_embeddings=1024, rms_norm_eps=1e-6, bos_token_id=1,
+                  eos_token_id=2, initializer_range=0.05, tie_word_embeddings=False,
+                  **SHAPES[kind])
+    config_class = (transformers.Qwen3_5MoeTextConfig if kind == "moe"
+                    else transformers.Qwen3_5TextConfig)
+    return config_class(**common)
+
+
+@pytest.fixture(scope="session")
+def qwen35_dir(tmp_path_factory: pytest.TempPathFactory,
+               default_tokenizer: Any) -> Any:
+    """kind -> a directory holding that tiny Qwen3.5 checkpoint (written once)."""
+    import transformers
+
+    made: dict[str, Path] = {}
+
+    def make(kind: str) -> Path:
+        if kind not in made:
+            path = tmp_path_factory.mktemp(f"tiny-qwen35-{kind}")
+            torch.manual_seed(35)
+            model = transformers.AutoModelForCausalLM.from_config(tiny_qwen35_config(kind))
+            _spread_norm_weights(model)
+            model.save_pretrained(path)
+            default_tokenizer.save_pretrained(path)
+            made[kind] = path
+        return made[kind]
+
+    return make
+
+
+@cache
+def reference(path: str) -> Any:
+    return hf_model(path)
+
+
+def random_ids(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, VOCAB) for _ in range(n)]
+
+
+@torch.inference_mode()
+def prefill_logits(engine: EngineCore, ids: list[int]) -> torch.Tensor:
+    """Logits at every prompt position: the whole prompt in one forward, from a zero state."""
+    runner = engine.runner
+    n = len(ids)
+    attention = SdpaBackend(block_size=runner.block_size, num_kv_heads=runner.num_kv_heads,
+                            num_blocks=runner.num_blocks, device=runner.device)
+    meta = SdpaMetadata(cache_index=torch.arange(n), prefills=[PrefillChunk(0, n, n)])
+    pool = runner.state_pool
+    pool.conv[0].zero_()
+    pool.ssm[0].zero_()
+    states = HybridStates(pool.conv, pool.ssm, torch.tensor([0], dtype=torch.int32),
+                          torch.tensor([0, n], dtype=torch.int32),
+                          torch.full((n,), -1, dtype=torch.int32))
+    hidden = runner.plan.forward(torch.tensor(ids), torch.arange(n), runner.kv_caches,
+                                 attention, meta, states=states)
+    return runner.model.compute_logits(hidden)
+
+
+@pytest.mark.parametrize("kind", list(SHAPES))
+def test_prefill_logits_match_transformers(kind: str, qwen35_dir: Any) -> None:
+    path = str(qwen35_dir(kind))
+    engine = make_engine(path)
+    for n in (1, 33, 300):  # 300: past several 64-token chunks of transformers' chunked form
+        ids = random_ids(n, seed=n)
+        ours = prefill_logits(engine, ids)
+        theirs = reference(path)(torch.tensor([ids])).logits[0].float()
+        rel = ((ours - theirs).abs().max() / theirs.abs().max()).item()
+        assert rel < 1e-4, f"{kind}, {n} tokens: relative logit error {rel:.2e}"
+
+
+PROMPT_LENGTHS = (1, 5, 16, 17, 40, 64, 100, 150)
+NUM_NEW = 10
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_greedy_tokens_match_transformers_alone_batched_chunked_preempted(
+        kind: str, qwen35_dir: Any) -> None:
+    path = str(qwen35_dir(kind))
+    prompts = {f"p{n}": random_ids(n, seed=100 + n) for n in PROMPT_LENGTHS}
+    expected = {rid: hf_greedy(reference(path), ids, NUM_NEW) for rid, ids in prompts.items()}
+    alone = make_engine(path)
+    for rid, ids in prompts.items():
+        assert run_to_completion(alone, {rid: ids}, GREEDY)[rid] == expected[rid], rid
+    # all together, in chunks of 7, 16 and 48 tokens; the smallest cache preempts
+    for budget, num_blocks in ((7, 40), (16, 40), (48, 17)):
+        together = make_engine(path, num_blocks=num_blocks, max_num_batched_tokens=budget,
+                               max_model_len=256)
+        got = run_to_completion(together, prompts, GREEDY)
+        for rid in prompts:
+            assert got[rid] == expected[rid], f"{rid} in chunks of {budget} differs"
+        if num_blocks == 17:
+            assert together.stats.num_preemptions > 0, "the small cache should preempt"
+
+
+def _seeded_run(engine: EngineCore, prompts: dict[str, list[int]]) -> dict[str, Any]:
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=7, max_tokens=12,
+                            ignore_eos=True, logprobs=3)
+    for rid, ids in prompts.items():
+        engine.add_request(rid, ids, params)
+    got: dict[str, list[Any]] = {rid: [] for rid in prompts}
+    while engine.has_unfinished():
+        for out in engine.step():
+            got[out.request_id].append((out.new_token_ids, out.new_logprobs))
+    return got
+
+
+def test_seeded_outputs_and_logprobs_equal_across_chunks_and_batches(qwen35_dir: Any) -> None:
+    """Bit for bit, so on int8 weights: the quantized matmuls' bits do not depend on the batch
+    (float32 PyTorch matmuls' may: the exact path is held to transformers instead)."""
+    path = str(qwen35_dir("wide"))
+    prompts = {f"p{n}": random_ids(n, seed=200 + n) for n in (3, 37, 90)}
+    alone = {rid: _seeded_run(make_engine(path, quantization="int8"), {rid: ids})[rid]
+             for rid, ids in prompts.items()}
+    for budget in (5, 32, 512):
+        together = _seeded_run(make_engine(path, max_num_batched_tokens=budget,
+                                           quantization="int8"), prompts)
+        assert together == alone, f"chunks of {budget} changed a token or a logprob"
+
+
+def test_a_prefix_hit_restores_the_exact_states(qwen35_dir: Any) -> None:
+    """A conversation sent turn by turn: each turn's prompt is the last one, its answer and a
+    new message. Every turn after the first finds most of its prompt cached, and gives the
+    tokens and logprobs a server without a prefix cache gives (bit for bit: int8 weights)."""
+    path = str(qwen35_dir("dense"))
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
+    warm = make_engine(path, quantization="int8")
+    cold = make_engine(path, enable_prefix_caching=False, quantization="int8")
+    history = random_ids(150, seed=300)
+    for turn in range(3):
+        runs = []
+        for engine in (warm, cold):
+            engine.add_request(f"t{turn}", list(history), params)
+            tokens, logprobs, cached = [], [], 0
+            while engine.has_unfinished():
+                for out in engine.step():
+                    tokens += out.new_token_ids
+                    logprobs.append(out.new_logprobs)
+                    cached = out.num_cached_tokens
+            runs.append((tokens, logprobs, cached))
+        (tokens, logprobs, cached), (cold_tokens, cold_logprobs, cold_cached) = runs
+        assert (tokens, logprobs) == (cold_tokens, cold_logprobs), f"turn {turn}"
+        assert cold_cached == 0
+        if turn:
+            assert cached >= len(history) - 40, f"turn {turn}: {cached} of {len(history)}"
+        history += tokens + random_ids(20, seed=301 + turn)
+
+
+def test_prefix_hits_end_at_snapshots_and_snapshots_are_bounded(qwen35_dir: Any) -> None:
+    """A second conversation sharing only a long first part finds it up to the last snapshot
+    before they diverge (every --mamba-block-size tokens); snapshots never outnumber their
+    slots, and go when their blocks are evicted."""
+    path = str(qwen35_dir("dense"))
+    engine = make_engine(path, num_blocks=64)
+    states = engine.state_snapshots
+    assert states is not None
+    shared = random_ids(600, seed=400)
+    run_to_completion(engine, {"a": shared + random_ids(30, seed=401)}, GREEDY)
+    engine.add_request("b", shared + random_ids(30, seed=402), GREEDY)
+    cached = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            cached = out.num_cached_tokens
+    assert cached == 512  # the last multiple of 256 before token 600
+    assert len(states.by_hash) + len(states.free) == engine.runner.state_pool.num_slots - 64
+    # a flood of other prompts evicts the blocks, and their snapshots with them
+    for i in range(6):
+        run_to_completion(engine, {f"x{i}": random_ids(300, seed=500 + i)}, GREEDY)
+    hashes = set(engine.kv_cache.pool.cached)
+    assert all(h in hashes for h in states.by_hash)
