@@ -194,9 +194,6 @@ def test_reasoning_is_apart_from_the_answer_unless_thinking_is_off(
     assert plain.message.content and "</think>" not in plain.message.content
 
 
-@pytest.mark.xfail(strict=True, reason="nanoserve drops an assistant message's "
-                   "reasoning_content before the template (serving/chat_prompt.py, "
-                   "message_dicts): Qwen3.5 shows the call's turn an empty <think></think>")
 def test_a_calls_reasoning_goes_back_through_the_template(server: RunningServer) -> None:
     call = {"id": "call_1", "type": "function",
             "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "days": 2}'}}

@@ -42,7 +42,8 @@ def _message(message: ChatMessage) -> MessageInput:
         tool_calls=None if message.tool_calls is None else tuple(
             ToolCallInput(call.id, call.function.name, call.function.arguments)
             for call in message.tool_calls),
-        tool_call_id=message.tool_call_id)
+        tool_call_id=message.tool_call_id,
+        reasoning=message.reasoning_content or message.reasoning)
 
 
 def _tool(tool: ChatTool) -> ToolInput:

@@ -142,6 +142,9 @@ class ChatMessage(OpenAIModel):
     name: str | None = None
     tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a `tool` message: the call it answers
+    # an assistant's earlier reasoning, as vLLM reads it (either name), to the template
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields):

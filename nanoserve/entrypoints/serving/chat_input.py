@@ -44,7 +44,7 @@ class MessageInput:
     name: str | None = None
     tool_calls: tuple[ToolCallInput, ...] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool result: the call it answers
-    reasoning: str | None = None  # an assistant's earlier reasoning (not given to the template)
+    reasoning: str | None = None  # an assistant's earlier reasoning (`reasoning_content`)
 
 
 @dataclass(frozen=True)

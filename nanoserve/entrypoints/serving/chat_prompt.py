@@ -54,7 +54,9 @@ def render_prompt(ctx: ServerContext, chat: ChatInput) -> str:
 
 
 def message_dicts(messages: Sequence[MessageInput]) -> list[dict[str, Any]]:
-    """The messages as chat templates take them: text content, a name, tool fields."""
+    """The messages as chat templates take them: text content, a name, tool fields, an
+    assistant's earlier reasoning as `reasoning_content` (as vLLM passes it: Qwen3.5's
+    template writes it back in the turn's <think> section)."""
     out = []
     for i, message in enumerate(messages):
         content = message.content
@@ -69,6 +71,8 @@ def message_dicts(messages: Sequence[MessageInput]) -> list[dict[str, Any]]:
         entry: dict[str, Any] = {"role": message.role, "content": content or ""}
         if message.name is not None:
             entry["name"] = message.name
+        if message.reasoning and message.role == "assistant":
+            entry["reasoning_content"] = message.reasoning
         entry.update(tool_message_fields(message, i))
         out.append(entry)
     return out
