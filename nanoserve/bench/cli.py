@@ -144,6 +144,13 @@ def add_bench_commands(bench: argparse.ArgumentParser, build_llm: LLMFactory) ->
     _add_route_args(route)
     route.set_defaults(func=_run_route)
 
+    turns = sub.add_parser(
+        "turns", help="a conversation replayed turn by turn (an agent's long first prompt, "
+                      "then more each turn): time to first token with the prefix cache on "
+                      "and off, and llama-server's")
+    _add_turns_args(turns)
+    turns.set_defaults(func=_run_turns)
+
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
     """The flags of `nanoserve bench serve` (a client: no engine flags)."""
@@ -295,6 +302,18 @@ def _run_route(args: argparse.Namespace) -> int:
     from nanoserve.bench.route import run_route_bench
 
     return run_route_bench(args)
+
+
+def _add_turns_args(p: argparse.ArgumentParser) -> None:
+    from nanoserve.bench.turns import add_turns_args
+
+    add_turns_args(p)
+
+
+def _run_turns(args: argparse.Namespace) -> int:
+    from nanoserve.bench.turns import run_turns_bench
+
+    return run_turns_bench(args)
 
 
 def _run_proposer(args: argparse.Namespace, build_llm: LLMFactory) -> int:
