@@ -214,3 +214,33 @@ def test_prefix_hits_end_at_snapshots_and_snapshots_are_bounded(qwen35_dir: Any)
         run_to_completion(engine, {f"x{i}": random_ids(300, seed=500 + i)}, GREEDY)
     hashes = set(engine.kv_cache.pool.cached)
     assert all(h in hashes for h in states.by_hash)
+
+
+def test_n_samples_fork_the_leaders_states(qwen35_dir: Any) -> None:
+    """n > 1: the samples after the first wait for its prompt, then start from the state its
+    prompt's last full block left (a snapshot) and compute only the rest; each sample is what
+    it is alone."""
+    path = str(qwen35_dir("dense"))
+    ids = random_ids(75, seed=600)
+
+    def params(seed: int) -> SamplingParams:
+        return SamplingParams(temperature=1.0, seed=seed, max_tokens=6, ignore_eos=True,
+                              logprobs=1)
+
+    engine = make_engine(path, quantization="int8")
+    for i in range(3):
+        engine.add_request(f"s{i}", ids, params(i), prefill_leader="s0" if i else None)
+    got: dict[str, list[Any]] = {f"s{i}": [] for i in range(3)}
+    cached: dict[str, int] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            got[out.request_id].append((out.new_token_ids, out.new_logprobs))
+            cached[out.request_id] = out.num_cached_tokens
+    assert cached == {"s0": 0, "s1": 64, "s2": 64}  # 75 tokens: 4 full blocks before the last
+    for i in range(3):
+        alone = make_engine(path, quantization="int8")
+        alone.add_request("a", ids, params(i))
+        mine = []
+        while alone.has_unfinished():
+            mine += [(o.new_token_ids, o.new_logprobs) for o in alone.step()]
+        assert got[f"s{i}"] == mine, f"sample {i}"
