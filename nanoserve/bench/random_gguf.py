@@ -1,6 +1,7 @@
 """A Llama-shaped GGUF of a chosen size with random weights, for benchmarks at sizes no PyPI
 package ships (nothing is downloaded): written with the `gguf` package's own writer and
 quantizers, with the default model's tokenizer, so nanoserve and llama-server both load it.
+`--size qwen3.5-0.8b` writes a Qwen3.5 hybrid instead (random_qwen35_gguf.py).
 
     python -m nanoserve.bench.random_gguf /tmp/llama-1b-q4_0.gguf --size 1b --type Q4_0
 
@@ -19,6 +20,7 @@ from typing import Any
 import gguf
 import numpy as np
 
+from nanoserve.bench.random_qwen35_gguf import QWEN35_SHAPES, write_random_qwen35_gguf
 from nanoserve.model.gguf_file import GGUFFile
 from nanoserve.model.loader import default_model_path
 
@@ -39,13 +41,21 @@ TYPES = {"Q4_0": gguf.GGMLQuantizationType.Q4_0, "Q4_1": gguf.GGMLQuantizationTy
 
 
 def add_default_tokenizer(writer: gguf.GGUFWriter, meta: dict[str, Any],
-                          chat_template: bool = True) -> None:
+                          chat_template: bool = True, vocab_size: int | None = None) -> None:
     """The default model's tokenizer (`meta`: its GGUF metadata) into `writer`: a random-weight
-    file of any shape then reads and writes text as SmolLM2 does (its chat template too)."""
+    file of any shape then reads and writes text as SmolLM2 does (its chat template too). A
+    larger `vocab_size` pads the list with unused `[PAD{id}]` tokens, as llama.cpp's converter
+    pads a vocabulary to the embedding's rows (conversion/base.py, get_vocab_base)."""
+    tokens = list(meta["tokenizer.ggml.tokens"])
+    token_types = list(meta["tokenizer.ggml.token_type"])
+    if vocab_size is not None and vocab_size < len(tokens):
+        raise ValueError(f"vocab_size={vocab_size} is smaller than the default tokenizer's "
+                         f"{len(tokens)} tokens")
+    padding = range(len(tokens), vocab_size or len(tokens))
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("smollm")
-    writer.add_token_list(meta["tokenizer.ggml.tokens"])
-    writer.add_token_types(meta["tokenizer.ggml.token_type"])
+    writer.add_token_list(tokens + [f"[PAD{i}]" for i in padding])
+    writer.add_token_types(token_types + [gguf.TokenType.UNUSED] * len(padding))
     writer.add_token_merges(meta["tokenizer.ggml.merges"])
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
@@ -100,11 +110,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m nanoserve.bench.random_gguf",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path)
-    parser.add_argument("--size", choices=SHAPES, default="1b")
+    parser.add_argument("--size", choices=[*SHAPES, *QWEN35_SHAPES], default="1b")
     parser.add_argument("--type", choices=TYPES, default="Q4_0")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    path = write_random_gguf(args.out, SHAPES[args.size], TYPES[args.type], args.seed)
+    if args.size in QWEN35_SHAPES:
+        path = write_random_qwen35_gguf(args.out, QWEN35_SHAPES[args.size], TYPES[args.type],
+                                        args.seed)
+    else:
+        path = write_random_gguf(args.out, SHAPES[args.size], TYPES[args.type], args.seed)
     print(f"{path}: {path.stat().st_size / 1e9:.2f} GB", file=sys.stderr)
     return 0
 

@@ -4,10 +4,10 @@
 A MoE layer replaces the dense MLP by `num_experts` small gated MLPs (each of
 `moe_intermediate_size` rows) and a router: every token runs through its top `num_experts_per_tok`
 experts, weighted by the router's softmax probabilities (renormalised over the chosen ones when
-`norm_topk_prob`), plus, in Qwen2-MoE and Qwen3.5-MoE, a shared expert that every token runs, scaled by a sigmoid
-gate. Which layers are MoE: transformers' rule for `config.json` (`decoder_sparse_step`, and
-`mlp_only_layers` kept dense); for GGUF the file's own tensors (a layer with a router,
-`blk.N.ffn_gate_inp`, is MoE), and every layer when they are not given.
+`norm_topk_prob`), plus, in Qwen2-MoE and Qwen3.5-MoE, a shared expert that every token runs,
+scaled by a sigmoid gate. Which layers are MoE: transformers' rule for `config.json`
+(`decoder_sparse_step`, and `mlp_only_layers` kept dense); for GGUF the file's own tensors (a
+layer with a router, `blk.N.ffn_gate_inp`, is MoE), and every layer when they are not given.
 """
 
 from __future__ import annotations
