@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import _spread_norm_weights
+from gguf_writing import write_qwen35_gguf
 from helpers import hf_greedy, hf_model, make_engine, run_to_completion
 
 from nanoserve.engine.core import EngineCore
@@ -73,6 +74,30 @@ def qwen35_dir(tmp_path_factory: pytest.TempPathFactory,
     return make
 
 
+@pytest.fixture(scope="session")
+def qwen35_source(qwen35_dir: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """(kind, format) -> the tiny checkpoint's directory ("safetensors"), or the same model as
+    llama.cpp's converter writes it ("gguf": float32; "q8_0": Q8_0 matmul weights, run by the
+    int8 kernels), and the directory transformers reads as the reference."""
+    import gguf
+
+    made: dict[tuple[str, str], Path] = {}
+
+    def make(kind: str, fmt: str = "safetensors") -> tuple[str, str]:
+        directory = qwen35_dir(kind)
+        if fmt == "safetensors":
+            return str(directory), str(directory)
+        if (kind, fmt) not in made:
+            qtype = gguf.GGMLQuantizationType.Q8_0 if fmt == "q8_0" \
+                else gguf.GGMLQuantizationType.F32
+            model = reference(str(directory))
+            path = tmp_path_factory.mktemp(f"qwen35-{kind}-{fmt}") / "model.gguf"
+            made[(kind, fmt)] = write_qwen35_gguf(model, model.config, path, qtype=qtype)
+        return str(made[(kind, fmt)]), str(directory)
+
+    return make
+
+
 @cache
 def reference(path: str) -> Any:
     return hf_model(path)
@@ -102,14 +127,17 @@ def prefill_logits(engine: EngineCore, ids: list[int]) -> torch.Tensor:
     return runner.model.compute_logits(hidden)
 
 
-@pytest.mark.parametrize("kind", list(SHAPES))
-def test_prefill_logits_match_transformers(kind: str, qwen35_dir: Any) -> None:
-    path = str(qwen35_dir(kind))
+@pytest.mark.parametrize(("kind", "fmt"), [(kind, "safetensors") for kind in SHAPES]
+                         + [("dense", "gguf"), ("moe", "gguf")])
+def test_prefill_logits_match_transformers(kind: str, fmt: str, qwen35_source: Any) -> None:
+    """Safetensors, and the same written as llama.cpp's GGUF (its tiled value heads read as
+    they are, its norms stored as 1 + w)."""
+    path, directory = qwen35_source(kind, fmt)
     engine = make_engine(path)
     for n in (1, 33, 300):  # 300: past several 64-token chunks of transformers' chunked form
         ids = random_ids(n, seed=n)
         ours = prefill_logits(engine, ids)
-        theirs = reference(path)(torch.tensor([ids])).logits[0].float()
+        theirs = reference(directory)(torch.tensor([ids])).logits[0].float()
         rel = ((ours - theirs).abs().max() / theirs.abs().max()).item()
         assert rel < 1e-4, f"{kind}, {n} tokens: relative logit error {rel:.2e}"
 
@@ -119,12 +147,14 @@ NUM_NEW = 10
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe"])
+@pytest.mark.parametrize(("kind", "fmt"), [("dense", "safetensors"), ("moe", "safetensors"),
+                                           ("dense", "gguf")])
 def test_greedy_tokens_match_transformers_alone_batched_chunked_preempted(
-        kind: str, qwen35_dir: Any) -> None:
-    path = str(qwen35_dir(kind))
+        kind: str, fmt: str, qwen35_source: Any) -> None:
+    path, directory = qwen35_source(kind, fmt)
     prompts = {f"p{n}": random_ids(n, seed=100 + n) for n in PROMPT_LENGTHS}
-    expected = {rid: hf_greedy(reference(path), ids, NUM_NEW) for rid, ids in prompts.items()}
+    expected = {rid: hf_greedy(reference(directory), ids, NUM_NEW)
+                for rid, ids in prompts.items()}
     alone = make_engine(path)
     for rid, ids in prompts.items():
         assert run_to_completion(alone, {rid: ids}, GREEDY)[rid] == expected[rid], rid
@@ -151,16 +181,20 @@ def _seeded_run(engine: EngineCore, prompts: dict[str, list[int]]) -> dict[str, 
     return got
 
 
-def test_seeded_outputs_and_logprobs_equal_across_chunks_and_batches(qwen35_dir: Any) -> None:
-    """Bit for bit, so on int8 weights: the quantized matmuls' bits do not depend on the batch
-    (float32 PyTorch matmuls' may: the exact path is held to transformers instead)."""
-    path = str(qwen35_dir("wide"))
+@pytest.mark.parametrize(("kind", "fmt", "quantization"),
+                         [("wide", "safetensors", "int8"), ("dense", "q8_0", "gguf")])
+def test_seeded_outputs_and_logprobs_equal_across_chunks_and_batches(
+        kind: str, fmt: str, quantization: str, qwen35_source: Any) -> None:
+    """Bit for bit, so on int8 weights (quantized at load, or a Q8_0 GGUF's): the quantized
+    matmuls' bits do not depend on the batch (float32 PyTorch matmuls' may: the exact path is
+    held to transformers instead)."""
+    path, _ = qwen35_source(kind, fmt)
     prompts = {f"p{n}": random_ids(n, seed=200 + n) for n in (3, 37, 90)}
-    alone = {rid: _seeded_run(make_engine(path, quantization="int8"), {rid: ids})[rid]
+    alone = {rid: _seeded_run(make_engine(path, quantization=quantization), {rid: ids})[rid]
              for rid, ids in prompts.items()}
     for budget in (5, 32, 512):
         together = _seeded_run(make_engine(path, max_num_batched_tokens=budget,
-                                           quantization="int8"), prompts)
+                                           quantization=quantization), prompts)
         assert together == alone, f"chunks of {budget} changed a token or a logprob"
 
 
