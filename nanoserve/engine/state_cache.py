@@ -12,8 +12,10 @@ on chunks or batches: model/delta_net_ops.py).
 
 Where snapshots are taken: every `interval` tokens of a sequence (vLLM's --mamba-block-size;
 a new conversation that shares a long system prompt finds the last one before it diverges),
-and at a prompt's last full block before its last token (the next turn of a conversation,
-which sends this prompt again with more after it, finds all of it). Snapshots are bounded by
+and at a prompt's last two full blocks before its last token (the next turn of a
+conversation, which sends this prompt again with more after it, finds all of it; the block
+before the last catches a chat template that writes the previous generation prompt's last
+few tokens otherwise, as Qwen3's and Qwen3.5's do with `<think>` sections). Snapshots are bounded by
 the pool's slots: the least recently used goes first, and one goes with its block when the KV
 cache evicts that block.
 """
@@ -25,6 +27,7 @@ from collections.abc import Sequence
 
 BlockHash = bytes  # (the KV cache's key: engine/kv_cache.py)
 NO_SOURCE = -1  # a fresh state: zeros
+PROMPT_TAIL = 2  # a prompt's last full blocks that get a snapshot each
 
 
 class StateSnapshots:
@@ -62,8 +65,9 @@ class StateSnapshots:
         size = self.block_size
         prompt_end = (num_prompt_tokens - 1) // size  # blocks before the prompt's last token
         taken = []
+        tail = range(prompt_end - PROMPT_TAIL + 1, prompt_end + 1)
         for blocks in range(start // size + 1, end // size + 1):
-            if blocks % self.interval_blocks and blocks != prompt_end:
+            if blocks % self.interval_blocks and blocks not in tail:
                 continue
             if blocks > len(hashes) or hashes[blocks - 1] in self.by_hash:
                 continue

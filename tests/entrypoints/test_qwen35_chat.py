@@ -15,13 +15,11 @@ after the reasoning, forces the XML call with `<tool_call>` and `</tool_call>` a
 tokens Qwen3.5 writes; the city and the days are the model's own draws. (A regex spelling
 `</tool_call>` out does not do: llguidance then allows only that added token and refuses it.)
 
-Each test runs on a Qwen3 and on a Qwen3.5 (Gated DeltaNet hybrid) checkpoint; the Qwen3.5 case
-is skipped while nanoserve has no Qwen3.5 layers (`nanoserve.model.hybrid_layers`).
+Each test runs on a Qwen3 and on a Qwen3.5 (Gated DeltaNet hybrid) checkpoint.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import sys
@@ -66,17 +64,7 @@ CALLING: dict[str, Any] = {"thinking_token_budget": BUDGET,
                            "structured_outputs": {"grammar": CALL_GRAMMAR}}
 
 
-def has_qwen35_layers() -> bool:
-    """Whether nanoserve has its Qwen3.5 layers: the qwen3_5 case runs from then on (a
-    checkpoint it then fails to load fails the tests; it is not skipped)."""
-    return importlib.util.find_spec("nanoserve.model.hybrid_layers") is not None
-
-
-@pytest.fixture(scope="module", params=[
-    "qwen3",
-    pytest.param("qwen3_5", marks=pytest.mark.skipif(
-        not has_qwen35_layers(), reason="Qwen3.5 layers not in yet")),
-])
+@pytest.fixture(scope="module", params=["qwen3", "qwen3_5"])
 def server(request: pytest.FixtureRequest,
            tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     """`nanoserve serve` on the tiny checkpoint of the family (`qwen3` or `qwen3_5`)."""
