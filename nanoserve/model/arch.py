@@ -35,6 +35,7 @@ SUPPORTED_MODEL_TYPES = {
     "qwen3_5": "qwen3_5",  # a multimodal config whose text model runs alone (text_config)
     "qwen3_5_moe_text": "qwen3_5",
     "qwen3_5_moe": "qwen3_5",
+    "qwen3_next": "qwen3_5",  # Qwen3-Next: the same layers, its projections fused by head
 }
 # a multimodal config -> its text model's type
 TEXT_MODEL_TYPES = {"gemma3": "gemma3_text", "qwen3_5": "qwen3_5_text",

@@ -51,10 +51,10 @@ class MoeConfig:
 def moe_from_hf(cfg: dict[str, Any]) -> MoeConfig | None:
     """The MoE fields of a Qwen2-MoE / Qwen3-MoE `config.json` (None for a dense model), with
     transformers' rule for which layers are MoE (modeling_qwen3_moe.py's decoder layer)."""
-    if cfg.get("model_type") not in ("qwen2_moe", "qwen3_moe", "qwen3_5_moe_text"):
+    if cfg.get("model_type") not in ("qwen2_moe", "qwen3_moe", "qwen3_5_moe_text", "qwen3_next"):
         return None
     # Qwen3.5's router always renormalises its top k (its config has no norm_topk_prob)
-    norm_default = cfg["model_type"] == "qwen3_5_moe_text"
+    norm_default = cfg["model_type"] in ("qwen3_5_moe_text", "qwen3_next")
     # transformers 5 saves `num_local_experts`; the published checkpoints say `num_experts`
     num_experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
     step = int(cfg.get("decoder_sparse_step") or 1)

@@ -36,6 +36,13 @@ SHAPES: dict[str, dict[str, Any]] = {
                 linear_value_head_dim=16, linear_conv_kernel_dim=4, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=32, num_experts=4, num_experts_per_tok=2,
                 moe_intermediate_size=32, shared_expert_intermediate_size=48),
+    # Qwen3-Next: the same layers, in_proj_qkvz / in_proj_ba fused key head by key head; MoE
+    # but for layer 1 (mlp_only_layers)
+    "next": dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                 linear_value_head_dim=16, linear_conv_kernel_dim=4, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=32, num_experts=4, num_experts_per_tok=2,
+                 moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                 mlp_only_layers=[1]),
 }
 
 
@@ -47,8 +54,8 @@ def tiny_qwen35_config(kind: str) -> Any:
                   max_position_embeddings=1024, rms_norm_eps=1e-6, bos_token_id=1,
                   eos_token_id=2, initializer_range=0.05, tie_word_embeddings=False,
                   **SHAPES[kind])
-    config_class = (transformers.Qwen3_5MoeTextConfig if kind == "moe"
-                    else transformers.Qwen3_5TextConfig)
+    config_class = {"moe": transformers.Qwen3_5MoeTextConfig,
+                    "next": transformers.Qwen3NextConfig}.get(kind, transformers.Qwen3_5TextConfig)
     return config_class(**common)
 
 
@@ -148,7 +155,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
 
 
 @pytest.mark.parametrize(("kind", "fmt"), [("dense", "safetensors"), ("moe", "safetensors"),
-                                           ("dense", "gguf")])
+                                           ("next", "safetensors"), ("dense", "gguf")])
 def test_greedy_tokens_match_transformers_alone_batched_chunked_preempted(
         kind: str, fmt: str, qwen35_source: Any) -> None:
     path, directory = qwen35_source(kind, fmt)
