@@ -15,11 +15,11 @@ import argparse
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import gguf
 import numpy as np
 
+from nanoserve.bench.gguf_tokenizer import add_default_tokenizer
 from nanoserve.bench.random_qwen35_gguf import QWEN35_SHAPES, write_random_qwen35_gguf
 from nanoserve.model.gguf_file import GGUFFile
 from nanoserve.model.loader import default_model_path
@@ -38,29 +38,6 @@ class Shape:
 SHAPES = {"1b": Shape(2048, 16, 32, 8, 8192), "3b": Shape(3072, 28, 24, 8, 8192)}
 TYPES = {"Q4_0": gguf.GGMLQuantizationType.Q4_0, "Q4_1": gguf.GGMLQuantizationType.Q4_1,
          "Q8_0": gguf.GGMLQuantizationType.Q8_0, "Q4_K": gguf.GGMLQuantizationType.Q4_K}
-
-
-def add_default_tokenizer(writer: gguf.GGUFWriter, meta: dict[str, Any],
-                          chat_template: bool = True, vocab_size: int | None = None) -> None:
-    """The default model's tokenizer (`meta`: its GGUF metadata) into `writer`: a random-weight
-    file of any shape then reads and writes text as SmolLM2 does (its chat template too). A
-    larger `vocab_size` pads the list with unused `[PAD{id}]` tokens, as llama.cpp's converter
-    pads a vocabulary to the embedding's rows (conversion/base.py, get_vocab_base)."""
-    tokens = list(meta["tokenizer.ggml.tokens"])
-    token_types = list(meta["tokenizer.ggml.token_type"])
-    if vocab_size is not None and vocab_size < len(tokens):
-        raise ValueError(f"vocab_size={vocab_size} is smaller than the default tokenizer's "
-                         f"{len(tokens)} tokens")
-    padding = range(len(tokens), vocab_size or len(tokens))
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("smollm")
-    writer.add_token_list(tokens + [f"[PAD{i}]" for i in padding])
-    writer.add_token_types(token_types + [gguf.TokenType.UNUSED] * len(padding))
-    writer.add_token_merges(meta["tokenizer.ggml.merges"])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    if chat_template:
-        writer.add_chat_template(meta["tokenizer.chat_template"])
 
 
 def write_random_gguf(out: Path, shape: Shape, qtype: gguf.GGMLQuantizationType,

@@ -168,7 +168,7 @@ def write_random_qwen35_gguf(out: Path, cfg: Mapping[str, Any],
     """A dense Qwen3.5 of shape `cfg` (config.json's fields, e.g. QWEN35_0_8B) with random
     weights: projections in `qtype`, the embedding Q8_0, the rest F32 (norms as the file
     stores them, 1 + w with w = 0; A as -exp(A_log) of transformers' initial range)."""
-    from nanoserve.bench.random_gguf import add_default_tokenizer
+    from nanoserve.bench.gguf_tokenizer import add_default_tokenizer
     from nanoserve.model.gguf_file import GGUFFile
     from nanoserve.model.loader import default_model_path
 

@@ -35,10 +35,9 @@ from nanoserve.engine.kv_cache import KVCacheManager
 from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.engine.prefill_pacer import PrefillPacer, tokens_per_unit_of_context
 from nanoserve.engine.request import Request, RequestStatus
-from nanoserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
-from nanoserve.engine.state_cache import StateSnapshots
-from nanoserve.engine.state_pool import num_snapshot_slots
-from nanoserve.engine.step_input import build_step_input, step_first_rows
+from nanoserve.engine.scheduler import ScheduledRequest, Scheduler
+from nanoserve.engine.state_plan import plan_states, state_snapshots_for
+from nanoserve.engine.step_input import build_step_input
 from nanoserve.engine.zero_cost_runner import ZeroCostRunner
 from nanoserve.model.kv_groups import kv_layer_groups
 from nanoserve.model.loader import ModelInfo
@@ -85,7 +84,7 @@ class EngineCore:
         self.kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching,
                                        record_events=config.kv_events.enable_kv_cache_events,
                                        group_windows=groups.windows)
-        self.state_snapshots = self._state_snapshots(config, model_info, num_blocks)
+        self.state_snapshots = state_snapshots_for(config, model_info.arch, num_blocks)
         if self.state_snapshots is not None:
             self.kv_cache.keep_state_snapshots(self.state_snapshots)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len,
@@ -113,18 +112,6 @@ class EngineCore:
         self.compiling: dict[str, Request] = {}  # requests whose grammar is compiling
         self.kernel_schedule = ""  # the CPU kernels' schedule in one line (kernel_tuning/)
         self.stats = SchedulerStats()  # brought up to date by every step and abort
-
-    @staticmethod
-    def _state_snapshots(config: EngineConfig, model_info: ModelInfo,
-                         num_blocks: int) -> StateSnapshots | None:
-        """A hybrid model's snapshot bookkeeping (engine/state_cache.py), over the pool's
-        slots after the live ones (engine/state_pool.py); None where there are none."""
-        count = num_snapshot_slots(model_info.arch, num_blocks,
-                                   config.cache.enable_prefix_caching)
-        if not count:
-            return None
-        return StateSnapshots(config.scheduler.max_num_seqs, count, config.cache.block_size,
-                              config.cache.mamba_block_size)
 
     @staticmethod
     def _pacer(config: EngineConfig, model_info: ModelInfo) -> PrefillPacer | None:
@@ -220,22 +207,6 @@ class EngineCore:
         self._update_stats()
         return was_in_engine
 
-    def _plan_states(self, sched: SchedulerOutput, step: StepInput) -> None:
-        """A hybrid model's step: every admitted request's states start from zeros or its
-        prefix hit's snapshot, and the step snapshots its block boundaries the prefix cache
-        keeps (engine/state_cache.py)."""
-        step.state_inits = [(r.slot, r.state_source) for r in sched.admitted
-                            if r.slot is not None]
-        states = self.state_snapshots
-        if states is None:
-            return
-        for s, first_row in zip(sched.scheduled, step_first_rows(sched.scheduled), strict=True):
-            end = s.start + s.num_new_tokens - len(s.draft_token_ids)
-            planned = states.plan(self.kv_cache.block_hashes(s.request), s.start, end,
-                                  s.request.num_prompt_tokens)
-            step.state_snapshots.extend((first_row + token - s.start, slot)
-                                        for token, slot in planned)
-
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -270,7 +241,7 @@ class EngineCore:
              if r.slot is not None and not r.is_pooling],
             released, self._fill_grammars(sampling), self.block_tables[1:])
         if self.model_info.arch.linear is not None:
-            self._plan_states(sched, step)
+            plan_states(sched, step, self.state_snapshots, self.kv_cache)
         # 3) run the model and sample, on the workers
         started = time.perf_counter()
         out = self.executor.execute_step(step)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -10,13 +9,21 @@ from typing import Any
 from nanoserve.model.linear_arch import (
     LINEAR,
     LinearAttentionConfig,
-    gguf_hybrid_layer_types,
     gguf_num_layers,
-    hybrid_layer_types,
-    linear_from_gguf,
-    linear_from_hf,
+    hybrid_from_gguf,
+    hybrid_from_hf,
 )
 from nanoserve.model.moe_arch import MoeConfig, moe_from_gguf, moe_from_hf
+from nanoserve.model.rope_scaling import (  # (RopeScaling, the error: importable from here too)
+    RopeScaling,
+    UnsupportedModelError,
+    gguf_rope_scaling,
+    rope_scaling_of,
+    yarn_mscale,
+)
+
+__all__ = ["FULL", "SLIDING", "ArchConfig", "RopeScaling", "UnsupportedModelError",
+           "yarn_mscale"]
 
 # Hugging Face `model_type` -> our family. Mistral is Llama without qkv bias, every layer in
 # its sliding window; Gemma 3's layers alternate windowed and global attention.
@@ -43,34 +50,6 @@ TEXT_MODEL_TYPES = {"gemma3": "gemma3_text", "qwen3_5": "qwen3_5_text",
 SLIDING, FULL = "sliding_attention", "full_attention"  # transformers' `layer_types` values
 # Gemma 3's layers without `layer_types`: five windowed, then one global, repeating
 GEMMA3_SLIDING_PATTERN = 6
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-# GGUF `rope.scaling.type` -> ours (llama.cpp's names); anything else is refused by name
-GGUF_ROPE_TYPES = {"none": "default", "linear": "linear", "yarn": "yarn"}
-
-
-class UnsupportedModelError(ValueError):
-    """The checkpoint is readable but describes something nanoserve cannot run."""
-
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """RoPE frequency scaling (`rope_scaling` / `rope_parameters` in config.json)."""
-
-    rope_type: str = "default"
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-    # YaRN (Qwen3 past 32k, gpt-oss): the ramp between the rotations beta_fast and beta_slow,
-    # and the cos/sin scale (None: from the factor, as transformers infers it)
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    attention_factor: float | None = None
-    mscale: float | None = None
-    mscale_all_dim: float | None = None
-    truncate: bool = True
-
-
 @dataclass(frozen=True)
 class ArchConfig:
     """Hyperparameters of a decoder: the Llama family (Llama 2/3, Mistral, SmolLM2), Qwen2,
@@ -199,7 +178,7 @@ class ArchConfig:
         window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
         if family == "gemma3":
             return _gemma3_from_hf(cfg, num_heads, head_dim, eos_ids)
-        hybrid = _hybrid_from_hf(cfg) if family == "qwen3_5" else {}
+        hybrid = hybrid_from_hf(cfg) if family == "qwen3_5" else {}
         return cls(
             family=family,
             vocab_size=cfg["vocab_size"],
@@ -217,7 +196,7 @@ class ArchConfig:
             has_qkv_bias=(bool(family == "qwen2" and cfg.get("qkv_bias", True))
                           or bool(cfg.get("attention_bias", False))),
             has_qk_norm=family in ("qwen3", "qwen3_5"),
-            rope_scaling=_rope_scaling(cfg),
+            rope_scaling=rope_scaling_of(cfg),
             sliding_window=window if family == "llama" else None,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
@@ -246,10 +225,10 @@ class ArchConfig:
         num_heads = get("attention.head_count")
         hidden = get("embedding_length")
         vocab = get("vocab_size") or len(meta.get("tokenizer.ggml.tokens", ()))
-        scaling = _gguf_rope_scaling(get)
+        scaling = gguf_rope_scaling(get)
         eos = meta.get("tokenizer.ggml.eos_token_id")
         gemma = _gemma3_from_gguf(get) if arch == "gemma3" else {}
-        hybrid = _hybrid_from_gguf(get, hidden // num_heads) if arch in ("qwen35", "qwen35moe") \
+        hybrid = hybrid_from_gguf(get, hidden // num_heads) if arch in ("qwen35", "qwen35moe") \
             else {}
         num_layers = gguf_num_layers(get)  # (a file's MTP blocks follow its decoder layers)
         return cls(
@@ -304,33 +283,12 @@ def _gemma3_from_hf(cfg: dict[str, Any], num_heads: int, head_dim: int,
         max_position_embeddings=cfg.get("max_position_embeddings", 131072),
         tie_word_embeddings=cfg.get("tie_word_embeddings", True), has_qkv_bias=bool(
             cfg.get("attention_bias", False)), has_qk_norm=True,
-        rope_scaling=_rope_scaling(global_cfg), sliding_window=cfg.get("sliding_window", 4096),
+        rope_scaling=rope_scaling_of(global_cfg), sliding_window=cfg.get("sliding_window", 4096),
         bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids, layer_types=layer_types,
         rope_local_theta=float((local or {}).get("rope_theta")
                                or cfg.get("rope_local_base_freq") or 10000.0),
         has_sandwich_norms=True, hidden_act="gelu_tanh", scales_embedding=True,
         query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar") or 256))
-
-
-def _hybrid_from_hf(cfg: dict[str, Any]) -> dict[str, Any]:
-    """The ArchConfig fields of a Qwen3.5 text config: its layer kinds, DeltaNet shape, gated
-    attention and partial rotary (mRoPE's text positions are plain RoPE: every section gets
-    the same position)."""
-    params = cfg.get("rope_parameters") or {}
-    factor = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25))
-    return {"layer_types": hybrid_layer_types(cfg), "linear": linear_from_hf(cfg),
-            "has_attn_output_gate": True, "partial_rotary_factor": float(factor)}
-
-
-def _hybrid_from_gguf(get: Any, default_head_dim: int) -> dict[str, Any]:
-    """The ArchConfig fields of a `qwen35`/`qwen35moe` file (linear_arch.py reads its DeltaNet
-    keys): the rotary share is `rope.dimension_count` over the head dim, the gate in q's rows
-    as in Hugging Face's q_proj (llama.cpp's qwen35.cpp views each head's 2 * D rows as the
-    query, then the gate)."""
-    head_dim = int(get("attention.key_length") or default_head_dim)
-    return {"layer_types": gguf_hybrid_layer_types(get), "linear": linear_from_gguf(get),
-            "has_attn_output_gate": True,
-            "partial_rotary_factor": int(get("rope.dimension_count") or head_dim) / head_dim}
 
 
 def _gemma3_from_gguf(get: Any) -> dict[str, Any]:
@@ -355,74 +313,3 @@ def gemma3_layer_types(num_layers: int, pattern: int) -> list[str]:
 def _rope_theta(cfg: dict[str, Any]) -> float:
     params = cfg.get("rope_parameters") or {}
     return float(cfg.get("rope_theta") or params.get("rope_theta") or 10000.0)
-
-
-def _rope_scaling(cfg: dict[str, Any]) -> RopeScaling:
-    """Accept both the old `rope_scaling` dict and transformers 5's `rope_parameters`."""
-    params = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
-    rope_type = params.get("rope_type") or params.get("type") or "default"
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise UnsupportedModelError(
-            f"unsupported rope scaling {rope_type!r}; "
-            f"nanoserve supports {list(SUPPORTED_ROPE_TYPES)}"
-        )
-    if rope_type == "default":
-        return RopeScaling()
-    original = int(params.get("original_max_position_embeddings")
-                   or cfg.get("original_max_position_embeddings")
-                   or cfg.get("max_position_embeddings", 8192))
-    factor = params.get("factor")
-    if factor is None and rope_type == "yarn":  # DeepSeek-style: the ratio of the contexts
-        factor = cfg.get("max_position_embeddings", original) / original
-    if factor is None:
-        raise UnsupportedModelError(f"rope scaling {rope_type!r} needs a 'factor'")
-    return RopeScaling(
-        rope_type=rope_type,
-        factor=float(factor),
-        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=original,
-        beta_fast=float(params.get("beta_fast") or 32.0),
-        beta_slow=float(params.get("beta_slow") or 1.0),
-        attention_factor=_optional_float(params.get("attention_factor")),
-        mscale=_optional_float(params.get("mscale")),
-        mscale_all_dim=_optional_float(params.get("mscale_all_dim")),
-        truncate=bool(params.get("truncate", True)),
-    )
-
-
-def _optional_float(value: Any) -> float | None:
-    return None if value is None else float(value)
-
-
-def _gguf_rope_scaling(get: Any) -> RopeScaling:
-    """llama.cpp's `rope.scaling.*` keys. YaRN's `attn_factor` multiplies the scale llama.cpp
-    derives from the factor (ggml's rope_yarn), so it becomes transformers' attention_factor
-    only times that scale; an unknown type is refused by name, never run as plain rope."""
-    kind = get("rope.scaling.type")
-    if kind is None:
-        return RopeScaling()
-    if kind not in GGUF_ROPE_TYPES:
-        raise UnsupportedModelError(
-            f"unsupported GGUF rope scaling type {kind!r}; nanoserve supports "
-            f"{sorted(GGUF_ROPE_TYPES)}")
-    rope_type = GGUF_ROPE_TYPES[kind]
-    if rope_type == "default":
-        return RopeScaling()
-    factor = float(get("rope.scaling.factor", 1.0))
-    if rope_type == "linear":
-        return RopeScaling(rope_type="linear", factor=factor)
-    attn_factor = get("rope.scaling.attn_factor")
-    return RopeScaling(
-        rope_type="yarn", factor=factor,
-        original_max_position_embeddings=int(get("rope.scaling.original_context_length")
-                                             or get("context_length", 4096)),
-        beta_fast=float(get("rope.scaling.yarn_beta_fast") or 32.0),
-        beta_slow=float(get("rope.scaling.yarn_beta_slow") or 1.0),
-        attention_factor=None if attn_factor is None
-        else float(attn_factor) * yarn_mscale(factor))
-
-
-def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
-    """YaRN's cos/sin scale for a context `factor` (the paper's Eq. 21; 1 for factor <= 1)."""
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0

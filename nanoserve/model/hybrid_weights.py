@@ -41,6 +41,8 @@ def pop_delta_net(state: dict[str, ReadTensor], prefix: str, target: str, arch: 
         neg_exp_a = as_float(state.pop(la + "neg_exp_a"))
     else:
         neg_exp_a = -as_float(state.pop(la + "A_log")).float().exp()
+    in_proj: Loaded
+    ba_proj: Loaded
     if la + "in_proj_qkvz.weight" in state:  # Qwen3-Next: fused, key head by key head
         in_proj, ba_proj = ungroup_qkvz(state.pop(la + "in_proj_qkvz.weight"),
                                         state.pop(la + "in_proj_ba.weight"), arch)

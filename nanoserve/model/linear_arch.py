@@ -111,3 +111,24 @@ def gguf_hybrid_layer_types(get: Callable[..., Any]) -> tuple[str, ...]:
         interval = int(get("full_attention_interval") or 4)
         flags = [(i + 1) % interval != 0 for i in range(num_layers)]
     return tuple(LINEAR if flag else "full_attention" for flag in flags[:num_layers])
+
+
+def hybrid_from_hf(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The ArchConfig fields of a Qwen3.5 text config: its layer kinds, DeltaNet shape, gated
+    attention and partial rotary (mRoPE's text positions are plain RoPE: every section gets
+    the same position)."""
+    params = cfg.get("rope_parameters") or {}
+    factor = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25))
+    return {"layer_types": hybrid_layer_types(cfg), "linear": linear_from_hf(cfg),
+            "has_attn_output_gate": True, "partial_rotary_factor": float(factor)}
+
+
+def hybrid_from_gguf(get: Any, default_head_dim: int) -> dict[str, Any]:
+    """The ArchConfig fields of a `qwen35`/`qwen35moe` file (linear_arch.py reads its DeltaNet
+    keys): the rotary share is `rope.dimension_count` over the head dim, the gate in q's rows
+    as in Hugging Face's q_proj (llama.cpp's qwen35.cpp views each head's 2 * D rows as the
+    query, then the gate)."""
+    head_dim = int(get("attention.key_length") or default_head_dim)
+    return {"layer_types": gguf_hybrid_layer_types(get), "linear": linear_from_gguf(get),
+            "has_attn_output_gate": True,
+            "partial_rotary_factor": int(get("rope.dimension_count") or head_dim) / head_dim}
