@@ -94,22 +94,29 @@ def default_tokenizer() -> Any:
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory,
                    default_tokenizer: Any) -> Callable[[str], Path]:
     """family -> a directory holding that tiny checkpoint (written once per session)."""
-    import transformers
 
     made: dict[str, Path] = {}
 
     def make(family: str) -> Path:
         if family not in made:
-            path = tmp_path_factory.mktemp(f"tiny-{family}")
-            torch.manual_seed(1234)
-            model = transformers.AutoModelForCausalLM.from_config(tiny_config(family))
-            _spread_norm_weights(model)
-            model.save_pretrained(path)
-            default_tokenizer.save_pretrained(path)
-            made[family] = path
+            made[family] = write_tiny_checkpoint(tmp_path_factory.mktemp(f"tiny-{family}"),
+                                                 tiny_config(family), default_tokenizer, 1234)
         return made[family]
 
     return make
+
+
+def write_tiny_checkpoint(path: Path, config: Any, tokenizer: Any, seed: int) -> Path:
+    """A random-weight transformers model of `config` (norm weights spread) and `tokenizer`,
+    saved into `path`."""
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    _spread_norm_weights(model)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
 
 
 def _spread_norm_weights(model: torch.nn.Module) -> None:

@@ -15,6 +15,7 @@ from helpers import hf_greedy, hf_model, make_engine, run_to_completion
 
 from nanoserve.engine.core import EngineCore
 from nanoserve.model.attention import PrefillChunk, SdpaBackend, SdpaMetadata
+from nanoserve.model.hybrid_layers import HybridStates
 from nanoserve.model.loader import default_model_path
 from nanoserve.sampling_params import SamplingParams
 
@@ -35,14 +36,23 @@ def random_prompts(vocab_size: int, seed: int = 0) -> dict[str, list[int]]:
 
 @torch.inference_mode()
 def prefill_logits(engine: EngineCore, prompt_ids: list[int]) -> torch.Tensor:
-    """Logits at every prompt position, through the paged prefill path (blocks 0, 1, ...)."""
+    """Logits at every prompt position, through the paged prefill path (blocks 0, 1, ...); a
+    hybrid model's (Qwen3.5) DeltaNet states from zeros, in slot 0 of its pool."""
     runner = engine.runner
     n = len(prompt_ids)
     attention = SdpaBackend(block_size=runner.block_size, num_kv_heads=runner.num_kv_heads,
                             num_blocks=runner.num_blocks, device=runner.device)
     meta = SdpaMetadata(cache_index=torch.arange(n), prefills=[PrefillChunk(0, n, n)])
+    extra: dict[str, Any] = {}
+    pool = runner.state_pool
+    if pool is not None:
+        pool.conv[0].zero_()
+        pool.ssm[0].zero_()
+        extra["states"] = HybridStates(pool.conv, pool.ssm, torch.tensor([0], dtype=torch.int32),
+                                       torch.tensor([0, n], dtype=torch.int32),
+                                       torch.full((n,), -1, dtype=torch.int32))
     hidden = runner.plan.forward(torch.tensor(prompt_ids), torch.arange(n), runner.kv_caches,
-                                 attention, meta)
+                                 attention, meta, **extra)
     return runner.model.compute_logits(hidden)
 
 

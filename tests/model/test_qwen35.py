@@ -13,13 +13,12 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import _spread_norm_weights
+from conftest import write_tiny_checkpoint
 from gguf_writing import write_qwen35_gguf
 from helpers import hf_greedy, hf_model, make_engine, run_to_completion
+from test_equivalence import prefill_logits
 
 from nanoserve.engine.core import EngineCore
-from nanoserve.model.attention import PrefillChunk, SdpaBackend, SdpaMetadata
-from nanoserve.model.hybrid_layers import HybridStates
 from nanoserve.sampling_params import SamplingParams
 
 VOCAB = 49152  # the default model's tokenizer
@@ -63,19 +62,12 @@ def tiny_qwen35_config(kind: str) -> Any:
 def qwen35_dir(tmp_path_factory: pytest.TempPathFactory,
                default_tokenizer: Any) -> Any:
     """kind -> a directory holding that tiny Qwen3.5 checkpoint (written once)."""
-    import transformers
-
     made: dict[str, Path] = {}
 
     def make(kind: str) -> Path:
         if kind not in made:
-            path = tmp_path_factory.mktemp(f"tiny-qwen35-{kind}")
-            torch.manual_seed(35)
-            model = transformers.AutoModelForCausalLM.from_config(tiny_qwen35_config(kind))
-            _spread_norm_weights(model)
-            model.save_pretrained(path)
-            default_tokenizer.save_pretrained(path)
-            made[kind] = path
+            made[kind] = write_tiny_checkpoint(tmp_path_factory.mktemp(f"tiny-qwen35-{kind}"),
+                                               tiny_qwen35_config(kind), default_tokenizer, 35)
         return made[kind]
 
     return make
@@ -113,25 +105,6 @@ def reference(path: str) -> Any:
 def random_ids(n: int, seed: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(3, VOCAB) for _ in range(n)]
-
-
-@torch.inference_mode()
-def prefill_logits(engine: EngineCore, ids: list[int]) -> torch.Tensor:
-    """Logits at every prompt position: the whole prompt in one forward, from a zero state."""
-    runner = engine.runner
-    n = len(ids)
-    attention = SdpaBackend(block_size=runner.block_size, num_kv_heads=runner.num_kv_heads,
-                            num_blocks=runner.num_blocks, device=runner.device)
-    meta = SdpaMetadata(cache_index=torch.arange(n), prefills=[PrefillChunk(0, n, n)])
-    pool = runner.state_pool
-    pool.conv[0].zero_()
-    pool.ssm[0].zero_()
-    states = HybridStates(pool.conv, pool.ssm, torch.tensor([0], dtype=torch.int32),
-                          torch.tensor([0, n], dtype=torch.int32),
-                          torch.full((n,), -1, dtype=torch.int32))
-    hidden = runner.plan.forward(torch.tensor(ids), torch.arange(n), runner.kv_caches,
-                                 attention, meta, states=states)
-    return runner.model.compute_logits(hidden)
 
 
 @pytest.mark.parametrize(("kind", "fmt"), [(kind, "safetensors") for kind in SHAPES]
