@@ -104,6 +104,9 @@ class CacheConfig:
     # a hybrid model's DeltaNet states are snapshotted for the prefix cache every this many
     # tokens (vLLM's name; engine/state_cache.py), and at each prompt's last full block
     mamba_block_size: int = 256
+    # the prefix cache's disk tier (engine/kv_disk.py): its folder (None: off) and its size
+    kv_cache_disk: str | None = None
+    kv_cache_disk_bytes: int = 16 * GiB
 
     def __post_init__(self) -> None:
         if self.mamba_block_size < 1:

@@ -100,7 +100,16 @@ class EngineArgs:
     mamba_block_size: int = _arg(
         CacheConfig.mamba_block_size, "hybrid models (Qwen3.5): the tokens between two "
         "snapshots of a sequence's Gated DeltaNet states, where a cached prefix can end (a "
-        "prompt's last full block is kept too) (default: %(default)s)", type=int)
+        "prompt's last two full blocks are kept too) (default: %(default)s)", type=int)
+    kv_cache_disk: str | None = _arg(
+        CacheConfig.kv_cache_disk, "a folder for the prefix cache's disk tier: blocks evicted "
+        "from RAM (and every cached block at shutdown) are kept there, by their prefix's hash "
+        "and the model's fingerprint, and read back on a RAM miss, across restarts (default: "
+        "off)", metavar="DIR")
+    kv_cache_disk_gb: float = _arg(
+        CacheConfig.kv_cache_disk_bytes / GiB, "the disk tier's size in GiB; the least "
+        "recently used files go past it (default: %(default)s)", flag="--kv-cache-disk-size",
+        type=float, metavar="GIB")
     seed: int | None = _arg(ModelConfig.seed, "where unseeded requests get their seeds from "
                             "(default: %(default)s)", type=int)
     logits_processors: Sequence[str | type] = _arg(
@@ -209,7 +218,9 @@ class EngineArgs:
                 kv_cache_memory_bytes=None if self.kv_cache_memory_gb is None
                 else int(self.kv_cache_memory_gb * GiB),
                 enable_prefix_caching=self.enable_prefix_caching,
-                kv_cache_dtype=self.kv_cache_dtype, mamba_block_size=self.mamba_block_size),
+                kv_cache_dtype=self.kv_cache_dtype, mamba_block_size=self.mamba_block_size,
+                kv_cache_disk=self.kv_cache_disk,
+                kv_cache_disk_bytes=int(self.kv_cache_disk_gb * GiB)),
             scheduler=self._scheduler_config(),
             sampler=SamplerConfig(logits_processors=tuple(self.logits_processors),
                                   max_logprobs=self.max_logprobs),

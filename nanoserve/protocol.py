@@ -69,6 +69,11 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     spec_decode_num_accepted_tokens_per_pos: list[int] = msgspec.field(default_factory=list)
     num_steps: int = 0  # steps that ran the model
     propose_seconds: float = 0.0  # time in the draft proposer (`nanoserve bench proposer`)
+    # the prefix cache's disk tier (engine/kv_disk.py): blocks read back and missed, bytes
+    kv_disk_hits: int = 0
+    kv_disk_misses: int = 0
+    kv_disk_bytes_read: int = 0
+    kv_disk_bytes_written: int = 0
 
 
 # -- API server -> engine core ------------------------------------------------------------------

@@ -10,16 +10,20 @@ tests all build through this function.
 from __future__ import annotations
 
 import gc
+import logging
+from pathlib import Path
 
 from nanoserve.config import EngineConfig
 from nanoserve.engine.core import EngineCore
 from nanoserve.engine.executor import Executor, InProcessExecutor
+from nanoserve.engine.kv_disk import KVDiskTier, file_identity, model_fingerprint
 from nanoserve.engine.memory import keep_freed_memory_in_heap
 from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.engine.rank_build import build_rank
 from nanoserve.engine.tp_executor import TensorParallelRanks, TPExecutor
 from nanoserve.engine.worker import Worker
 from nanoserve.engine.zero_cost_runner import ZeroCostRunner
+from nanoserve.model.loader import LoadedModel
 from nanoserve.reasoning_section import ReasoningTokens
 from nanoserve.sample.logits_processor import load_processor_classes
 from nanoserve.sample.sampler import Sampler
@@ -50,6 +54,8 @@ def build_engine_core(config: EngineConfig, *, engine_tokenizer: bool = False) -
                               else TPExecutor(worker, ranks))
         core = EngineCore(config, executor, loaded.info(), rank0.num_blocks)
         core.kernel_schedule = rank0.kernel_schedule
+        if config.cache.kv_cache_disk is not None:
+            _attach_disk_tier(core, config, loaded, runner)
     except BaseException:
         if ranks is not None:
             ranks.shutdown()
@@ -61,3 +67,39 @@ def build_engine_core(config: EngineConfig, *, engine_tokenizer: bool = False) -
     gc.collect()
     gc.freeze()
     return core
+
+
+logger = logging.getLogger("nanoserve")
+# the files of a checkpoint folder that decide a block's bytes (with every *.safetensors)
+_CHECKPOINT_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")
+DISK_FORMAT = "nanoserve kv disk 1"
+
+
+def _attach_disk_tier(core: EngineCore, config: EngineConfig, loaded: LoadedModel,
+                      runner: ModelRunner | ZeroCostRunner) -> None:
+    """The prefix cache's disk tier (`--kv-cache-disk`, engine/kv_disk.py) under the core's
+    cache, its files named by this model's fingerprint; off, with a warning, where it cannot
+    be exact: tensor parallelism (each rank holds a slice), a hybrid model's DeltaNet states
+    (not on disk), no prefix cache."""
+    why = ("--no-prefix-caching" if not config.cache.enable_prefix_caching
+           else "tensor parallelism" if config.parallel.tensor_parallel_size > 1
+           else "a hybrid model's DeltaNet states" if loaded.arch.linear is not None
+           else "the zero-cost runner" if not isinstance(runner, ModelRunner) else None)
+    if why is not None:
+        logger.warning("--kv-cache-disk is off: not with %s", why)
+        return
+    assert isinstance(runner, ModelRunner) and config.cache.kv_cache_disk is not None
+    path = Path(loaded.path)
+    files = ([path] if path.is_file() else
+             sorted(p for p in path.iterdir() if p.suffix == ".safetensors"
+                    or p.name in _CHECKPOINT_FILES))
+    fingerprint = model_fingerprint([
+        DISK_FORMAT, repr(loaded.arch), loaded.quantization, config.model.dtype,
+        str(config.cache.block_size), runner.kv_block_layout(),
+        *(p.name.encode() + file_identity(p) for p in files)])
+    tier = KVDiskTier(Path(config.cache.kv_cache_disk), config.cache.kv_cache_disk_bytes,
+                      fingerprint)
+    core.kv_cache.keep_disk_tier(tier, runner.read_kv_block, runner.write_kv_block,
+                                 runner.kv_block_nbytes)
+    logger.info("KV disk tier: %s (%d files, up to %.1f GiB)", tier.folder,
+                tier.num_files, config.cache.kv_cache_disk_bytes / (1 << 30))

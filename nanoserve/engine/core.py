@@ -154,8 +154,13 @@ class EngineCore:
         return self.executor.local_worker.runner
 
     def shutdown(self) -> None:
-        """Stop the workers of other processes (tensor parallelism); nothing at one rank."""
-        self.executor.shutdown()
+        """Keep every cached block on the disk tier where there is one (a restart or a
+        router's reload finds them), then stop the workers of other processes (tensor
+        parallelism)."""
+        try:
+            self.kv_cache.close_disk_tier()
+        finally:
+            self.executor.shutdown()
 
     # -- the interface ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int],
@@ -384,6 +389,11 @@ class EngineCore:
         stats.kv_blocks_in_use = kv_cache.num_blocks - kv_cache.num_free_blocks
         stats.prefix_cache_queries = kv_cache.prefix_cache_queries
         stats.prefix_cache_hits = kv_cache.prefix_cache_hits
+        if kv_cache.disk is not None:
+            disk = kv_cache.disk.stats
+            stats.kv_disk_hits, stats.kv_disk_misses = disk.hits, disk.misses
+            stats.kv_disk_bytes_read = disk.bytes_read
+            stats.kv_disk_bytes_written = disk.bytes_written
         stats.num_preemptions = scheduler.num_preemptions
         stats.num_computed_tokens += num_computed_tokens
 

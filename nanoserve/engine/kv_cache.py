@@ -22,6 +22,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 
+from nanoserve.engine.kv_disk import KVDiskTier
 from nanoserve.engine.kv_events import BlockRemoved, BlockStored, KVEvent, wire_hash
 from nanoserve.engine.request import Request
 from nanoserve.engine.state_cache import NO_SOURCE, BlockHash, StateSnapshots
@@ -65,6 +66,8 @@ class BlockPool:
         self.evicted: list[BlockHash] | None = None  # recorded only when a list is set
         # told of every evicted hash (a hybrid's state snapshots go with their block)
         self.on_evict: Callable[[BlockHash], None] | None = None
+        # told of every evicted block before it is reused (the disk tier keeps its bytes)
+        self.on_spill: Callable[[BlockHash, KVBlock], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -83,6 +86,8 @@ class BlockPool:
                         self.evicted.append(block.block_hash)
                     if self.on_evict is not None:
                         self.on_evict(block.block_hash)
+                    if self.on_spill is not None:
+                        self.on_spill(block.block_hash, block)
                 block.block_hash = None
             block.ref_count = 1
             taken.append(block)
@@ -146,6 +151,34 @@ class KVCacheManager:
         self.prefix_cache_hits = 0
         # a hybrid model's DeltaNet state snapshots: a prefix is found only up to one
         self.states: StateSnapshots | None = None
+        # the disk tier under the cache (engine/kv_disk.py), with the worker's block bytes
+        self.disk: KVDiskTier | None = None
+        self._read_block: Callable[[int], bytes] = _no_block
+        self._write_block: Callable[[int, bytes], None] = _no_block_write
+        self._block_nbytes = 0
+
+    def keep_disk_tier(self, disk: KVDiskTier, read_block: Callable[[int], bytes],
+                       write_block: Callable[[int, bytes], None], block_nbytes: int) -> None:
+        """Spill evicted blocks to `disk` and read a prompt's next blocks back from it on a RAM
+        miss; `read_block(id)` / `write_block(id, bytes)` move a block's `block_nbytes` bytes
+        out of and into the workers' cache."""
+        self.disk = disk
+        self._read_block, self._write_block = read_block, write_block
+        self._block_nbytes = block_nbytes
+        self.pool.on_spill = self._spill
+
+    def _spill(self, key: BlockHash, block: KVBlock) -> None:
+        assert self.disk is not None
+        self.disk.write(key, lambda: self._read_block(block.block_id))
+
+    def close_disk_tier(self) -> None:
+        """Every cached block onto the disk tier (shutdown: a restart finds them), then wait
+        for the writes."""
+        if self.disk is None:
+            return
+        for key, block in list(self.pool.cached.items()):
+            self._spill(key, block)
+        self.disk.close()
 
     def keep_state_snapshots(self, states: StateSnapshots) -> None:
         """Find prefixes only where `states` holds a snapshot; drop one with its block."""
@@ -193,11 +226,54 @@ class KVCacheManager:
                 found.append(block)
             hits.append(found)
         num_hits = min(len(found) for found in hits)
+        hits = [found[:num_hits] for found in hits]
+        if self.disk is not None and self.disk.enabled and num_hits < max_blocks:
+            num_hits = self._read_from_disk(hashes, hits, max_blocks)
         if self.states is not None:  # up to the last DeltaNet state snapshot in the run
             num_hits, request.state_source = self.states.longest_hit(hashes, num_hits)
         self.prefix_cache_queries += request.num_tokens
         self.prefix_cache_hits += num_hits * self.block_size
         return [found[:num_hits] for found in hits], num_hits * self.block_size
+
+    def _read_from_disk(self, hashes: list[BlockHash], hits: list[list[KVBlock]],
+                        max_blocks: int) -> int:
+        """Extend the run of cached blocks (`hits`, per group, in place) from the disk tier:
+        each next block of the chain, in every group, read into a free block and made
+        findable. Stops at the first block missing, failing its checks, or with no room;
+        returns the run's length. The run already found is held meanwhile, so a block read
+        in never evicts it."""
+        assert self.disk is not None
+        held = [block for found in hits for block in found]
+        self.pool.touch(held)
+        n = len(hits[0])
+        try:
+            while n < max_blocks:
+                keys = [_group_key(hashes[n], g) for g in range(self.num_groups)]
+                in_ram = [self.pool.cached.get(key) for key in keys]
+                wanted = [key for key, block in zip(keys, in_ram, strict=True) if block is None]
+                if not all(self.disk.has(key) for key in wanted):
+                    self.disk.stats.misses += 1
+                    break
+                if self.pool.num_free_blocks - sum(b is not None and b.ref_count == 0
+                                                   for b in in_ram) < len(wanted):
+                    break
+                payloads = [self.disk.read(key, self._block_nbytes) for key in wanted]
+                if any(payload is None for payload in payloads):
+                    break
+                ram = [b for b in in_ram if b is not None]
+                self.pool.touch(ram)  # held, so the allocation below cannot evict them
+                fresh = self.pool.allocate(len(wanted))  # held too (allocated with one ref)
+                held += ram + fresh
+                for block, key, payload in zip(fresh, wanted, payloads, strict=True):
+                    self._write_block(block.block_id, payload)  # type: ignore[arg-type]
+                    self.pool.register(block, key)
+                loaded = iter(fresh)
+                for found, in_ram_block in zip(hits, in_ram, strict=True):
+                    found.append(in_ram_block if in_ram_block is not None else next(loaded))
+                n += 1
+        finally:
+            self.pool.release(held)
+        return n
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        computed_blocks: Sequence[Sequence[KVBlock]] = ()) -> bool:
@@ -318,3 +394,11 @@ def _group_key(block_hash: BlockHash, group: int) -> BlockHash:
     """The pool's key for a block of `group`: the hash itself for the first group (what a
     router is told), the hash and the group's number after it for the others."""
     return block_hash if group == 0 else block_hash + bytes((group,))
+
+
+def _no_block(block_id: int) -> bytes:
+    raise AssertionError("no disk tier")
+
+
+def _no_block_write(block_id: int, payload: bytes) -> None:
+    raise AssertionError("no disk tier")

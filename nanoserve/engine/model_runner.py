@@ -122,6 +122,7 @@ class ModelRunner:
         slots = [(_zeros(shape, dtype, device), _zeros(shape, dtype, device))
                  for _ in range(self.kv_groups.group_size)]
         self.kv_caches = [slots[j] for j in self.kv_groups.slot_of_layer]
+        self.kv_slot_pairs = slots
         # the C++ kernel where it reads this cache in place, else gather + SDPA
         self.attention = select_attention_backend(device, dtype, block_size=block_size,
                                                   num_kv_heads=arch.num_kv_heads,
@@ -160,6 +161,36 @@ class ModelRunner:
             return empty, prompt_logits, hidden
         rows = self._tensor(step.logits_rows)
         return self.model.compute_logits(hidden.index_select(0, rows)), prompt_logits, hidden
+
+    # -- one block's bytes, for the prefix cache's disk tier (engine/kv_disk.py) --------------
+    @property
+    def kv_block_nbytes(self) -> int:
+        """The bytes of one block: its rows in every cache tensor of a KV layer group."""
+        k = self.kv_slot_pairs[0][0]
+        return 2 * len(self.kv_slot_pairs) * k[:, 0].numel() * k.element_size()
+
+    def kv_block_layout(self) -> str:
+        """What the block bytes mean: the cache tensors' type and shape but the block count."""
+        k = self.kv_slot_pairs[0][0]
+        shape = (*k.shape[:1], *k.shape[2:])
+        return f"{k.dtype} {shape} x {2 * len(self.kv_slot_pairs)} {self.kv_groups}"
+
+    def read_kv_block(self, block_id: int) -> bytes:
+        """Block `block_id`'s keys and values, every tensor of the group, as stored."""
+        parts = [t[:, block_id].contiguous().view(torch.uint8).reshape(-1)
+                 for pair in self.kv_slot_pairs for t in pair]
+        return torch.cat(parts).cpu().numpy().tobytes()
+
+    def write_kv_block(self, block_id: int, payload: bytes) -> None:
+        """The inverse of `read_kv_block`: `payload`'s bytes into block `block_id`."""
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        offset = 0
+        for pair in self.kv_slot_pairs:
+            for tensor in pair:
+                rows = tensor[:, block_id]
+                size = rows.numel() * rows.element_size()
+                rows.copy_(data[offset : offset + size].view(tensor.dtype).view(rows.shape))
+                offset += size
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[rows, hidden] -> [rows, vocab] float32: the LM head (a "score" request's rows)."""
