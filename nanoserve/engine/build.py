@@ -98,7 +98,7 @@ def _attach_disk_tier(core: EngineCore, config: EngineConfig, loaded: LoadedMode
         str(config.cache.block_size), runner.kv_block_layout(),
         *(p.name.encode() + file_identity(p) for p in files)])
     tier = KVDiskTier(Path(config.cache.kv_cache_disk), config.cache.kv_cache_disk_bytes,
-                      fingerprint)
+                      fingerprint, str(path.resolve()))
     core.kv_cache.keep_disk_tier(tier, runner.read_kv_block, runner.write_kv_block,
                                  runner.kv_block_nbytes)
     logger.info("KV disk tier: %s (%d files, up to %.1f GiB)", tier.folder,

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import logging
 import os
 import queue
@@ -37,6 +38,7 @@ logger = logging.getLogger("nanoserve")
 MAGIC = b"NSKVBLK1"
 _HEADER = struct.Struct("<8s16sB17sQ16s")  # magic, fingerprint, key length, key, size, digest
 SUFFIX = ".kv"
+OWNER = "model.json"  # which checkpoint a fingerprint's folder belongs to
 
 
 @dataclass
@@ -74,7 +76,10 @@ def file_identity(path: Path) -> bytes:
 class KVDiskTier:
     """The files of one fingerprint under `directory` (see the module)."""
 
-    def __init__(self, directory: Path, max_bytes: int, fingerprint: bytes) -> None:
+    def __init__(self, directory: Path, max_bytes: int, fingerprint: bytes,
+                 model: str = "") -> None:
+        """`model`: the checkpoint's path, written beside the files (`OWNER`) so a router
+        can tell which of its models are warm on disk (`disk_usage_by_model`)."""
         self.fingerprint = fingerprint
         self.max_bytes = max_bytes
         self.folder = Path(directory) / fingerprint.hex()
@@ -85,6 +90,7 @@ class KVDiskTier:
         self._queue: queue.Queue[tuple[bytes, bytes] | None] = queue.Queue()
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
+            (self.folder / OWNER).write_text(json.dumps({"model": model}))
             self._index()
         except OSError as e:
             self._turn_off(e)
@@ -204,6 +210,8 @@ class KVDiskTier:
         """The files already there, oldest use first; leftovers of killed writes removed."""
         files = []
         for path in self.folder.iterdir():
+            if path.name == OWNER:
+                continue
             if path.suffix != SUFFIX:
                 with contextlib.suppress(OSError):
                     path.unlink()  # a temporary file a killed writer left
@@ -232,3 +240,19 @@ class KVDiskTier:
             logger.warning("KV disk tier off: %s (%s); serving goes on with the RAM cache "
                            "only", error, self.folder)
         self.enabled = False
+
+
+def disk_usage_by_model(directory: Path) -> dict[str, tuple[int, int]]:
+    """Checkpoint path -> (files, bytes) on the disk tier under `directory` (every
+    fingerprint's folder that names its model); empty where there is none."""
+    usage: dict[str, tuple[int, int]] = {}
+    with contextlib.suppress(OSError):
+        for owner in Path(directory).glob(f"*/{OWNER}"):
+            try:
+                model = str(json.loads(owner.read_text())["model"])
+                sizes = [p.stat().st_size for p in owner.parent.glob(f"*{SUFFIX}")]
+            except (OSError, ValueError, KeyError):
+                continue
+            files, total = usage.get(model, (0, 0))
+            usage[model] = (files + len(sizes), total + sum(sizes))
+    return usage

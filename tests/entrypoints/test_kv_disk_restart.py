@@ -47,7 +47,8 @@ def test_a_restarted_server_finds_the_prompt_on_disk(tmp_path: Path) -> None:
 
 def test_a_routers_keep_alive_unload_and_reload_finds_it_too(tmp_path: Path) -> None:
     """`--models-dir` with `--keep-alive 2`: the model's server unloads when idle (its blocks
-    written as it goes), the next request loads it again and finds the prompt on disk."""
+    written as it goes), its card says so, and the next request loads it again and finds the
+    prompt on disk."""
     models = tmp_path / "models"
     models.mkdir()
     (models / default_model_path().name).symlink_to(default_model_path())
@@ -58,6 +59,9 @@ def test_a_routers_keep_alive_unload_and_reload_finds_it_too(tmp_path: Path) -> 
         assert cached == 0
         wait_until(lambda: _states(router) == {"unloaded"}, "the idle model to unload",
                    timeout=60)
+        # the router tells the model is warm on disk (llama-server's `status`, extended)
+        (card,) = httpx.get(router.url + "/v1/models", timeout=10).json()["data"]
+        assert card["status"]["kv_disk"]["files"] >= CACHED // 16, card
         warm, cached = ask(router)
         assert cached == CACHED
         assert warm == cold

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -23,6 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 import nanoserve
+from nanoserve.engine.kv_disk import disk_usage_by_model
 from nanoserve.entrypoints.edge.middleware import add_edge_middleware
 from nanoserve.entrypoints.router.forward import (
     RouteError,
@@ -139,12 +141,26 @@ def model_card(pool: ModelPool, name: str) -> dict[str, Any]:
     status: dict[str, Any] = {"value": entry.state.value}
     if entry.failure is not None and entry.state is ModelState.UNLOADED:
         status["failure"] = entry.failure
+    disk = _disk_folder(pool.child_args)
+    if disk is not None:  # warm on disk: the prefix cache's files a restart would read
+        files, size = disk_usage_by_model(disk).get(str(entry.path.resolve()), (0, 0))
+        status["kv_disk"] = {"files": files, "bytes": size}
     card: dict[str, Any] = {"id": name, "object": "model", "created": 0,
                             "owned_by": "nanoserve", "root": name, "path": str(entry.path),
                             "status": status}
     if entry.expires_at is not None and entry.state is ModelState.LOADED:
         card["expires_in"] = max(round(entry.expires_at - time.time(), 1), 0.0)
     return card
+
+
+def _disk_folder(args: list[str]) -> Path | None:
+    """The `--kv-cache-disk` folder every model's server is given, if any."""
+    for i, arg in enumerate(args):
+        if arg.startswith("--kv-cache-disk="):
+            return Path(arg.split("=", 1)[1])
+        if arg == "--kv-cache-disk" and i + 1 < len(args):
+            return Path(args[i + 1])
+    return None
 
 
 def _named_model(pool: ModelPool, body: bytes) -> str:
