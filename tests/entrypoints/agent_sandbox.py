@@ -24,6 +24,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -43,6 +44,9 @@ class AgentRequest:
     path: str  # with its query string
     status: int
     body: str = ""  # the request body, as text
+    # seconds from the request to the first chunk of its answer that carries generated text
+    # (a streamed delta), or to the whole answer where nothing is streamed
+    first_token_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -125,16 +129,21 @@ def _proxy(upstream: str, log: list[AgentRequest]) -> Any:
                                 if scope["query_string"] else "")
         headers = [(k, v) for k, v in scope["headers"] if k.lower() not in _HOP_HEADERS]
         request = client.build_request(scope["method"], path, headers=headers, content=body)
+        started = time.perf_counter()
         response = await client.send(request, stream=True)
-        log.append(AgentRequest(scope["method"], path, response.status_code,
-                                body.decode("utf-8", "replace")))
         await send({"type": "http.response.start", "status": response.status_code,
                     "headers": [(k, v) for k, v in response.headers.raw
                                 if k.lower() not in _HOP_HEADERS]})
+        first_token = 0.0
         async for chunk in response.aiter_raw():
+            if not first_token and b"delta" in chunk:
+                first_token = time.perf_counter() - started
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
         await send({"type": "http.response.body", "body": b""})
         await response.aclose()
+        log.append(AgentRequest(scope["method"], path, response.status_code,
+                                body.decode("utf-8", "replace"),
+                                first_token or time.perf_counter() - started))
 
     return app
 

@@ -65,8 +65,8 @@ def run_claude(tmp_path: Path, model: str, tasks: Sequence[str], claude_args: Se
                server_args: Sequence[str]) -> tuple[SandboxResult, list[dict[str, Any]]]:
     """`claude -p <task>` for each task in turn against one server; the JSON results."""
     home, work = tmp_path / "home", tmp_path / "work"
-    home.mkdir()
-    work.mkdir()
+    home.mkdir(exist_ok=True)
+    work.mkdir(exist_ok=True)
     runs = [" ".join([shlex.quote(str(CLAUDE)), "-p", shlex.quote(task), "--output-format",
                       "json", *map(shlex.quote, claude_args)]) for task in tasks]
     result = run_in_sandbox(["sh", "-c", " && ".join(runs)],
@@ -146,3 +146,26 @@ def test_the_whole_default_request_on_gemma3(tmp_path: Path, gemma_270m_gguf: Pa
     sent = json.loads(result.requests[-1].body)
     assert len(sent["tools"]) > 5 and "system" in {m["role"] for m in sent["messages"]}
     assert prompt_size(answer["usage"]) > 8192
+
+
+def test_the_whole_default_request_after_a_restart_comes_from_the_disk_tier(
+        tmp_path: Path, gemma_270m_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Gemma 3 270M as above, with `--kv-cache-disk`: a second server, started after the
+    first stopped, reads most of Claude Code's whole default request from the files the first
+    left. Prints each server's time to the first token of that request (a figure, not a
+    check: tests do not time)."""
+    monkeypatch.setenv("PYTHONPATH", str(HERE))
+    template = HERE.parents[1] / "examples" / "template_gemma3.jinja"
+    server = [str(gemma_270m_gguf), "--served-model-name", "gemma3", "--chat-template",
+              str(template), "--logits-processors", "ending_output:EndsSoonGemma",
+              "--kv-cache-disk", str(tmp_path / "kv")]
+    # the same folders both times: the working directory is in Claude Code's system prompt
+    runs = [run_claude(tmp_path, "gemma3", TASKS[:1], [], server) for _ in range(2)]
+    (_, (cold,)), (_, (warm,)) = runs
+    assert cold["usage"]["cache_read_input_tokens"] == 0
+    assert warm["usage"]["cache_read_input_tokens"] >= 0.7 * prompt_size(warm["usage"]), warm
+    firsts = [max((r for r in result.requests if r.path.startswith("/v1/messages")),
+                  key=lambda r: len(r.body)).first_token_s for result, _ in runs]
+    print(f"\nClaude Code's default request ({prompt_size(warm['usage'])} tokens) on Gemma 3 "
+          f"270M: first token {firsts[0]:.2f} s cold, {firsts[1]:.2f} s after a restart "
+          f"({firsts[1] / firsts[0]:.2f}x)")

@@ -73,27 +73,37 @@ def events(stdout: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
 
 
-@pytest.fixture(scope="module")
-def codex_run() -> SandboxResult:
+def _needs_codex() -> None:
     problem = sandbox_problem()
     if problem is not None:
         pytest.skip(f"no loopback-only namespace: {problem}")
     if not CODEX.exists():
         pytest.skip("Codex CLI not installed: npm install --prefix .venv/agents --no-audit "
                     "--no-fund @openai/codex@0.171.0")
+
+
+def run_codex(home: Path, server_args: list[str] | None = None) -> SandboxResult:
+    """`codex exec` of TASK against a fresh server, with `home` as CODEX_HOME and HOME."""
+    (home / "config.toml").write_text(CONFIG)
+    schema = home / "answer.schema.json"
+    schema.write_text(json.dumps(ANSWER_SCHEMA))
+    work = home / "work"
+    work.mkdir(exist_ok=True)
+    return run_in_sandbox(
+        [str(CODEX), "exec", "--json", "--strict-config", "--skip-git-repo-check",
+         "--output-schema", str(schema), "-c",
+         'model_providers.nanoserve.base_url="{url}/v1"', TASK],
+        server_args=server_args or [],
+        env={"CODEX_HOME": str(home), "HOME": str(home), "NANOSERVE_API_KEY": "{api_key}",
+             "NO_COLOR": "1", "RUST_LOG": "warn"},
+        api_key=API_KEY, cwd=work, timeout=420)
+
+
+@pytest.fixture(scope="module")
+def codex_run() -> SandboxResult:
+    _needs_codex()
     with tempfile.TemporaryDirectory(prefix="codex-home-") as home:
-        (Path(home) / "config.toml").write_text(CONFIG)
-        schema = Path(home) / "answer.schema.json"
-        schema.write_text(json.dumps(ANSWER_SCHEMA))
-        work = Path(home) / "work"
-        work.mkdir()
-        return run_in_sandbox(
-            [str(CODEX), "exec", "--json", "--strict-config", "--skip-git-repo-check",
-             "--output-schema", str(schema), "-c",
-             'model_providers.nanoserve.base_url="{url}/v1"', TASK],
-            env={"CODEX_HOME": home, "HOME": home, "NANOSERVE_API_KEY": "{api_key}",
-                 "NO_COLOR": "1", "RUST_LOG": "warn"},
-            api_key=API_KEY, cwd=work, timeout=420)
+        return run_codex(Path(home))
 
 
 def test_codex_exec_finishes_a_turn(codex_run: SandboxResult) -> None:
@@ -117,3 +127,26 @@ def test_codex_exec_finishes_a_turn(codex_run: SandboxResult) -> None:
     # Codex's fixed prompt (its instructions, its tools described in the system message by
     # the server, the environment) fits the default model's 8192 tokens: 6,586 with 0.171
     assert 2000 < usage["input_tokens"] < 8192, usage
+
+
+def test_codex_after_a_restart_reads_its_prompt_from_the_disk_tier(tmp_path: Path) -> None:
+    """Two `codex exec` runs, each against a server of its own over one `--kv-cache-disk`
+    folder (the second started after the first stopped): the second turn's prompt comes
+    mostly from the files. Prints each server's time to the first token (a figure, not a
+    check)."""
+    _needs_codex()
+    server = ["--kv-cache-disk", str(tmp_path / "kv")]
+    runs = [run_codex(tmp_path, server) for _ in range(2)]
+    usages = []
+    for result in runs:
+        assert result.returncode == 0 and not result.failed_requests, result.describe()
+        usages.append([e for e in events(result.stdout)
+                       if e.get("type") == "turn.completed"][-1]["usage"])
+    cold, warm = usages
+    assert cold["cached_input_tokens"] == 0, cold
+    assert warm["cached_input_tokens"] >= 0.7 * warm["input_tokens"], warm
+    firsts = [next(r for r in result.requests if r.path == "/v1/responses").first_token_s
+              for result in runs]
+    print(f"\nCodex's first turn ({warm['input_tokens']} tokens) on the default model: first "
+          f"token {firsts[0]:.2f} s cold, {firsts[1]:.2f} s after a restart "
+          f"({firsts[1] / firsts[0]:.2f}x)")
