@@ -153,8 +153,7 @@ class KVCacheManager:
         self.states: StateSnapshots | None = None
         # the disk tier under the cache (engine/kv_disk.py), with the worker's block bytes
         self.disk: KVDiskTier | None = None
-        self._read_block: Callable[[int], bytes] = _no_block
-        self._write_block: Callable[[int, bytes], None] = _no_block_write
+        self._block_io: tuple[Callable[[int], bytes], Callable[[int, bytes], None]] | None = None
         self._block_nbytes = 0
 
     def keep_disk_tier(self, disk: KVDiskTier, read_block: Callable[[int], bytes],
@@ -163,13 +162,14 @@ class KVCacheManager:
         miss; `read_block(id)` / `write_block(id, bytes)` move a block's `block_nbytes` bytes
         out of and into the workers' cache."""
         self.disk = disk
-        self._read_block, self._write_block = read_block, write_block
+        self._block_io = (read_block, write_block)
         self._block_nbytes = block_nbytes
         self.pool.on_spill = self._spill
 
     def _spill(self, key: BlockHash, block: KVBlock) -> None:
-        assert self.disk is not None
-        self.disk.write(key, lambda: self._read_block(block.block_id))
+        assert self.disk is not None and self._block_io is not None
+        read_block = self._block_io[0]
+        self.disk.write(key, lambda: read_block(block.block_id))
 
     def close_disk_tier(self) -> None:
         """Every cached block onto the disk tier (shutdown: a restart finds them), then wait
@@ -242,7 +242,8 @@ class KVCacheManager:
         findable. Stops at the first block missing, failing its checks, or with no room;
         returns the run's length. The run already found is held meanwhile, so a block read
         in never evicts it."""
-        assert self.disk is not None
+        assert self.disk is not None and self._block_io is not None
+        write_block = self._block_io[1]
         held = [block for found in hits for block in found]
         self.pool.touch(held)
         n = len(hits[0])
@@ -265,7 +266,7 @@ class KVCacheManager:
                 fresh = self.pool.allocate(len(wanted))  # held too (allocated with one ref)
                 held += ram + fresh
                 for block, key, payload in zip(fresh, wanted, payloads, strict=True):
-                    self._write_block(block.block_id, payload)  # type: ignore[arg-type]
+                    write_block(block.block_id, payload)  # type: ignore[arg-type]
                     self.pool.register(block, key)
                 loaded = iter(fresh)
                 for found, in_ram_block in zip(hits, in_ram, strict=True):
@@ -394,11 +395,3 @@ def _group_key(block_hash: BlockHash, group: int) -> BlockHash:
     """The pool's key for a block of `group`: the hash itself for the first group (what a
     router is told), the hash and the group's number after it for the others."""
     return block_hash if group == 0 else block_hash + bytes((group,))
-
-
-def _no_block(block_id: int) -> bytes:
-    raise AssertionError("no disk tier")
-
-
-def _no_block_write(block_id: int, payload: bytes) -> None:
-    raise AssertionError("no disk tier")
