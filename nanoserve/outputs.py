@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from nanoserve.protocol import PromptProgress
+
 
 @dataclass
 class Logprob:
@@ -73,6 +75,9 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
     metrics: RequestMetrics | None = field(default=None, repr=False)
     prompt_logprobs: list[PositionLogprobs | None] | None = None  # None for the first token
+    # how far the prompt is computed, when it asked (`return_progress`) and a prefill chunk ran
+    # since the last update; a streamed update may carry only this (`outputs` empty)
+    prompt_progress: PromptProgress | None = None
 
 
 @dataclass

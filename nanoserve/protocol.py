@@ -33,8 +33,20 @@ class TokenLogprobs(msgspec.Struct, array_like=True):
     top_logprobs: list[float]
 
 
+class PromptProgress(msgspec.Struct, array_like=True):
+    """How far a request's prompt is computed, after one of its prefill chunks (llama-server's
+    `prompt_progress`, asked with `return_progress`): `processed` counts the cached part too."""
+
+    total: int  # the prompt's tokens
+    cache: int  # of them, served by the prefix cache
+    processed: int  # cached + computed so far
+    time_ms: int  # since its prompt's first chunk was scheduled
+
+
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
-    """What one step produced for one (engine) request."""
+    """What one step produced for one (engine) request. A request that asked for
+    `return_progress` also gets one per prefill chunk: on the output of its first token for the
+    chunk that ends the prompt, else on an output of its own, with no tokens and no finish."""
 
     request_id: str
     new_token_ids: list[int]
@@ -46,6 +58,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # a pooling request's result, once its prompt is done: [dimensions] float32 (task
     # "embed") or [len(logit_token_ids)] float32 logits (task "score")
     pooled: np.ndarray | None = None
+    prompt_progress: PromptProgress | None = None  # this step's prefill chunk, if asked
 
 
 class SchedulerStats(msgspec.Struct, array_like=True):

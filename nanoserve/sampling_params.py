@@ -135,6 +135,9 @@ class SamplingParams:
     # the same salt share cached blocks (a multi-user server's prompts cannot be probed by
     # timing); read by the engine's KV-cache manager and the data-parallel router
     cache_salt: str | None = None
+    # llama-server's `return_progress`: the engine reports each prefill chunk of the prompt
+    # (protocol.PromptProgress), which a stream sends as `prompt_progress`
+    return_progress: bool = False
     # filled by update_from_tokenizer (the frontend), read by the sampler
     bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
@@ -198,6 +201,8 @@ class SamplingParams:
         if self.cache_salt is not None:
             _check(isinstance(self.cache_salt, str) and self.cache_salt != "", "cache_salt",
                    self.cache_salt, "a non-empty string")
+        _check(isinstance(self.return_progress, bool), "return_progress", self.return_progress,
+               "true or false")
         if self.extra_args:  # they cross to the engine as msgpack, whose integers are 64-bit
             wide = _wide_int(self.extra_args)
             _check(wide is None, "extra_args", wide, "JSON whose integers fit in 64 bits")

@@ -28,6 +28,7 @@ from nanoserve import LLM, SamplingParams
     ("thinking_token_budget", -4, "thinking_token_budget must be >= 0, got -4"),
     ("allowed_token_ids", [], "allowed_token_ids must be a non-empty list"),
     ("stop", [""], "stop must be non-empty strings, got ''"),
+    ("return_progress", "yes", "return_progress must be true or false, got 'yes'"),
 ])
 def test_invalid_values_name_the_field_and_range(field: str, value: Any, message: str) -> None:
     with pytest.raises(ValueError) as info:

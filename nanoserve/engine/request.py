@@ -50,6 +50,8 @@ class Request:
         self.num_computed_tokens = 0
         self.block_hashes: list[bytes] = []  # prefix-cache keys of its full blocks, grown lazily
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at admission
+        # perf_counter when its prompt's first chunk ran (read for `return_progress` only)
+        self.prompt_started: float | None = None
         self.sampling_seed = 0  # the seed the sampler uses: params.seed, or drawn at admission
         self.slot: int | None = None  # row in the sampler's per-slot state while running
         # a hybrid model's prefix hit: the snapshot slot its DeltaNet states start from, or

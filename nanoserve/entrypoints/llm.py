@@ -138,7 +138,7 @@ class LLM:
         try:
             while self.engine.has_unfinished() and processor.requests:
                 for output in self._step(processor):
-                    if output.outputs[0].text:
+                    if output.outputs and output.outputs[0].text:  # (none: a prompt_progress)
                         yield output.outputs[0].text
         finally:
             for engine_id in processor.engine_ids(request_id) or [request_id]:

@@ -7,6 +7,9 @@ user-facing RequestOutput of the request it belongs to (a request with n > 1 is 
 requests, one per sample). It returns the updates to hand out, shaped by each request's
 output_kind, and the engine requests that a stop string (or a forced call list's repeated call,
 `repeats.py`) finished, which the caller aborts in the engine at once so their blocks are freed.
+A request that asked for `return_progress` also gets its prompt's progress (sample 0's, the one
+that computes the prompt) on its next update; an engine output that carries only that (a prefill
+chunk: no tokens, no finish) touches neither the text nor the timings.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from nanoserve.output.logprobs import LogprobsFormatter
 from nanoserve.output.repeats import RepeatedItemChecker
 from nanoserve.output.stop import StopStringChecker
 from nanoserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from nanoserve.protocol import EngineCoreOutput
+from nanoserve.protocol import EngineCoreOutput, PromptProgress
 from nanoserve.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -60,6 +63,7 @@ class RequestState:
     num_cached_tokens: int = 0
     prompt_logprobs: list[Any] | None = None
     prompt_logprobs_sent: bool = False
+    prompt_progress: PromptProgress | None = None  # the latest, until an update carries it
 
     @property
     def finished(self) -> bool:
@@ -144,6 +148,11 @@ class OutputProcessor:
             if sample is None:
                 continue  # aborted by the caller in the meantime
             state = self.requests[sample.request_id]
+            if eo.prompt_progress is not None and sample.index == 0:
+                state.prompt_progress = eo.prompt_progress
+                changed[state.request_id] = state
+            if not eo.new_token_ids and eo.finish_reason is None:
+                continue  # a prefill chunk's progress, nothing else
             is_stopped, num_tokens = self._update_sample(sample, eo)
             if is_stopped:
                 to_abort.append(eo.request_id)
@@ -289,15 +298,17 @@ class OutputProcessor:
             sample.num_sent_tokens = len(c.token_ids)
             sample.num_sent_logprobs = len(c.logprobs or ())
             sample.finish_sent = c.finished
-        if not outputs:
+        if not outputs and state.prompt_progress is None:
             return None
+        progress, state.prompt_progress = state.prompt_progress, None
         prompt_logprobs = None
         if state.prompt_logprobs is not None and (cumulative or not state.prompt_logprobs_sent):
             prompt_logprobs = state.prompt_logprobs
             state.prompt_logprobs_sent = True
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outputs,
                              finished=state.finished, num_cached_tokens=state.num_cached_tokens,
-                             metrics=state.metrics, prompt_logprobs=prompt_logprobs)
+                             metrics=state.metrics, prompt_logprobs=prompt_logprobs,
+                             prompt_progress=progress)
 
     def _forget(self, state: RequestState) -> None:
         self.requests.pop(state.request_id, None)

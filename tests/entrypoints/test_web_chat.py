@@ -1,6 +1,7 @@
 """The chat page in a real headless Chromium (Playwright, Debian's chromium) against the real
-server on the tiny model: it loads clean, streams, stops, renders hostile text as text, keeps
-conversations, shows errors. Each test saves a screenshot under its tmp_path when it fails."""
+server on the tiny model: it loads clean, streams, shows a long prompt's progress, stops,
+renders hostile text as text, keeps conversations, shows errors. Each test saves a screenshot
+under its tmp_path when it fails."""
 
 from __future__ import annotations
 
@@ -107,6 +108,59 @@ def test_answer_streams_and_equals_the_api_answer(web: WatchedPage,
     expect(answer.locator(".tokens")).to_have_text("200 tokens")
     expect(answer.locator(".ttft")).to_contain_text("first token")
     expect(answer.locator(".tps")).to_contain_text("tok/s")
+
+
+# /v1/chat/completions as a stream the test writes piece by piece (`window.feed(events)`, then
+# `window.end()`), and the body the page sent (`window.sentBody`): a long prompt's progress
+# shown for as long as the test likes, however fast the tiny model would compute it
+SCRIPTED_STREAM = """() => {
+  const realFetch = window.fetch;
+  window.fetch = (url, options) => {
+    if (!String(url).endsWith('/v1/chat/completions')) return realFetch(url, options);
+    window.sentBody = JSON.parse(options.body);
+    const encoder = new TextEncoder();
+    const body = new ReadableStream({start(controller) {
+      window.feed = (events) => events.forEach((event) => controller.enqueue(
+        encoder.encode(`data: ${JSON.stringify(event)}\\n\\n`)));
+      window.end = () => {
+        controller.enqueue(encoder.encode('data: [DONE]\\n\\n'));
+        controller.close();
+      };
+    }});
+    return Promise.resolve(new Response(body, {
+      status: 200, headers: {'Content-Type': 'text/event-stream'}}));
+  };
+}"""
+
+
+def progress_event(processed: int, total: int) -> dict[str, Any]:
+    """A progress chunk as the server sends it (llama-server's shape)."""
+    return {"choices": [{"index": 0, "delta": {"role": "assistant", "content": None}}],
+            "prompt_progress": {"total": total, "cache": 0, "processed": processed,
+                                "time_ms": processed // 10}}
+
+
+def test_long_prompt_shows_its_progress_until_the_first_token(web: WatchedPage) -> None:
+    page = open_chat(web)
+    page.evaluate(SCRIPTED_STREAM)
+    answer = send(page, "a long question", state="streaming")
+    page.wait_for_function("window.feed !== undefined")
+    assert page.evaluate("window.sentBody.return_progress") is True
+    progress = answer.locator(".progress")
+    expect(progress).to_be_hidden()
+    for processed in (64, 128):
+        page.evaluate("(events) => window.feed(events)", [progress_event(processed, 200)])
+        expect(progress).to_have_text(f"processing prompt: {processed}/200")
+        expect(progress).to_be_visible()
+    page.evaluate("(events) => { window.feed(events); window.end(); }", [
+        progress_event(200, 200),
+        {"choices": [{"index": 0, "delta": {"content": "Hi"}, "finish_reason": "stop"}]}])
+    expect(answer).to_have_attribute("data-state", "done")
+    expect(progress).to_be_hidden()
+    assert raw_text(answer) == "Hi"
+    stored = page.evaluate("localStorage.getItem('nanoserve.conversations')")
+    assert "Hi" in stored and "progress" not in stored  # not kept with the conversation
+    assert web.errors == []
 
 
 def num_aborted(server: RunningServer) -> float:

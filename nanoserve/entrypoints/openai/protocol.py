@@ -67,6 +67,9 @@ class SamplingFields(OpenAIModel):
     logprobs_mode: Literal["raw", "processed"] = "raw"
     extra_args: dict[str, Any] | None = None
     cache_salt: str | None = documented(None, minLength=1)  # the prefix cache's (vLLM's)
+    # llama-server's: a stream sends `prompt_progress` chunks while the prompt is computed
+    # (openai/progress.py); ignored unless streaming
+    return_progress: bool = False
     # structured outputs, every shape vLLM takes (read by structured_outputs.py, which names
     # the field in its errors): OpenAI's, vLLM's object, and vLLM's older top-level names
     response_format: dict[str, Any] | None = None

@@ -14,6 +14,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from nanoserve.entrypoints.openai.chat_request import chat_input
+from nanoserve.entrypoints.openai.progress import progress_json
 from nanoserve.entrypoints.openai.protocol import ChatCompletionRequest
 from nanoserve.entrypoints.openai.sse import sse_event, sse_with_errors
 from nanoserve.entrypoints.openai.usage import usage
@@ -26,6 +27,7 @@ from nanoserve.entrypoints.serving.prepare import prepare_chat
 from nanoserve.entrypoints.serving.server_context import ServerContext
 from nanoserve.entrypoints.serving.tool_plan import ToolPlan
 from nanoserve.outputs import PositionLogprobs
+from nanoserve.protocol import PromptProgress
 from nanoserve.sampling_params import SamplingParams
 
 
@@ -104,12 +106,15 @@ async def _stream(ctx: ServerContext, chat: ChatInput, request_id: str,
     num_top = chat.sampling.logprobs
     num_output = num_cached = 0
 
-    def event(choices: list[dict[str, Any]], with_usage: bool = False) -> str:
+    def event(choices: list[dict[str, Any]], with_usage: bool = False,
+              progress: PromptProgress | None = None) -> str:
         body: dict[str, Any] = {"id": request_id, "object": "chat.completion.chunk",
                                 "created": created, "model": ctx.model_name,
                                 "choices": choices}
         if with_usage or continuous:
             body["usage"] = usage(len(ids), num_output, num_cached)
+        if progress is not None:
+            body["prompt_progress"] = progress_json(progress)
         return sse_event(body)
 
     for i in range(chat.sampling.n):  # the role comes first, once per choice
@@ -117,6 +122,10 @@ async def _stream(ctx: ServerContext, chat: ChatInput, request_id: str,
                       "logprobs": None, "finish_reason": None}])
     async for out in ctx.engine.generate(request_id, prompt, ids, params):
         num_cached = max(num_cached, out.num_cached_tokens)
+        if out.prompt_progress is not None:  # a chunk of its own, as llama-server's delta
+            yield event([{"index": 0, "delta": {"role": "assistant", "content": None},
+                          "logprobs": None, "finish_reason": None}],
+                        progress=out.prompt_progress)
         for sample in out.outputs:
             num_output += len(sample.token_ids)
             parser = parsers[sample.index]

@@ -13,6 +13,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from nanoserve.entrypoints.openai.progress import progress_json
 from nanoserve.entrypoints.openai.protocol import CompletionRequest
 from nanoserve.entrypoints.openai.request_fields import sampling_input
 from nanoserve.entrypoints.openai.sse import sse_event, sse_with_errors
@@ -25,6 +26,7 @@ from nanoserve.entrypoints.serving.server_context import ServerContext
 from nanoserve.entrypoints.serving.structured_outputs import structured_outputs
 from nanoserve.entrypoints.serving.token_limits import check_prompt_ids, resolve_max_tokens
 from nanoserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from nanoserve.protocol import PromptProgress
 from nanoserve.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -207,11 +209,13 @@ async def _stream(ctx: ServerContext, req: CompletionRequest, request_id: str, c
     num_output = 0
     cached = [0] * len(jobs)  # each prompt's tokens served by the prefix cache
 
-    def event(choice: dict[str, Any]) -> str:
+    def event(choice: dict[str, Any], progress: PromptProgress | None = None) -> str:
         body = {"id": request_id, "object": "text_completion", "created": created,
                 "model": ctx.model_name, "choices": [choice]}
         if continuous:
             body["usage"] = usage(num_prompt, num_output, sum(cached))
+        if progress is not None:
+            body["prompt_progress"] = progress_json(progress)
         return sse_event(body)
 
     if req.echo:
@@ -221,6 +225,9 @@ async def _stream(ctx: ServerContext, req: CompletionRequest, request_id: str, c
                              "finish_reason": None})
     async for i, out in _merged(ctx, request_id, jobs):
         cached[i] = max(cached[i], out.num_cached_tokens)
+        if out.prompt_progress is not None:  # a chunk of its own, before any text (llama's)
+            yield event({"index": i * n, "text": "", "logprobs": None, "finish_reason": None},
+                        out.prompt_progress)
         for sample in out.outputs:
             index = i * n + sample.index
             num_output += len(sample.token_ids)

@@ -133,6 +133,7 @@ class SamplingInput:
     thinking_token_budget: int | None = None
     extra_args: dict[str, Any] | None = None
     cache_salt: str | None = None  # vLLM's: only requests with this salt share cached blocks
+    return_progress: bool = False  # llama-server's: a stream reports the prompt's progress
     stream: bool = False
     stream_options: StreamOptions | None = None
 

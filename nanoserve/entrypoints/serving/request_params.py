@@ -52,6 +52,8 @@ def sampling_params(ctx: ServerContext, fields: SamplingInput, *, max_tokens: in
                          else fields.echo_logprobs),
         logprobs_mode=fields.logprobs_mode, thinking_token_budget=fields.thinking_token_budget,
         extra_args=fields.extra_args, cache_salt=fields.cache_salt, output_kind=output_kind,
+        # only a stream can send progress (llama-server ignores it otherwise too)
+        return_progress=fields.return_progress and fields.stream,
         structured_outputs=structured, is_call_list=is_call_list)
     try:
         params = SamplingParams.from_generation_config(ctx.generation_defaults, **explicit)

@@ -95,6 +95,7 @@ function messageView(message, isLast) {
   const reasoningText = el("div", { class: "reasoning-text" });
   const reasoning = el("details", { class: "reasoning" }, el("summary", {}, "Reasoning"),
     reasoningText);
+  const progress = el("p", { class: "progress", role: "status" });
   const content = el("div", { class: "content markdown" });
   const raw = el("pre", { class: "raw" });
   const error = el("p", { class: "error", role: "alert" });
@@ -114,12 +115,16 @@ function messageView(message, isLast) {
     again.addEventListener("click", regenerate);
     footer.append(again);
   }
-  const node = el("article", { class: "message assistant" }, reasoning, content, raw, error,
-    footer);
+  const node = el("article", { class: "message assistant" }, reasoning, progress, content, raw,
+    error, footer);
   const update = () => {
     node.dataset.state = message.state;
     reasoning.hidden = !message.reasoning;
     reasoningText.textContent = message.reasoning;
+    // a long prompt is computed in chunks before the first token: say how far it is
+    const prompt = message.state === "streaming" ? message.progress : null;
+    progress.hidden = !prompt || prompt.processed >= prompt.total;
+    progress.textContent = prompt ? `processing prompt: ${prompt.processed}/${prompt.total}` : "";
     renderMarkdown(content, message.content);
     raw.textContent = message.content;
     error.hidden = !message.error;
@@ -161,7 +166,7 @@ function requestBody(messages) {
       sent.push({ role: m.role, content: m.content });
     }
   }
-  const body = { messages: sent, stream: true,
+  const body = { messages: sent, stream: true, return_progress: true, // llama-server's
     stream_options: { include_usage: true, continuous_usage_stats: true } };
   if (state.server) body.model = state.server.model;
   for (const name of FIELDS) {
@@ -185,6 +190,7 @@ async function generate() {
     answer.stats = { finish: "error" };
   }
   answer.state = answer.stats.finish === "stopped" ? "stopped" : answer.error ? "error" : "done";
+  delete answer.progress; // shown while streaming only: not kept with the conversation
   state.controller = null;
   save();
   setBusy(false);

@@ -26,7 +26,8 @@ async function* sseEvents(body) {
 }
 
 /**
- * Stream `body` into `answer` ({content, reasoning}), calling `onUpdate` after each piece.
+ * Stream `body` into `answer` ({content, reasoning}), calling `onUpdate` after each piece; a
+ * long prompt's `prompt_progress` (asked with `return_progress`) goes to `answer.progress`.
  * Returns the figures shown under the answer: time to first token, tokens/s, finish reason
  * ("stopped" when `signal` aborts, "error" with `answer.error` set when the server refuses).
  */
@@ -59,6 +60,7 @@ export async function streamAnswer(body, answer, onUpdate, signal) {
         lastAt = performance.now();
         tokens = generated;
       }
+      if (event.prompt_progress) answer.progress = event.prompt_progress;
       for (const choice of event.choices ?? []) {
         const delta = choice.delta ?? {};
         answer.content += delta.content ?? "";
