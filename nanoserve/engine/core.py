@@ -34,6 +34,7 @@ from nanoserve.engine.executor import Executor
 from nanoserve.engine.kv_cache import KVCacheManager
 from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.engine.prefill_pacer import PrefillPacer, tokens_per_unit_of_context
+from nanoserve.engine.prompt_progress import prompt_progress
 from nanoserve.engine.request import Request, RequestStatus
 from nanoserve.engine.scheduler import ScheduledRequest, Scheduler
 from nanoserve.engine.state_plan import plan_states, state_snapshots_for
@@ -46,7 +47,6 @@ from nanoserve.profiling import scope
 from nanoserve.protocol import (
     EngineCoreOutput,
     NewSequence,
-    PromptProgress,
     SchedulerStats,
     StepInput,
     StepOutput,
@@ -155,9 +155,8 @@ class EngineCore:
         return self.executor.local_worker.runner
 
     def shutdown(self) -> None:
-        """Keep every cached block on the disk tier where there is one (a restart or a
-        router's reload finds them), then stop the workers of other processes (tensor
-        parallelism)."""
+        """Every cached block onto the disk tier where there is one (a restart or a router's
+        reload finds them); then stop the workers of other processes (tensor parallelism)."""
         try:
             self.kv_cache.close_disk_tier()
         finally:
@@ -276,7 +275,7 @@ class EngineCore:
             outputs.append(self._output(s.request, tokens, out.logprobs[row : row + len(tokens)]))
         if step.pooling:
             outputs += self._finish_pooling(sched.scheduled, step, out)
-        outputs += self._prompt_progress(sched.scheduled, outputs, started)
+        outputs += prompt_progress(sched.scheduled, outputs, started)
         self.stats.num_steps += 1
         start = time.perf_counter()
         self._propose_drafts()
@@ -296,39 +295,6 @@ class EngineCore:
                                             request.num_cached_tokens, pooled=vector))
         self._update_stats()
         return outputs
-
-    @staticmethod
-    def _prompt_progress(scheduled: list[ScheduledRequest], outputs: list[EngineCoreOutput],
-                         started: float) -> list[EngineCoreOutput]:
-        """llama-server's `prompt_progress` for each request that asked (`return_progress`) and
-        whose first pass over its prompt computed a chunk this step (`started`: when the step's
-        forward began): set on the output of the chunk that ends the prompt (its first token);
-        the other chunks' come back, each on a new output with no tokens."""
-        asking = [s for s in scheduled if s.request.params.return_progress
-                  and s.start < s.request.num_prompt_tokens]
-        if not asking:
-            return []
-        by_id = {o.request_id: o for o in outputs}
-        now = time.perf_counter()
-        extra: list[EngineCoreOutput] = []
-        for s in asking:
-            request, out = s.request, by_id.get(s.request.request_id)
-            # a preempted request recomputing a prompt it has answered from reports nothing
-            if request.num_output_tokens > (0 if out is None else len(out.new_token_ids)):
-                continue
-            if request.prompt_started is None:
-                request.prompt_started = started
-            progress = PromptProgress(
-                request.num_prompt_tokens, request.num_cached_tokens,
-                min(s.start + s.num_new_tokens, request.num_prompt_tokens),
-                int((now - request.prompt_started) * 1000))
-            if out is None:
-                extra.append(EngineCoreOutput(request.request_id, [],
-                                              num_cached_tokens=request.num_cached_tokens,
-                                              prompt_progress=progress))
-            else:
-                out.prompt_progress = progress
-        return extra
 
     def _output(self, request: Request, tokens: list[int],
                 logprobs: list[TokenLogprobs | None]) -> EngineCoreOutput:
