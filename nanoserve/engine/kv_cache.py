@@ -64,10 +64,9 @@ class BlockPool:
                                                                  for b in self.blocks)
         self.cached: dict[BlockHash, KVBlock] = {}
         self.evicted: list[BlockHash] | None = None  # recorded only when a list is set
-        # told of every evicted hash (a hybrid's state snapshots go with their block)
-        self.on_evict: Callable[[BlockHash], None] | None = None
-        # told of every evicted block before it is reused (the disk tier keeps its bytes)
-        self.on_spill: Callable[[BlockHash, KVBlock], None] | None = None
+        # told of every evicted cached block, before it is reused: a hybrid's state snapshot
+        # goes with it, the disk tier keeps its bytes
+        self.evict_listeners: list[Callable[[BlockHash, KVBlock], None]] = []
 
     @property
     def num_free_blocks(self) -> int:
@@ -84,10 +83,8 @@ class BlockPool:
                     del self.cached[block.block_hash]
                     if self.evicted is not None:
                         self.evicted.append(block.block_hash)
-                    if self.on_evict is not None:
-                        self.on_evict(block.block_hash)
-                    if self.on_spill is not None:
-                        self.on_spill(block.block_hash, block)
+                    for listener in self.evict_listeners:
+                        listener(block.block_hash, block)
                 block.block_hash = None
             block.ref_count = 1
             taken.append(block)
@@ -164,7 +161,7 @@ class KVCacheManager:
         self.disk = disk
         self._block_io = (read_block, write_block)
         self._block_nbytes = block_nbytes
-        self.pool.on_spill = self._spill
+        self.pool.evict_listeners.append(self._spill)
 
     def _spill(self, key: BlockHash, block: KVBlock) -> None:
         assert self.disk is not None and self._block_io is not None
@@ -183,7 +180,7 @@ class KVCacheManager:
     def keep_state_snapshots(self, states: StateSnapshots) -> None:
         """Find prefixes only where `states` holds a snapshot; drop one with its block."""
         self.states = states
-        self.pool.on_evict = states.forget
+        self.pool.evict_listeners.append(lambda key, _block: states.forget(key))
 
     @property
     def num_groups(self) -> int:

@@ -31,9 +31,9 @@ from nanoserve.model.tokenizer import (
 )
 from nanoserve.model.weights import (
     ReadTensor,
-    gemma_norms_as_weights,
     gguf_rope_factors,
     load_into,
+    offset_norms_as_weights,
     read_gguf_tensors,
     read_safetensors_dir,
 )
@@ -174,7 +174,7 @@ def load_model(model: str | None, device: torch.device, dtype: torch.dtype,
         if gen_file.exists():
             generation_config = json.loads(gen_file.read_text())
         if arch.norms_are_offsets:  # a GGUF file holds them as weights already
-            tensors = gemma_norms_as_weights(tensors)
+            tensors = offset_norms_as_weights(tensors)
     else:
         gguf = GGUFFile(path)
         arch = gguf_arch(gguf)

@@ -162,7 +162,7 @@ def read_gguf_tensors(gguf: GGUFFile, arch: ArchConfig, keep_blocks: bool = Fals
         yield hf_name, value
 
 
-def gemma_norms_as_weights(tensors: Iterator[tuple[str, ReadTensor]]
+def offset_norms_as_weights(tensors: Iterator[tuple[str, ReadTensor]]
                            ) -> Iterator[tuple[str, ReadTensor]]:
     """Gemma's and Qwen3.5's checkpoints store each RMSNorm's weight w and multiply by 1 + w
     (in float32); the layers here multiply by the weight, so it becomes 1 + w (llama.cpp's
