@@ -31,3 +31,29 @@ def keep_freed_memory_in_heap() -> bool:
                     and libc.mallopt(_M_TRIM_THRESHOLD, _THRESHOLD))
     except (OSError, AttributeError):  # not glibc (musl has no mallopt)
         return False
+
+
+def available_memory_bytes() -> int | None:
+    """The memory the kernel says a new allocation can have without swapping
+    (`MemAvailable` in /proc/meminfo); None where there is no such file."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def check_kv_cache_fits(num_bytes: int) -> None:
+    """Refuse, before allocating, a CPU KV cache larger than the memory left after the
+    weights: touched page by page it would be ended by the kernel's out-of-memory killer with
+    no word of why."""
+    available = available_memory_bytes()
+    if available is not None and num_bytes > available:
+        gib = 1 << 30
+        raise ValueError(
+            f"not enough memory for the KV cache: it needs {num_bytes / gib:.1f} GiB and "
+            f"{available / gib:.1f} GiB is available after loading the model; lower "
+            "--kv-cache-memory (or --num-kv-blocks)")

@@ -13,8 +13,10 @@ import logging
 from dataclasses import dataclass
 
 from nanoserve.config import EngineConfig
+from nanoserve.engine.memory import check_kv_cache_fits
 from nanoserve.engine.model_runner import (
     ModelRunner,
+    kv_bytes_per_block,
     kv_cache_num_blocks,
     resolve_kv_cache_dtype,
 )
@@ -62,6 +64,9 @@ def build_rank(config: EngineConfig, group: TensorParallelGroup | None, *,
             context_len=model.max_model_len or loaded.arch.max_position_embeddings)
     if group is not None and group.world_size > 1:  # every rank's cache: rank 0's blocks
         num_blocks = group.broadcast_int(num_blocks)
+    if device.type == "cpu":
+        check_kv_cache_fits(num_blocks * kv_bytes_per_block(loaded.arch, cache.block_size,
+                                                            kv_dtype))
     num_state_slots = 0
     if loaded.arch.linear is not None:  # a hybrid: its DeltaNet states beside the KV cache
         if not is_alone:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from nanoserve.bench.cli import add_bench_commands
 from nanoserve.engine_args import EngineArgs
 from nanoserve.entrypoints.serving.chat_defaults import chat_defaults, describe
+from nanoserve.model.model_path import resolve_model_path
 from nanoserve.native import check_cpu_isa
 from nanoserve.parsers.reasoning import REASONING_PARSERS
 from nanoserve.parsers.tool_calls import TOOL_CALL_PARSERS
@@ -170,11 +171,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
             slow_reader_timeout=args.slow_reader_timeout,
             max_unread_updates=args.max_unread_updates),
         allowed_origins=tuple(args.allowed_origins), log_requests=args.log_requests,
-        web_ui=not args.no_web_ui, strip_billing_header=not args.keep_billing_header)
+        web_ui=not args.no_web_ui, strip_billing_header=not args.keep_billing_header,
+        stopped_by_parent=args.stopped_by_parent)
     if args.models_dir is not None:  # several models, each its own server behind a router
         from nanoserve.entrypoints.router.run import run_router
 
         return run_router(args, server, args.raw_argv)
+    resolve_model_path(engine_args.model)  # a wrong path: one line now, before any process
     return run_serve(engine_args.to_config(), server)
 
 
@@ -244,7 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a Jinja chat template (a file, or the text) replacing the model's")
     g.add_argument("--api-server-count", type=int, default=ServerConfig.api_server_count)
     g.add_argument("--shutdown-timeout", type=float, default=ServerConfig.shutdown_timeout,
-                   help="seconds in-flight requests may take to finish on SIGTERM")
+                   help="seconds in-flight requests may take to finish when the server is "
+                        "stopped (SIGTERM, SIGINT or SIGHUP; a second signal stops at once)")
     g.add_argument("--max-in-flight", type=int, default=ServerConfig.max_in_flight,
                    help="sequences in flight (each request's n samples count) past which "
                         "new requests get HTTP 429")
@@ -265,6 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep the x-anthropic-billing-header line Claude Code puts at the start "
                         "of its system prompt (by default it is removed: its cch= changes every "
                         "request, which would defeat the prefix cache)")
+    # a router's model servers only (router/model_server.py): not for users, so not in --help
+    g.add_argument("--stopped-by-parent", action="store_true", help=argparse.SUPPRESS)
     g = serve.add_argument_group("several models (llama-server's router mode, Ollama's loading)")
     g.add_argument("--models-dir", default=None, metavar="DIR",
                    help="serve every .gguf file and HF model directory in DIR, each named by "
@@ -307,9 +313,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_cpu_isa()  # a tier asked for that the CPU lacks: an error now, not in the engine
         return int(args.func(args))
-    except (FileNotFoundError, ValueError) as e:
-        print(f"nanoserve: error: {e}", file=sys.stderr)
-        return 2
+    except (FileNotFoundError, ValueError) as e:  # what a user gave cannot start: one line
+        print(f"nanoserve {args.command}: error: {e}", file=sys.stderr)
+        return 1
 
 
 def run() -> NoReturn:

@@ -60,15 +60,22 @@ class GGUFFile:
         version = self._scalar(4)
         if version < 2:
             raise ValueError(f"{self.path}: GGUF version {version} is too old (need 2 or 3)")
-        num_tensors, num_fields = self._scalar(10), self._scalar(10)
         self.metadata: dict[str, Any] = {}
-        for _ in range(num_fields):
-            key = self._string()
-            self.metadata[key] = self._value(self._scalar(4))
-        infos = [self._tensor_info() for _ in range(num_tensors)]
+        try:
+            num_tensors, num_fields = self._scalar(10), self._scalar(10)
+            for _ in range(num_fields):
+                key = self._string()
+                self.metadata[key] = self._value(self._scalar(4))
+            infos = [self._tensor_info() for _ in range(num_tensors)]
+        except (struct.error, ValueError) as e:  # the header runs past the end of the file
+            raise self._truncated(f"its header cannot be read ({e})") from None
         alignment = int(self.metadata.get("general.alignment", DEFAULT_ALIGNMENT))
         data_start = -(-self._pos // alignment) * alignment
         self.tensors = {info[0]: self._tensor(data_start, *info) for info in infos}
+
+    def _truncated(self, what: str) -> ValueError:
+        return ValueError(f"GGUF file {str(self.path)!r} is truncated or damaged: {what}; an "
+                          "interrupted download or copy leaves a short file: fetch it again")
 
     # -- parsing ------------------------------------------------------------------------------
     def _scalar(self, type_id: int) -> Any:
@@ -116,6 +123,9 @@ class GGUFFile:
                 from None
         num_bytes = int(np.prod(shape)) // block_size * type_size
         start = data_start + offset
+        if start + num_bytes > len(self._mm):
+            raise self._truncated(f"tensor {name!r} ends at byte {start + num_bytes:,} but the "
+                                  f"file has {len(self._mm):,} bytes")
         return GGUFTensor(name, shape, ggml_type, self._mm[start : start + num_bytes])
 
     # -- reading tensors ----------------------------------------------------------------------

