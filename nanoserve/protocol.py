@@ -2,7 +2,8 @@
 
 API server -> engine core: EngineRequest, AbortRequests, Shutdown.
 Engine core -> API server: EngineReady (once), EngineOutputs (each step, and after inputs
-that change the engine's state while it is idle), RequestError, EngineDead. A pooling request
+that change the engine's state while it is idle), RequestError, EngineDead, and
+EngineStartFailed in place of EngineReady. A pooling request
 (an EngineRequest with `pooling_params`) comes back as one EngineCoreOutput with no tokens and
 its vector in `pooled`.
 
@@ -147,7 +148,16 @@ class EngineDead(msgspec.Struct, tag=True, array_like=True):
     engine_index: int = 0
 
 
-EngineMessage = EngineReady | EngineOutputs | RequestError | EngineDead
+class EngineStartFailed(msgspec.Struct, tag=True, array_like=True):
+    """The engine core could not start (the model, its files, the memory): `reason` is the one
+    line a user reads, `traceback` is for `--log-level debug`."""
+
+    reason: str
+    traceback: str
+    engine_index: int = 0
+
+
+EngineMessage = EngineReady | EngineOutputs | RequestError | EngineDead | EngineStartFailed
 
 # -- engine core -> workers: one step, as data ------------------------------------------------
 class NewSequence(msgspec.Struct, array_like=True):

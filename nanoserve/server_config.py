@@ -74,7 +74,7 @@ class ServerConfig:
     score_method: str = "cosine"
     chat_template: str | None = None  # the Jinja text that replaces the tokenizer's template
     api_server_count: int = 1
-    shutdown_timeout: float = 30.0  # seconds in-flight requests may take to finish on SIGTERM
+    shutdown_timeout: float = 30.0  # seconds in-flight requests may take to finish on a stop
     max_in_flight: int = 512  # past this many sequences (requests times n) in flight: 429
     generation_config: str = "auto"  # "auto": the model's defaults; "vllm": vLLM's defaults
     log_level: str = "info"
@@ -88,6 +88,9 @@ class ServerConfig:
     # take Claude Code's `x-anthropic-billing-header: ...; cch=...;` line off the start of a
     # system prompt, so its requests share the prefix cache (anthropic/billing_header.py)
     strip_billing_header: bool = True
+    # a `--models-dir` router's model server: SIGTERM, SIGINT and SIGHUP are the router's to
+    # act on; this server drains on the router's SIGUSR1 alone (engine/stop_signals.py)
+    stopped_by_parent: bool = False
 
 
 def api_key_from_env() -> str | None:

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import multiprocessing
 import os
 import queue
-import signal
 import threading
 import time
 import traceback
@@ -33,6 +33,8 @@ import zmq
 from nanoserve.config import EngineConfig
 from nanoserve.engine.build import build_engine_core
 from nanoserve.engine.kv_events import KVEventPublisher
+from nanoserve.engine.start_failure import report_start_failure
+from nanoserve.engine.stop_signals import ignore_stop_signals
 from nanoserve.native import loaded_tier
 from nanoserve.protocol import (
     AbortRequests,
@@ -139,8 +141,8 @@ class EngineCoreProc:
             sock.close(linger=1000 if wait_s else 0)
 
     # -- the busy loop ------------------------------------------------------------------------
-    def run(self) -> None:
-        parent = os.getppid()
+    def run(self, parent: int) -> None:
+        """Until Shutdown, an error in a step, or launcher `parent` gone."""
         threading.Thread(target=self._input_loop, daemon=True, name="engine-input").start()
         self._open_outputs()
         self._broadcast(self.ready_message())
@@ -229,17 +231,27 @@ def use_all_cores() -> None:
 def run_engine_core(config_bytes: bytes, input_address: str, output_addresses: list[str],
                     engine_index: int = 0, cores: list[int] | None = None) -> None:
     """Process entry point. The config arrives as msgpack bytes (never pickled objects).
-    A data-parallel engine core runs on its share of the `cores` (its TP ranks split them)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the launcher, which stops us
+    A data-parallel engine core runs on its share of the `cores` (its TP ranks split them).
+    Stop signals are the launcher's to act on (engine/stop_signals.py)."""
+    ignore_stop_signals()
+    parent = _launcher_pid()
+    loaded = threading.Event()
+    threading.Thread(target=_exit_if_orphaned_while_loading, args=(parent, loaded),
+                     daemon=True, name="engine-parent-watch").start()
     config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
     if cores:
         os.sched_setaffinity(0, cores)
     use_all_cores()
-    proc = EngineCoreProc(config, input_address, output_addresses, engine_index)
+    try:
+        proc = EngineCoreProc(config, input_address, output_addresses, engine_index)
+    except Exception as e:  # the API server prints the one line; the traceback at debug
+        report_start_failure(e, output_addresses, engine_index)
+        os._exit(1)
     proc.core.executor.pin_cores()
+    loaded.set()  # from here the loop watches the launcher, and leaves cleanly
     status = 0
     try:
-        proc.run()
+        proc.run(parent)
     except Exception:
         status = 1
     finally:
@@ -251,6 +263,21 @@ def run_engine_core(config_bytes: bytes, input_address: str, output_addresses: l
         closer.start()
         closer.join(timeout=2.0)
         os._exit(status)
+
+
+def _launcher_pid() -> int:
+    """The process that spawned this one (as multiprocessing passed it: right even if the
+    launcher died before this line ran)."""
+    parent = multiprocessing.parent_process()
+    return parent.pid if parent is not None and parent.pid else os.getppid()
+
+
+def _exit_if_orphaned_while_loading(parent: int, loaded: threading.Event) -> None:
+    """While the model loads (minutes, for a big one), leave as soon as the launcher is gone:
+    nothing is in flight and nothing is cached yet."""
+    while not loaded.wait(_IDLE_WAIT_S):
+        if os.getppid() != parent:
+            os._exit(1)
 
 
 def _destroy_quietly(context: zmq.Context[Any]) -> None:

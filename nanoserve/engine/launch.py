@@ -9,10 +9,15 @@ This module imports nothing heavy (no torch, no zmq, no engine), so `nanoserve s
 its engine cores before it imports the HTTP stack: the engine's start (importing torch, loading
 the weights, filling the KV cache) and the API process's (importing torch, transformers and
 FastAPI, loading the tokenizer) then overlap (figures in entrypoints/launcher.py).
+
+An engine core never acts on a stop signal (engine/stop_signals.py): its launcher stops it
+with a `Shutdown` message once the API has drained, and it exits by itself if the launcher
+is gone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import shutil
@@ -24,6 +29,11 @@ from multiprocessing.process import BaseProcess
 import msgspec
 
 from nanoserve.config import EngineConfig
+from nanoserve.engine.stop_signals import held_for_children
+
+# after Shutdown, how long an engine core may take to end its step and write its disk tier
+# (a whole 1 GiB cache spilled to disk is seconds); past it, it is killed
+ENGINE_EXIT_WAIT_S = 30.0
 
 
 @dataclass
@@ -56,13 +66,14 @@ def _engine_core_main(config_bytes: bytes, input_address: str, output_addresses:
 def start_engine_process(config: EngineConfig, addresses: EngineAddresses,
                          engine_index: int = 0, cores: list[int] | None = None) -> BaseProcess:
     """Spawn engine core `engine_index` (a fresh interpreter: no forked torch or sockets),
-    pinned to `cores` when given."""
+    pinned to `cores` when given, with the stop signals held (it ignores them)."""
     context = multiprocessing.get_context("spawn")
     process = context.Process(
         target=_engine_core_main, name=f"nanoserve-engine-core-{engine_index}", daemon=True,
         args=(msgspec.msgpack.encode(config), addresses.inputs[engine_index],
               addresses.outputs, engine_index, cores))
-    process.start()
+    with held_for_children():
+        process.start()
     return process
 
 
@@ -82,15 +93,49 @@ def engine_is_alive(pid: int) -> bool:
 
 
 def stop_engine_processes(engines: list[BaseProcess], addresses: EngineAddresses) -> None:
-    """Wait up to 5 s for the engine cores to exit (each was sent Shutdown, or is told by its
-    launcher's exit), then terminate, then kill; remove the socket directory."""
-    deadline = time.monotonic() + 5
+    """Tell every engine core that serves to stop (`Shutdown`: it ends its step and writes its
+    disk tier), wait up to ENGINE_EXIT_WAIT_S for them, kill what is left, remove the socket
+    directory. One still loading its model (its input not yet bound) has nothing to keep and
+    could not read the message: it is killed at once."""
+    serving = [k for k, address in enumerate(addresses.inputs) if _is_bound(address)]
+    _send_shutdown([addresses.inputs[k] for k in serving])
+    deadline = time.monotonic() + ENGINE_EXIT_WAIT_S
+    for k in serving:
+        engines[k].join(timeout=max(0.0, deadline - time.monotonic()))
+    kill_engine_processes(engines)
+    addresses.cleanup()
+
+
+def _is_bound(address: str) -> bool:
+    return os.path.exists(address.removeprefix("ipc://"))
+
+
+def kill_engine_processes(engines: list[BaseProcess]) -> None:
+    """SIGKILL to each engine core still running (a second stop signal: stop at once); returns
+    once they are gone. (Their tensor-parallel workers follow: they watch their parent.)"""
     for engine in engines:
-        engine.join(timeout=max(0.0, deadline - time.monotonic()))
-    for engine in engines:
-        if engine.is_alive():
-            engine.terminate()
-            engine.join(timeout=5)
         if engine.is_alive():
             engine.kill()
-    addresses.cleanup()
+    for engine in engines:
+        engine.join(timeout=5)
+
+
+def _send_shutdown(input_addresses: list[str]) -> None:
+    """`Shutdown` into each engine core's input; one that cannot take it within a second (it
+    is gone, or never bound its socket) is left to the kill."""
+    import zmq  # here, not at the top: the launcher imports this module before anything heavy
+
+    from nanoserve.protocol import Shutdown, encode
+
+    context = zmq.Context()
+    try:
+        for address in input_addresses:
+            sock = context.socket(zmq.PUSH)
+            sock.setsockopt(zmq.SNDTIMEO, 1000)
+            sock.setsockopt(zmq.LINGER, 1000)
+            sock.connect(address)
+            with contextlib.suppress(zmq.Again):
+                sock.send(encode(Shutdown()))
+            sock.close()
+    finally:
+        context.term()

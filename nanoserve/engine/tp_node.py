@@ -7,22 +7,21 @@ there where rank 0 publishes its steps (tcp), and run every step it publishes. T
 only starts and watches them, so a node started before node 0 just waits (up to the
 distributed timeout) for rank 0 to listen. It exits once its ranks have: when rank 0 tells
 them to stop (0), when rank 0 is gone or a rank fails (the first non-zero code; a rank
-without its peers cannot go on, so the others are stopped). SIGTERM or Ctrl-C stops them.
+without its peers cannot go on, so the others are stopped). SIGTERM, SIGINT or SIGHUP (to
+this process or its group) stops them.
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
 
 from nanoserve.config import EngineConfig
 from nanoserve.engine.cores import split_cores
+from nanoserve.engine.stop_signals import STOP_SIGNALS, StopRequests, held_for_children
 from nanoserve.engine.tp_worker import start_worker, worker_config_bytes
-
-_STOP_WAIT_S = 5.0  # how long a rank gets to leave after SIGTERM before it is killed
 
 
 def run_headless_node(config: EngineConfig) -> int:
@@ -34,15 +33,14 @@ def run_headless_node(config: EngineConfig) -> int:
           f"{first}..{first + count - 1} of {parallel.tensor_parallel_size}, meeting rank 0 at "
           f"{parallel.master_addr}:{parallel.master_port}", file=sys.stderr, flush=True)
     config_bytes = worker_config_bytes(config)
-    procs = [start_worker(config_bytes, first + i, parallel.tensor_parallel_size,
-                          parallel.master_port or 0, "", cores[i] if cores else None)
-             for i in range(count)]
-
-    def stop(signum: int, _: object) -> None:
+    stops = StopRequests(STOP_SIGNALS)
+    with held_for_children():  # the ranks ignore stop signals: this process stops them
+        procs = [start_worker(config_bytes, first + i, parallel.tensor_parallel_size,
+                              parallel.master_port or 0, "", cores[i] if cores else None)
+                 for i in range(count)]
+    stops.on_stop(lambda _count: _terminate(procs))
+    if stops.requested:
         _terminate(procs)
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
     try:
         while all(proc.poll() is None for proc in procs):
             time.sleep(0.2)
@@ -55,14 +53,10 @@ def run_headless_node(config: EngineConfig) -> int:
 
 
 def _terminate(procs: list[subprocess.Popen[bytes]]) -> None:
-    """SIGTERM to every rank still running, then wait; killed after a few seconds."""
+    """Every rank still running killed, then reaped: a rank has nothing of its own to keep,
+    and cannot go on without the others (nor stop on a signal: it ignores them)."""
     for proc in procs:
         if proc.poll() is None:
-            proc.terminate()
-    deadline = time.monotonic() + _STOP_WAIT_S
-    for proc in procs:
-        try:
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
             proc.kill()
-            proc.wait()
+    for proc in procs:
+        proc.wait()

@@ -24,7 +24,6 @@ from __future__ import annotations
 import gc
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import traceback
@@ -38,6 +37,7 @@ from nanoserve.config import EngineConfig, SamplerConfig, SchedulerConfig
 from nanoserve.engine.cores import pin_to_cores
 from nanoserve.engine.memory import keep_freed_memory_in_heap
 from nanoserve.engine.rank_build import build_rank
+from nanoserve.engine.stop_signals import ignore_stop_signals
 from nanoserve.engine.worker import Worker
 from nanoserve.model.parallel import connect_rendezvous, destroy_group, init_group
 from nanoserve.protocol import WorkerShutdown, decode_worker_message
@@ -121,7 +121,7 @@ def _store_answers(store: dist.TCPStore) -> bool:
 
 def main(argv: list[str]) -> None:
     """Process entry point: exits with run_tp_worker's code, or 1 on any error."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the launcher
+    ignore_stop_signals()  # rank 0 stops it (WorkerShutdown), or it leaves when rank 0 is gone
     rank, world_size, port = int(argv[0]), int(argv[1]), int(argv[2])
     cores = [int(c) for c in argv[4].split(",") if c]
     config = msgspec.msgpack.decode(sys.stdin.buffer.read(), type=EngineConfig)

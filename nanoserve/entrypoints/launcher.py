@@ -14,8 +14,11 @@ the engine's start and the API server's overlap: the default model answers `/hea
 7.6-8.4 s on 2 cores instead of ~12 s (docs/benchmarks.md, "A server's start and stop").
 
 Lifetimes are tied both ways: the engine core exits when its launcher is gone; an API server
-whose engine core dies fails its in-flight requests and exits non-zero (serve.py). SIGTERM (or
-Ctrl-C) drains in-flight requests (bounded by --shutdown-timeout), then stops the engine cores.
+whose engine core dies fails its in-flight requests and exits non-zero (serve.py). Only this
+process acts on a stop signal, however it was sent (to it alone or to the whole group: systemd,
+a terminal's hang-up; engine/stop_signals.py): the API drains its in-flight requests (bounded
+by --shutdown-timeout), then the engine cores are told to stop and write their disk tier; a
+second signal stops at once.
 """
 
 from __future__ import annotations
@@ -23,7 +26,6 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
-import signal
 import socket
 import sys
 from multiprocessing.process import BaseProcess
@@ -34,9 +36,17 @@ from nanoserve.config import EngineConfig
 from nanoserve.engine.cores import split_cores
 from nanoserve.engine.launch import (
     EngineAddresses,
+    kill_engine_processes,
     make_addresses,
     start_engine_process,
     stop_engine_processes,
+)
+from nanoserve.engine.stop_signals import (
+    PARENT_STOP_SIGNAL,
+    STOP_SIGNALS,
+    StopRequests,
+    held_for_children,
+    ignore_stop_signals,
 )
 from nanoserve.entrypoints.serving.listen import AddressInUseError, bind_listening_socket
 from nanoserve.server_config import ServerConfig
@@ -50,6 +60,7 @@ def run_serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
         from nanoserve.engine.tp_node import run_headless_node
 
         return run_headless_node(engine_config)
+    stops = _stop_requests(server_config)
     try:
         sock = bind_listening_socket(server_config.host, server_config.port)
     except AddressInUseError as e:
@@ -68,12 +79,25 @@ def run_serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
             from nanoserve.entrypoints.serve import run_event_loop, serve_api
 
             return run_event_loop(serve_api(
-                engine_config, server_config, addresses, 0, sock,
+                engine_config, server_config, addresses, 0, sock, stops,
                 engine_pids=[e.pid or 0 for e in engines], engine_processes=engines))
-        return _run_api_processes(engine_config, server_config, addresses, engines, sock)
+        return _run_api_processes(engine_config, server_config, addresses, engines, sock,
+                                  stops)
     finally:
         sock.close()
+        # the API has drained: now the engine cores, each writing its disk tier as it goes;
+        # a stop signal meanwhile means now
+        stops.on_stop(lambda _count: kill_engine_processes(engines))
         stop_engine_processes(engines, addresses)
+
+
+def _stop_requests(server_config: ServerConfig) -> StopRequests:
+    """What stops this launcher: SIGTERM, SIGINT or SIGHUP, or, under a `--models-dir`
+    router, the router's PARENT_STOP_SIGNAL alone (engine/stop_signals.py)."""
+    if server_config.stopped_by_parent:
+        ignore_stop_signals()
+        return StopRequests((PARENT_STOP_SIGNAL,))
+    return StopRequests(STOP_SIGNALS)
 
 
 def _api_process_main(engine_bytes: bytes, server_bytes: bytes, input_addresses: list[str],
@@ -88,7 +112,7 @@ def _api_process_main(engine_bytes: bytes, server_bytes: bytes, input_addresses:
 
 def _run_api_processes(engine_config: EngineConfig, server_config: ServerConfig,
                        addresses: EngineAddresses, engines: list[BaseProcess],
-                       sock: socket.socket) -> int:
+                       sock: socket.socket, stops: StopRequests) -> int:
     context = multiprocessing.get_context("spawn")
     # the socket travels as an inherited file descriptor (multiprocessing hands a socket
     # argument to a spawned child as a duplicated fd); every process accepts on that one socket
@@ -96,16 +120,18 @@ def _run_api_processes(engine_config: EngineConfig, server_config: ServerConfig,
         msgspec.msgpack.encode(engine_config), msgspec.msgpack.encode(server_config),
         addresses.inputs, addresses.outputs, i, [e.pid for e in engines], sock))
         for i in range(server_config.api_server_count)]
-    for proc in procs:
-        proc.start()
+    with held_for_children():  # they ignore the stop signals: each stop is forwarded
+        for proc in procs:
+            proc.start()
 
-    def forward(signum: int, _: object) -> None:
+    def forward(_count: int) -> None:  # the first drains, a second stops at once
         for proc in procs:
             if proc.pid is not None and proc.is_alive():
-                os.kill(proc.pid, signum)
+                os.kill(proc.pid, PARENT_STOP_SIGNAL)
 
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGINT, forward)
+    stops.on_stop(forward)
+    if stops.requested:  # a stop that came while they were being started
+        forward(stops.count)
     status = 0
     for proc in procs:
         proc.join()

@@ -2,17 +2,20 @@
 the launcher bound (launcher.py starts the engine cores and runs this, or spawns N of these).
 
 Its engine core dying (any one of them, with data parallelism: vLLM's choice) fails its
-in-flight requests at once, answers /health with 503, and exits non-zero. SIGTERM (or Ctrl-C)
-drains in-flight requests (bounded by --shutdown-timeout).
+in-flight requests at once, answers /health with 503, and exits non-zero. A stop (the first
+of `StopRequests`: a stop signal to the launcher, or the launcher's PARENT_STOP_SIGNAL to a
+spawned API process) drains in-flight requests, bounded by --shutdown-timeout; a second stops
+at once. A start that fails is one line on stderr (serving/engine_start.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from multiprocessing.process import BaseProcess
 
 import msgspec
@@ -23,10 +26,16 @@ from nanoserve.config import EngineConfig
 from nanoserve.engine.core_client import EngineCoreClient
 from nanoserve.engine.dp_router import RoutingConfig
 from nanoserve.engine.launch import EngineAddresses, engine_is_alive
+from nanoserve.engine.stop_signals import PARENT_STOP_SIGNAL, StopRequests, ignore_stop_signals
 from nanoserve.entrypoints.app import build_app
 from nanoserve.entrypoints.openai.router_endpoints import instance_id, kv_event_sources
 from nanoserve.entrypoints.serving.async_engine import AsyncEngine
-from nanoserve.entrypoints.serving.dp_client import DPEngineClient, wait_for_engines
+from nanoserve.entrypoints.serving.dp_client import DPEngineClient
+from nanoserve.entrypoints.serving.engine_start import (
+    EngineStartError,
+    print_start_failure,
+    wait_for_engines,
+)
 from nanoserve.entrypoints.serving.error_handlers import drain
 from nanoserve.entrypoints.serving.event_loop import run_event_loop
 from nanoserve.entrypoints.serving.metrics import Metrics
@@ -50,25 +59,29 @@ _ENGINE_START_TIMEOUT_S = 900.0
 def api_process_main(engine_bytes: bytes, server_bytes: bytes, input_addresses: list[str],
                      output_addresses: list[str], index: int, engine_pids: list[int],
                      sock: socket.socket) -> None:
-    """Entry point of one API-server process (configs arrive as msgpack, never pickled)."""
+    """Entry point of one API-server process (configs arrive as msgpack, never pickled).
+    It stops when its launcher says so (PARENT_STOP_SIGNAL) or is gone."""
+    ignore_stop_signals()
+    stops = StopRequests((PARENT_STOP_SIGNAL,))
     engine_config = msgspec.msgpack.decode(engine_bytes, type=EngineConfig)
     server_config = msgspec.msgpack.decode(server_bytes, type=ServerConfig)
     logging.basicConfig(level=server_config.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s api-{index}: %(message)s")
     addresses = EngineAddresses(input_addresses, output_addresses)
     exit_now(run_event_loop(serve_api(engine_config, server_config, addresses, index, sock,
-                                      engine_pids=engine_pids, watch_parent=True)))
+                                      stops, engine_pids=engine_pids, watch_parent=True)))
 
 
 async def serve_api(engine_config: EngineConfig, server_config: ServerConfig,
                     addresses: EngineAddresses, index: int, sock: socket.socket,
-                    engine_pids: list[int], engine_processes: list[BaseProcess] | None = None,
+                    stops: StopRequests, engine_pids: list[int],
+                    engine_processes: list[BaseProcess] | None = None,
                     watch_parent: bool = False) -> int:
-    """One API server: wait for the engine cores, then serve HTTP until told to stop."""
+    """One API server: wait for the engine cores, then serve HTTP until `stops` says stop.
+    Returns the exit status: 0 after a stop, 1 after a failed start or an engine's death."""
     # The API process computes no tensors worth threads; a torch pool here would only wake
     # workers on the cores the engine's threads use (engine/core_proc.py).
     torch.set_num_threads(1)
-    frontend = load_frontend(engine_config.model.model)
     sockets = EngineCoreClient(addresses, index)
 
     def engine_alive() -> bool:  # all of them: one engine core gone fails the server
@@ -76,10 +89,21 @@ async def serve_api(engine_config: EngineConfig, server_config: ServerConfig,
             return all(p.is_alive() for p in engine_processes)
         return all(engine_is_alive(pid) for pid in engine_pids)
 
-    ready = await wait_for_engines(sockets, engine_alive, _ENGINE_START_TIMEOUT_S)
-    if ready is None:
+    try:
+        try:
+            frontend = load_frontend(engine_config.model.model)
+        except Exception as e:
+            raise EngineStartError.of(e) from e
+        ready = await wait_for_engines(sockets, engine_alive, lambda: stops.requested,
+                                       _ENGINE_START_TIMEOUT_S)
+    except EngineStartError as e:
         sockets.close()
+        if index == 0:  # one line, not one per API process
+            print_start_failure(e)
         return 1
+    if ready is None:  # stopped while starting
+        sockets.close()
+        return 0
     parallel = engine_config.parallel
     client = DPEngineClient(sockets, RoutingConfig(
         policy=parallel.load_balance_method,
@@ -93,6 +117,7 @@ async def serve_api(engine_config: EngineConfig, server_config: ServerConfig,
         app, log_level=server_config.log_level, access_log=False,
         timeout_graceful_shutdown=max(1, int(server_config.shutdown_timeout)),
         h11_max_incomplete_event_size=64 * 1024), ctx, server_config.shutdown_timeout)
+    stops.on_stop(server.stop_requested)
     exit_status = 0
 
     def on_dead() -> None:
@@ -113,11 +138,10 @@ async def serve_api(engine_config: EngineConfig, server_config: ServerConfig,
     try:
         await server.serve(sockets=[sock])
     finally:
+        stops.on_stop(None)
         for task in watchers:
             task.cancel()
-        await engine.stop()
-        if engine_processes is not None:  # single-process mode; after a death, the others
-            await client.shutdown(timeout=1.0)
+        await engine.stop()  # the engine cores are the launcher's to stop
         client.close()
     return exit_status
 
@@ -166,9 +190,10 @@ def _server_context(engine_config: EngineConfig, server_config: ServerConfig,
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn, except that SIGTERM/SIGINT first drain: /health says 503 and new requests get
-    503 while in-flight ones finish (bounded), then it stops; a second signal stops at once.
-    (uvicorn's own handler would stop accepting at once and re-raise the signal at exit.)"""
+    """uvicorn, except that a stop first drains: /health says 503 and new requests get 503
+    while in-flight ones finish (bounded), then it stops; a second stop stops at once. The
+    signals are the process's `StopRequests`, not uvicorn's own handlers (which would stop
+    accepting at once and raise the signal again at exit)."""
 
     def __init__(self, config: uvicorn.Config, ctx: ServerContext, timeout: float) -> None:
         super().__init__(config)
@@ -176,8 +201,13 @@ class DrainingServer(uvicorn.Server):
         self.drain_timeout = timeout
         self.loop = asyncio.get_running_loop()
 
-    def handle_exit(self, sig: int, frame: object) -> None:
-        if self.ctx.shutting_down:
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:  # the process's StopRequests call
+        yield  # stop_requested instead of uvicorn's handlers
+
+    def stop_requested(self, count: int) -> None:
+        """A stop (from a signal handler): the first drains, any later one stops now."""
+        if count > 1 or self.ctx.shutting_down:
             self.force_exit = self.should_exit = True
             return
         self.ctx.shutting_down = True

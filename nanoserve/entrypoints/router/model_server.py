@@ -2,9 +2,11 @@
 engine core, KV cache and prefix cache, started when the router loads the model and stopped
 when it unloads it (its process group goes with it, so its memory is given back).
 
-The child is the single-model server, unchanged: it answers every endpoint, the router only
-forwards. It is tied to the router: it gets SIGTERM if the router dies (PR_SET_PDEATHSIG), so a
-killed router leaves no model behind.
+The child is the single-model server: it answers every endpoint, the router only forwards.
+Its stops are the router's (engine/stop_signals.py): started `--stopped-by-parent`, it ignores
+the signals a service manager or a terminal sends the whole group and drains on the router's
+PARENT_STOP_SIGNAL, which it also gets if the router dies (PR_SET_PDEATHSIG), so a killed
+router leaves no model behind.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pathlib import Path
 
 import httpx
 
+from nanoserve.engine.stop_signals import PARENT_STOP_SIGNAL, STOP_SIGNALS, held_for_children
 from nanoserve.entrypoints.router.catalog import chat_template_beside
 
 _PR_SET_PDEATHSIG = 1
@@ -33,9 +36,13 @@ class LoadError(RuntimeError):
     """A model's server failed to start; the message says why (its last lines of output)."""
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+def _tie_to_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """Stop signals ignored across the exec (they are held meanwhile); the router's death
+    delivered as its stop."""
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
     libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    libc.prctl(_PR_SET_PDEATHSIG, PARENT_STOP_SIGNAL)
 
 
 def free_loopback_port() -> int:
@@ -71,13 +78,14 @@ class ModelServer:
         self.port = free_loopback_port()
         template = chat_template_beside(self.path)
         own = [] if template is None else ["--chat-template", str(template)]
-        self.process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "nanoserve.entrypoints.cli", "serve", str(self.path),
-            "--host", "127.0.0.1", "--port", str(self.port), "--served-model-name", self.name,
-            "--no-web-ui", *self.args, *own,
-            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT, start_new_session=True,
-            preexec_fn=_die_with_parent)
+        with held_for_children():
+            self.process = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "nanoserve.entrypoints.cli", "serve", str(self.path),
+                "--host", "127.0.0.1", "--port", str(self.port), "--served-model-name",
+                self.name, "--no-web-ui", "--stopped-by-parent", *self.args, *own,
+                stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT, start_new_session=True,
+                preexec_fn=_tie_to_parent)
         self._relay = asyncio.create_task(self._relay_output())
         deadline = time.monotonic() + timeout
         async with httpx.AsyncClient(timeout=5.0) as client:
@@ -102,15 +110,16 @@ class ModelServer:
         return await self.process.wait()
 
     async def stop(self, grace: float) -> None:
-        """SIGTERM (the server drains and stops its engine core), then after `grace` seconds
-        SIGKILL to its whole process group; returns once the process is gone."""
+        """PARENT_STOP_SIGNAL (the server drains, then stops its engine core, which writes its
+        disk tier), then after `grace` seconds SIGKILL to its whole process group; returns
+        once the process is gone."""
         self.stopping = True
         proc = self.process
         if proc is None:
             return
         if proc.returncode is None:
             with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signal.SIGTERM)
+                proc.send_signal(PARENT_STOP_SIGNAL)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(proc.wait(), grace)
         # the engine core and anything else the child started share its process group
@@ -119,6 +128,13 @@ class ModelServer:
         await proc.wait()
         if self._relay is not None:
             await self._relay
+
+    def kill(self) -> None:
+        """SIGKILL to its whole process group now (the router's second stop signal)."""
+        self.stopping = True
+        if self.process is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.process.pid, signal.SIGKILL)
 
     async def _relay_output(self) -> None:
         """The child's output onto the router's, each line tagged with the model's name (as

@@ -175,6 +175,12 @@ class ModelPool:
         await asyncio.gather(*(s.stop(self.stop_grace) for s in servers),
                              return_exceptions=True)
 
+    def kill_all(self) -> None:
+        """Every model's server killed now, its process group with it (a second stop)."""
+        for entry in self.entries.values():
+            if entry.server is not None:
+                entry.server.kill()
+
     # --- under the lock ---------------------------------------------------------------------
 
     def _lease(self, entry: ModelEntry, keep_alive: KeepAlive) -> Lease:

@@ -5,11 +5,15 @@ the same command-line options as the router's, but for those only the router can
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
+from collections.abc import Iterator
 
 import uvicorn
 
+from nanoserve.engine.launch import ENGINE_EXIT_WAIT_S
+from nanoserve.engine.stop_signals import STOP_SIGNALS, StopRequests
 from nanoserve.entrypoints.router.app import build_router_app
 from nanoserve.entrypoints.router.catalog import find_models
 from nanoserve.entrypoints.router.pool import ModelPool
@@ -21,7 +25,7 @@ from nanoserve.server_config import ServerConfig
 # options of the router itself, with how many values each takes (-1: one or more)
 _ROUTER_ONLY = {"--models-dir": 1, "--models-max": 1, "--keep-alive": 1, "--host": 1,
                 "--port": 1, "--served-model-name": 1, "--model": 1, "--allowed-origins": -1,
-                "--no-web-ui": 0}
+                "--no-web-ui": 0, "--stopped-by-parent": 0}
 _LOAD_TIMEOUT_S = 900.0  # a model's start, as long as the single server's engine may take
 
 
@@ -59,9 +63,12 @@ def run_router(args: argparse.Namespace, server: ServerConfig, argv: list[str]) 
         raise ValueError("give either a MODEL or --models-dir, not both")
     models = find_models(args.models_dir)
     keep_alive = None if args.keep_alive < 0 else float(args.keep_alive)
+    stops = StopRequests(STOP_SIGNALS)
+    # a model's server gets the drain's time, then its engine's to write its disk tier
     pool = ModelPool(models, child_args(argv), models_max=args.models_max,
                      keep_alive=keep_alive, load_timeout=_LOAD_TIMEOUT_S,
-                     max_waiting=server.max_in_flight, stop_grace=server.shutdown_timeout)
+                     max_waiting=server.max_in_flight,
+                     stop_grace=server.shutdown_timeout + ENGINE_EXIT_WAIT_S)
     try:
         sock = bind_listening_socket(server.host, server.port)
     except AddressInUseError as e:
@@ -77,7 +84,11 @@ def run_router(args: argparse.Namespace, server: ServerConfig, argv: list[str]) 
         print(page_banner(server.host, server.port, "any of them"), flush=True)
 
     async def main() -> int:
-        await _RouterServer(config).serve(sockets=[sock])
+        router = _RouterServer(config, pool)
+        stops.on_stop(router.stop_requested)
+        if stops.requested:  # stopped while it was starting
+            return 0
+        await router.serve(sockets=[sock])
         return 0
 
     try:
@@ -87,11 +98,22 @@ def run_router(args: argparse.Namespace, server: ServerConfig, argv: list[str]) 
 
 
 class _RouterServer(uvicorn.Server):
-    """uvicorn, except that SIGTERM/SIGINT end the process with status 0 once its requests
-    have finished and every model's server has stopped (the app's lifespan), not by the signal
-    again as uvicorn's own handler does; a second signal stops at once."""
+    """uvicorn, except that a stop signal (SIGTERM, SIGINT or SIGHUP, to the router alone or to
+    its whole group: the model servers ignore them) ends the process with status 0 once its
+    requests have finished and every model's server has drained and stopped (the app's
+    lifespan), not by the signal again as uvicorn's own handler does; a second signal stops at
+    once, the model servers killed."""
 
-    def handle_exit(self, sig: int, frame: object) -> None:
-        if self.should_exit:
+    def __init__(self, config: uvicorn.Config, pool: ModelPool) -> None:
+        super().__init__(config)
+        self.pool = pool
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:  # the process's StopRequests call
+        yield  # stop_requested instead of uvicorn's handlers
+
+    def stop_requested(self, count: int) -> None:
+        if count > 1:
             self.force_exit = True
+            self.pool.kill_all()
         self.should_exit = True

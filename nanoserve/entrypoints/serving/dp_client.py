@@ -12,11 +12,9 @@ label of /metrics). With one engine core nothing is hashed: everything goes to e
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 from nanoserve.engine.core_client import EngineCoreClient
 from nanoserve.engine.dp_router import (
@@ -27,14 +25,11 @@ from nanoserve.engine.dp_router import (
 )
 from nanoserve.protocol import (
     AbortRequests,
-    EngineDead,
     EngineMessage,
     EngineOutputs,
-    EngineReady,
     EngineRequest,
     RequestError,
     SchedulerStats,
-    Shutdown,
 )
 
 logger = logging.getLogger("nanoserve")
@@ -104,12 +99,6 @@ class DPEngineClient:
             self._forget(message.request_id)
         return message
 
-    async def shutdown(self, timeout: float = 1.0) -> None:
-        """Tell every engine core to stop (each gets `timeout` seconds to take it)."""
-        for engine in range(self.num_engines):
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.client.send(Shutdown(), engine), timeout=timeout)
-
     def close(self) -> None:
         self.client.close()
 
@@ -127,30 +116,3 @@ class DPEngineClient:
             if engine is not None:
                 by_engine[engine].append(request_id)
         return by_engine
-
-
-async def wait_for_engines(client: EngineCoreClient, alive: Callable[[], bool],
-                           timeout_s: float) -> EngineReady | None:
-    """Engine 0's EngineReady once every engine core has sent its own; None (logged) if one
-    failed to start, exited, or `timeout_s` passed."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    ready: dict[int, EngineReady] = {}
-    while loop.time() < deadline:
-        try:
-            message = await asyncio.wait_for(client.recv(), timeout=0.5)
-        except TimeoutError:
-            if not alive():
-                logger.error("an engine core exited while starting")
-                return None
-            continue
-        if isinstance(message, EngineReady):
-            ready[message.engine_index] = message
-            if len(ready) == client.num_engines:
-                return ready[0]
-        elif isinstance(message, EngineDead):
-            logger.error("engine core %d failed to start:\n%s", message.engine_index,
-                         message.message)
-            return None
-    logger.error("the engine cores did not start within %.0f s", timeout_s)
-    return None
