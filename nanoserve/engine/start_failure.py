@@ -16,7 +16,10 @@ import zmq
 
 from nanoserve.protocol import EngineStartFailed, encode
 
-_SEND_WAIT_MS = 2000  # for an API server that has not bound its socket yet
+# for an API server that has not bound its socket yet (it imports its HTTP stack while this
+# process loads the model: on a busy 2-core machine seconds after a failure here); the
+# launcher kills this process when its API server is gone
+_SEND_WAIT_MS = 60_000
 
 
 def start_failure_reason(error: BaseException) -> str:
@@ -39,8 +42,8 @@ def _is_out_of_memory(error: BaseException, text: str) -> bool:
 
 def report_start_failure(error: BaseException, output_addresses: list[str],
                          engine_index: int) -> None:
-    """Tell every API server why this engine core could not start (waits up to two seconds
-    for each to take it)."""
+    """Tell every API server why this engine core could not start (waits up to a minute for
+    each to take it)."""
     message = encode(EngineStartFailed(start_failure_reason(error),
                                        traceback.format_exc(limit=30), engine_index))
     context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()

@@ -31,9 +31,10 @@ PARENT_STOP_SIGNAL = signal.SIGUSR1  # never sent by a service manager or a term
 
 @contextlib.contextmanager
 def held_for_children() -> Iterator[None]:
-    """Spawn children inside this: they start with the stop signals blocked (a signal mask
-    survives fork and exec), and one that reaches this process meanwhile waits, not lost."""
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    """Spawn children inside this: they start with the stop signals and PARENT_STOP_SIGNAL
+    blocked (a signal mask survives fork and exec) until they have set what each means to
+    them, and one that reaches this process meanwhile waits, not lost."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, (*STOP_SIGNALS, PARENT_STOP_SIGNAL))
     try:
         yield
     finally:
@@ -67,13 +68,15 @@ class StopRequests:
         self._callback: Callable[[int], None] | None = None
         for signum in signals:
             signal.signal(signum, self._on_signal)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)  # held since the spawn, maybe
 
     @property
     def requested(self) -> bool:
         return self.count > 0
 
     def on_stop(self, callback: Callable[[int], None] | None) -> None:
-        """`callback(count)` on each signal from now on (the count so far, this one included)."""
+        """`callback(count)` on each signal from now on (the count so far, this one included);
+        one that came before is the subscriber's to look at (`requested`)."""
         self._callback = callback
 
     def _on_signal(self, signum: int, _frame: object) -> None:

@@ -118,6 +118,8 @@ async def serve_api(engine_config: EngineConfig, server_config: ServerConfig,
         timeout_graceful_shutdown=max(1, int(server_config.shutdown_timeout)),
         h11_max_incomplete_event_size=64 * 1024), ctx, server_config.shutdown_timeout)
     stops.on_stop(server.stop_requested)
+    if stops.requested:  # a stop between the engines' readiness and now: drain (nothing yet)
+        server.stop_requested(stops.count)
     exit_status = 0
 
     def on_dead() -> None:

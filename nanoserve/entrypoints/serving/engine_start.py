@@ -45,8 +45,8 @@ async def wait_for_engines(client: EngineCoreClient, alive: Callable[[], bool],
     deadline = loop.time() + timeout_s
     ready: dict[int, EngineReady] = {}
     while loop.time() < deadline:
-        try:
-            message = await asyncio.wait_for(client.recv(), timeout=0.5)
+        try:  # after an engine core's exit, what it sent before it went
+            message = await asyncio.wait_for(client.recv(), timeout=0.5 if alive() else 0.1)
         except TimeoutError:
             if stopping():
                 return None
