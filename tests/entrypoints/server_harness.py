@@ -53,7 +53,10 @@ class RunningServer:
     before `wait_healthy()`: a start is seconds of one core, and the machine has two."""
 
     def __init__(self, *args: str, api_key: str | None = None, log: Path | None = None,
-                 wait: bool = True, env: dict[str, str] | None = None) -> None:
+                 wait: bool = True, env: dict[str, str] | None = None,
+                 own_session: bool = False) -> None:
+        """`own_session`: the server leads a process group of its own (as under a service
+        manager or a terminal), so a test can signal the whole group."""
         self.port = free_port()
         self.api_key = api_key
         cmd = [sys.executable, "-m", "nanoserve.entrypoints.cli", "serve", "--port",
@@ -65,7 +68,8 @@ class RunningServer:
         self.log_path = log
         self.log = open(log, "w") if log else tempfile.TemporaryFile("w+")  # noqa: SIM115
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env=None if env is None else {**os.environ, **env})
+                                     env=None if env is None else {**os.environ, **env},
+                                     start_new_session=own_session)
         self.url = f"http://127.0.0.1:{self.port}"
         if wait:
             self.wait_healthy()

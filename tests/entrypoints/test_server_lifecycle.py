@@ -1,5 +1,6 @@
-"""Server lifecycle on tiny models: engine death under load, the API process killed, SIGTERM
-drain, overload, several API processes, and the reasoning split.
+"""Server lifecycle on tiny models: engine death under load, the API process killed, overload,
+several API processes, and the reasoning split (the ways of stopping a server, draining:
+test_server_stop.py).
 
 Every wait here is on a state (a streamed chunk, a metric, a process gone), never a fixed
 sleep; every server is started through the `start_server` fixture, which stops it on teardown
@@ -146,35 +147,6 @@ def test_killing_the_api_process_leaves_no_orphan(tiny_model_dir: Any,
                    timeout=15)
     streams.join(timeout=10)
     assert all(errors for errors in streams.errors), "a client was not told"
-
-
-def test_sigterm_drains_in_flight_requests(tiny_model_dir: Any, start_server: Starter) -> None:
-    server = start_server(str(tiny_model_dir("llama")), "--shutdown-timeout", "120")
-    results: list[Any] = []
-
-    def request() -> None:
-        try:
-            response = httpx.post(server.url + "/v1/completions", json={
-                "prompt": "x", "max_tokens": 600, "ignore_eos": True, "n": 4,
-                "temperature": 1.0}, timeout=180)
-            results.append(response.json())
-        except Exception as e:  # reported by the assertion below
-            results.append(e)
-
-    thread = threading.Thread(target=request)
-    thread.start()
-    wait_until(lambda: server.metric("nanoserve:num_requests_running") >= 4,
-               "the request to be running")
-    server.proc.send_signal(signal.SIGTERM)
-    wait_until(lambda: httpx.get(server.url + "/health", timeout=2).status_code == 503,
-               "/health to say 503 while draining")
-    refused = httpx.post(server.url + "/v1/completions", json={"prompt": "y"}, timeout=5)
-    assert refused.status_code == 503
-    thread.join(timeout=180)
-    assert results and isinstance(results[0], dict), results
-    assert [c["finish_reason"] for c in results[0]["choices"]] == ["length"] * 4
-    assert results[0]["usage"]["completion_tokens"] == 2400
-    assert server.proc.wait(timeout=60) == 0
 
 
 def test_overload_is_429(tiny_model_dir: Any, start_server: Starter) -> None:
