@@ -201,7 +201,7 @@ def test_colliding_event_ports_are_refused_at_start_with_the_reason(tiny_model_d
     base = free_port_run(3)
     events = {"enable_kv_cache_events": True, "endpoint": f"tcp://127.0.0.1:{base}",
               "replay_endpoint": f"tcp://127.0.0.1:{base + 1}"}
-    with pytest.raises(RuntimeError, match="exited with 2 while starting") as refused:
+    with pytest.raises(RuntimeError, match="exited with 1 while starting") as refused:
         RunningServer(str(tiny_model_dir("llama")), "--zero-cost-engine",
                       "--data-parallel-size", "2", "--kv-events-config", json.dumps(events))
     assert f"collide at port {base + 1}" in str(refused.value)

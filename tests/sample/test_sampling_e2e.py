@@ -138,8 +138,8 @@ def test_cli_flag_loads_a_custom_processor(tiny_model_dir: Any, tmp_path: Path,
     assert banned.stdout != plain.stdout
     victim_text = llm.get_tokenizer().decode([victim])
     assert not banned.stdout.startswith("Once upon" + victim_text)
-    assert bad.returncode == 2 and "extra_args['ban_token']" in bad.stderr
-    assert missing.returncode == 2 and "cannot import 'no_such_module'" in missing.stderr
+    assert bad.returncode == 1 and "extra_args['ban_token']" in bad.stderr
+    assert missing.returncode == 1 and "cannot import 'no_such_module'" in missing.stderr
 
 
 def test_thinking_budget_forces_the_end_tag(tiny_reasoning_model_dir: Path) -> None:
