@@ -95,3 +95,34 @@ def test_the_engine_tokenizer_imports_no_transformers(source: str, tiny_model_di
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
     assert out.strip() == "False"
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "reasoning", "no class named"])
+def test_the_frontend_tokenizer_is_autotokenizers(family: str, tiny_model_dir: Any,
+                                                  tiny_reasoning_model_dir: Path,
+                                                  tmp_path: Path) -> None:
+    """load_tokenizer_from_dir hands AutoTokenizer a plain config (its start is the faster for
+    it): the tokenizer is the one AutoTokenizer builds alone, class, vocabulary, special tokens,
+    encoding and chat template; without a class named in tokenizer_config.json, it is
+    AutoTokenizer's own way."""
+    from transformers import AutoTokenizer
+
+    path = tiny_reasoning_model_dir if family == "reasoning" else tiny_model_dir(
+        "llama" if family == "no class named" else family)
+    if family == "no class named":
+        for f in path.iterdir():
+            (tmp_path / f.name).symlink_to(f)
+        config = json.loads((path / "tokenizer_config.json").read_text())
+        del config["tokenizer_class"]
+        (tmp_path / "tokenizer_config.json").unlink()
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+        path = tmp_path
+    ours, theirs = load_tokenizer_from_dir(path), AutoTokenizer.from_pretrained(str(path))
+    assert type(ours) is type(theirs)
+    assert ours.get_vocab() == theirs.get_vocab()
+    assert ours.special_tokens_map == theirs.special_tokens_map
+    text = "Hello, world! <think>2 + 2</think> = 4"
+    assert ours.encode(text) == theirs.encode(text)
+    chat = [{"role": "user", "content": "Hi"}]
+    assert ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
+        theirs.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
