@@ -11,7 +11,6 @@ feedback and telemetry off, inside a network namespace with nothing but loopback
 from __future__ import annotations
 
 import json
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -100,10 +99,20 @@ def run_codex(home: Path, server_args: list[str] | None = None) -> SandboxResult
 
 
 @pytest.fixture(scope="module")
-def codex_run() -> SandboxResult:
+def codex_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """CODEX_HOME (and the folder of the server's `--kv-cache-disk`) of the module's runs."""
+    return tmp_path_factory.mktemp("codex-home")
+
+
+def disk_tier(home: Path) -> list[str]:
+    return ["--kv-cache-disk", str(home / "kv")]
+
+
+@pytest.fixture(scope="module")
+def codex_run(codex_home: Path) -> SandboxResult:
+    """The module's first `codex exec`, its server's prefix cache left on disk at its stop."""
     _needs_codex()
-    with tempfile.TemporaryDirectory(prefix="codex-home-") as home:
-        return run_codex(Path(home))
+    return run_codex(codex_home, disk_tier(codex_home))
 
 
 def test_codex_exec_finishes_a_turn(codex_run: SandboxResult) -> None:
@@ -129,14 +138,12 @@ def test_codex_exec_finishes_a_turn(codex_run: SandboxResult) -> None:
     assert 2000 < usage["input_tokens"] < 8192, usage
 
 
-def test_codex_after_a_restart_reads_its_prompt_from_the_disk_tier(tmp_path: Path) -> None:
-    """Two `codex exec` runs, each against a server of its own over one `--kv-cache-disk`
-    folder (the second started after the first stopped): the second turn's prompt comes
-    mostly from the files. Prints each server's time to the first token (a figure, not a
-    check)."""
-    _needs_codex()
-    server = ["--kv-cache-disk", str(tmp_path / "kv")]
-    runs = [run_codex(tmp_path, server) for _ in range(2)]
+def test_codex_after_a_restart_reads_its_prompt_from_the_disk_tier(
+        codex_run: SandboxResult, codex_home: Path) -> None:
+    """A second `codex exec`, against a server of its own over the first's `--kv-cache-disk`
+    folder (started after the first stopped): its turn's prompt comes mostly from the files.
+    Prints each server's time to the first token (a figure, not a check)."""
+    runs = [codex_run, run_codex(codex_home, disk_tier(codex_home))]
     usages = []
     for result in runs:
         assert result.returncode == 0 and not result.failed_requests, result.describe()

@@ -63,15 +63,18 @@ def test_reasoning_effort_is_a_thinking_budget(server: RunningServer) -> None:
     asked = dict(model=MODEL, messages=ASK, max_tokens=1100, logprobs=True, **SEEDED)
     low = client.chat.completions.create(reasoning_effort="low", **asked).choices[0]
     assert reasoning_tokens(low) == EFFORT_BUDGETS["low"] == 1024
-    minimal = client.chat.completions.create(reasoning_effort="minimal", **asked).choices[0]
+    # (the others stop a few hundred tokens in: a random model's answer runs to max_tokens)
+    minimal = client.chat.completions.create(reasoning_effort="minimal",
+                                             **{**asked, "max_tokens": 300}).choices[0]
     assert reasoning_tokens(minimal) == EFFORT_BUDGETS["minimal"] == 256
     assert minimal.message.content  # the answer follows the forced `</think>`
     # the request's own budget wins over its effort
-    own = client.chat.completions.create(reasoning_effort="low", **asked,
+    own = client.chat.completions.create(reasoning_effort="low", **{**asked, "max_tokens": 40},
                                          extra_body={"thinking_token_budget": 8}).choices[0]
     assert reasoning_tokens(own) == 8
-    # without an effort nothing stops the section: the whole output is reasoning
-    free = client.chat.completions.create(**asked).choices[0]
+    # without an effort nothing stops the section: the whole output is reasoning, past the
+    # smallest budget
+    free = client.chat.completions.create(**{**asked, "max_tokens": 300}).choices[0]
     assert "</think>" not in [entry.token for entry in free.logprobs.content]
     assert free.message.content is None and free.finish_reason == "length"
     # none: the template closes the section (enable_thinking=False), all is content

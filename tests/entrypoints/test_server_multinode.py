@@ -101,4 +101,4 @@ def test_a_bad_node_rank_stops_serve_at_start_up() -> None:
     done = subprocess.run([*CLI, "--port", str(free_port()), *node_flags(2, free_port())],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 1
-    assert "nanoserve: error: --node-rank 2 is outside [0, 2) (--nnodes 2)" in done.stderr
+    assert "nanoserve serve: error: --node-rank 2 is outside [0, 2) (--nnodes 2)" in done.stderr

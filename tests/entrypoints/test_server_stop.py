@@ -33,9 +33,11 @@ from server_harness import RunningServer, wait_until
 
 pytestmark = pytest.mark.server
 
-MAX_TOKENS = 600
+MAX_TOKENS = 300
 PROMPT_LEN = 330  # 20 full blocks of 16
 CACHED = (PROMPT_LEN - 1) // 16 * 16
+# the last stream must outlive two signals 1.5 s apart: as long as the tiny model's 1,024 allow
+LONGEST_MAX_TOKENS = 1024 - PROMPT_LEN - 1
 STOPPED_WITHIN_S = 60.0
 
 
@@ -73,12 +75,13 @@ WAYS = [
 class Stream:
     """One long streamed completion on a thread: its chunks counted, its end recorded."""
 
-    def __init__(self, server: RunningServer, model: str, prompt_ids: list[int]) -> None:
+    def __init__(self, server: RunningServer, model: str, prompt_ids: list[int],
+                 max_tokens: int = MAX_TOKENS) -> None:
         self.num_chunks = 0
         self.finish_reason: str | None = None
         self.usage: dict[str, Any] | None = None
         self.error: str | None = None
-        body = {"model": model, "prompt": prompt_ids, "max_tokens": MAX_TOKENS,
+        body = {"model": model, "prompt": prompt_ids, "max_tokens": max_tokens,
                 "ignore_eos": True, "temperature": 0, "stream": True,
                 "stream_options": {"include_usage": True}}
         self.thread = threading.Thread(target=self._run, args=(server.url, body), daemon=True)
@@ -154,7 +157,8 @@ def test_every_way_of_stopping_drains_writes_the_disk_tier_and_leaves_nothing(
             if k > 0:  # the stop before this start wrote its blocks
                 assert cached_tokens(server, model, prompt(k - 1)) == CACHED, \
                     f"after {WAYS[k - 1].name}: not on disk"
-            stream = Stream(server, model, prompt(k))
+            stream = Stream(server, model, prompt(k),
+                            MAX_TOKENS if way else LONGEST_MAX_TOKENS)
             stream.wait_started()
             pids = tree(server.proc.pid)
             if way is None:
