@@ -23,6 +23,7 @@ from nanoserve.engine.rank_build import build_rank
 from nanoserve.engine.tp_executor import TensorParallelRanks, TPExecutor
 from nanoserve.engine.worker import Worker
 from nanoserve.engine.zero_cost_runner import ZeroCostRunner
+from nanoserve.model.gguf_split import gguf_model_files
 from nanoserve.model.loader import LoadedModel
 from nanoserve.reasoning_section import ReasoningTokens
 from nanoserve.sample.logits_processor import load_processor_classes
@@ -90,7 +91,7 @@ def _attach_disk_tier(core: EngineCore, config: EngineConfig, loaded: LoadedMode
         return
     assert isinstance(runner, ModelRunner) and config.cache.kv_cache_disk is not None
     path = Path(loaded.path)
-    files = ([path] if path.is_file() else
+    files = (gguf_model_files(path) if path.is_file() else  # a split GGUF's every part
              sorted(p for p in path.iterdir() if p.suffix == ".safetensors"
                     or p.name in _CHECKPOINT_FILES))
     fingerprint = model_fingerprint([
