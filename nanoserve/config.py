@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -31,6 +32,32 @@ ALLOW_LONG_MAX_MODEL_LEN = "NANOSERVE_ALLOW_LONG_MAX_MODEL_LEN"
 
 def allow_long_max_model_len() -> bool:
     return os.environ.get(ALLOW_LONG_MAX_MODEL_LEN, "").lower() in ("1", "true")
+
+
+@dataclass(frozen=True)
+class HubEnvironment:
+    """huggingface_hub's variables as a model fetched by name uses them (model/sources/hub.py):
+    its endpoint (`HF_ENDPOINT`), cache (`HF_HUB_CACHE`, else `HF_HOME`/hub) and offline switch
+    (`HF_HUB_OFFLINE`), with huggingface_hub's precedence and defaults. `HF_TOKEN` is left to
+    huggingface_hub, which reads it at each request."""
+
+    endpoint: str  # "https://huggingface.co", no trailing slash
+    cache_dir: Path  # the hub cache: models--org--repo/{blobs,refs,snapshots}
+    is_offline: bool
+
+
+def hub_environment() -> HubEnvironment:
+    """Read when a name is fetched, not at import: huggingface_hub reads these once, when it is
+    first imported, so a process (or a test) that sets them later would get the stale values;
+    passing them to it explicitly makes the ones set now the ones used."""
+    env = os.environ
+    home = env.get("HF_HOME") or str(Path(env.get("XDG_CACHE_HOME") or "~/.cache") / "huggingface")
+    cache = env.get("HF_HUB_CACHE") or env.get("HUGGINGFACE_HUB_CACHE") or str(Path(home) / "hub")
+    offline = env.get("HF_HUB_OFFLINE") or env.get("TRANSFORMERS_OFFLINE") or ""
+    return HubEnvironment(
+        endpoint=(env.get("HF_ENDPOINT") or "https://huggingface.co").rstrip("/"),
+        cache_dir=Path(os.path.expandvars(cache)).expanduser(),
+        is_offline=offline.strip().upper() in ("1", "ON", "YES", "TRUE"))
 
 
 @dataclass(frozen=True)
