@@ -29,6 +29,32 @@ from nanoserve.model.gguf_file import GGUFFile  # noqa: E402
 from nanoserve.model.loader import default_model_path  # noqa: E402
 from nanoserve.model.tokenizer import load_tokenizer_from_gguf  # noqa: E402
 
+_SESSION_STORE = pytest.StashKey[str]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Models pulled by name (model/sources/store.py) go to a store of the session's own, never
+    the user's, and an Ollama or hub name reaches nothing but loopback: port 9 (discard)
+    refuses, and the tests that pull point NANOSERVE_REGISTRY or HF_ENDPOINT at a registry or
+    hub they serve themselves. Every server a test starts inherits these."""
+    import tempfile
+
+    if "NANOSERVE_MODELS" not in os.environ:
+        config.stash[_SESSION_STORE] = tempfile.mkdtemp(prefix="nanoserve-test-store-")
+        os.environ["NANOSERVE_MODELS"] = config.stash[_SESSION_STORE]
+    os.environ.setdefault("NANOSERVE_REGISTRY", "http://127.0.0.1:9")
+    # a hub name reaches nothing but loopback either (the tests that fetch serve their own hub),
+    # and huggingface_hub sends nothing of its own
+    os.environ.setdefault("HF_ENDPOINT", "http://127.0.0.1:9")
+    os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    import shutil
+
+    if _SESSION_STORE in config.stash:
+        shutil.rmtree(config.stash[_SESSION_STORE], ignore_errors=True)
+
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Mark `server` the tests of a module that starts `nanoserve serve` subprocesses (it uses

@@ -117,6 +117,16 @@ def test_an_unknown_model_is_a_404(client: ollama.Client) -> None:
         assert 'model "llama3.2" not found' in refused.value.error
 
 
+def test_a_pull_of_the_served_model_is_done_at_once(client: ollama.Client) -> None:
+    """Clients that pull before they chat: the served model is here, so its pull succeeds
+    (streamed or not); another name is refused, saying where models are pulled."""
+    assert [p.status for p in client.pull(MODEL, stream=True)] == ["success"]
+    assert client.pull(MODEL + ":latest").status == "success"
+    with pytest.raises(ollama.ResponseError, match="--models-dir") as refused:
+        client.pull("llama3.2")
+    assert refused.value.status_code == 400
+
+
 # chat and generate: the same text as the OpenAI routes
 
 
@@ -265,7 +275,7 @@ def test_empty_requests_only_load_or_unload(client: ollama.Client) -> None:
     ("/api/chat", {"messages": ASK, "format": "yaml"}, 400, 'format must be "json"'),
     ("/api/chat", {"messages": ASK, "format": {"type": "wizard"}}, 400, "format"),
     ("/api/chat", {"model": None, "messages": ASK}, 400, "model is required"),
-    ("/api/pull", {"model": "llama3.2"}, 400, "/api/pull is not supported"),
+    ("/api/pull", {"model": "llama3.2"}, 400, "cannot pull 'llama3.2' here"),
 ])
 def test_refusals_are_ollamas_error_shape(server: RunningServer, path: str,
                                           body: dict[str, Any], status: int,

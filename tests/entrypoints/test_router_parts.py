@@ -20,8 +20,11 @@ def test_a_models_dir_holds_gguf_files_and_model_directories(tmp_path: Path) -> 
     (tmp_path / "a-hf" / "config.json").write_text("{}")
     (tmp_path / "not-a-model").mkdir()
     (tmp_path / "readme.txt").write_text("hi")
+    for part in (1, 2):  # a split model: one model, by the name before the part's number
+        (tmp_path / f"c-big-Q8_0-{part:05d}-of-00002.gguf").write_bytes(b"GGUF")
     models = find_models(str(tmp_path))
-    assert list(models) == ["a-hf", "b-model.Q4_1"]
+    assert list(models) == ["a-hf", "b-model.Q4_1", "c-big-Q8_0"]
+    assert models["c-big-Q8_0"].name == "c-big-Q8_0-00001-of-00002.gguf"
     assert chat_template_beside(models["b-model.Q4_1"]) == tmp_path / "b-model.Q4_1.jinja"
     assert chat_template_beside(models["a-hf"]) is None
 
@@ -45,6 +48,11 @@ def test_names_clients_send_resolve_with_or_without_ollamas_tag() -> None:
     assert names.resolve("gemma:7b") is None  # another tag is another model
     assert names.resolve("other") is None
     assert names.resolve("/m/gemma.gguf") is None  # a path is no name here
+    # a model named with the default tag (a pull of `smollm2`) answers without it too
+    pulled = ModelNames({"smollm2:latest": Path("/s/blobs/sha256-1"), "smollm2:135m": None})
+    assert pulled.resolve("smollm2") == pulled.resolve("smollm2:latest") == "smollm2:latest"
+    assert pulled.resolve("smollm2:135m") == "smollm2:135m"
+    assert pulled.resolve("smollm2:135m:latest") == "smollm2:135m"
 
 
 def test_a_single_models_server_answers_to_what_the_router_does() -> None:

@@ -1,18 +1,21 @@
 """Ollama's routes on the server's app (`/api/...`, Ollama's docs/api.md): version, the model
 listings (tags, ps, show), chat, generate and embeddings, for the one model the server runs.
-The routes that manage Ollama's model store (pull, push, create, copy, delete, blobs) answer a
-400 saying so. Errors take Ollama's shape (`errors.py`); the API key, the body limit and the
-capacity checks are the server's, as on every route.
+A pull of that model answers `success` at once (it is here: clients that pull before they chat
+work); a pull of another name, and the other routes that manage Ollama's model store (push,
+create, copy, delete, blobs), answer a 400 saying where models are pulled (a router of
+--models-dir, router/ollama_pull.py). Errors take Ollama's shape (`errors.py`); the API key,
+the body limit and the capacity checks are the server's, as on every route.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 
 import nanoserve
 from nanoserve.entrypoints.ollama.model_card import ModelCard, read_model_card
@@ -54,7 +57,7 @@ _FOREVER = timedelta(microseconds=(2**63 - 1) // 1000)
 # the sampling defaults /api/show names, in Ollama's words
 _PARAMETER_NAMES = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p",
                     "min_p": "min_p", "repetition_penalty": "repeat_penalty"}
-_STORE_ROUTES = (("/api/pull", "POST"), ("/api/push", "POST"), ("/api/create", "POST"),
+_STORE_ROUTES = (("/api/push", "POST"), ("/api/create", "POST"),
                  ("/api/copy", "POST"), ("/api/delete", "DELETE"),
                  ("/api/blobs/{digest}", "POST"), ("/api/blobs/{digest}", "HEAD"))
 
@@ -124,6 +127,23 @@ def add_ollama_routes(app: FastAPI, ctx: ServerContext) -> None:
         raise bad_request(f"{raw.url.path} is not supported: nanoserve serves one model, "
                           f'"{ctx.model_name}", loaded when it started (nanoserve serve '
                           "--model); it has no model store to pull into or change")
+
+    @app.post("/api/pull", include_in_schema=False, response_model=None)
+    async def ollama_pull(raw: Request) -> Response:
+        try:
+            body = json.loads(await raw.body() or b"{}")
+        except ValueError:
+            body = None
+        asked = (body.get("model") or body.get("name")) if isinstance(body, dict) else None
+        if isinstance(asked, str) and ctx.answers_to(asked):
+            if body is not None and body.get("stream") is False:
+                return JSONResponse({"status": "success"})
+            return Response(json.dumps({"status": "success"}) + "\n", media_type=NDJSON)
+        raise bad_request(f"cannot pull {asked!r} here: this server serves one model, "
+                          f'"{ctx.model_name}", loaded when it started. To pull models and '
+                          "serve them by name, run a router: nanoserve serve --models-dir DIR "
+                          "(--allow-pull pulls what requests name); or pull it with `nanoserve "
+                          "pull NAME` and serve it with `nanoserve serve NAME`", "model")
 
     for path, method in _STORE_ROUTES:
         app.add_api_route(path, model_store, methods=[method], include_in_schema=False,

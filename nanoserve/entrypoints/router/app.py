@@ -3,9 +3,10 @@ by hand, /metrics over every loaded model, the chat page and dashboard), and eve
 forwarded to the server of the model the request names (forward.py).
 
 Endpoints, as llama-server's router mode spells them:
-- `GET /v1/models` (and `/models`): every model in the directory, each with
-  `status: {"value": "loaded" | "loading" | "unloading" | "unloaded"}` (and `failure`, the
-  reason its last load failed, if it did).
+- `GET /v1/models` (and `/models`): every model in the directory and every pulled one, each
+  with `status: {"value": "loaded" | "loading" | "unloading" | "unloaded"}` (and `failure`, the
+  reason its last load failed, if it did); a model being pulled, with
+  `status: {"value": "pulling", "progress": {...}}` (its last event, as /api/pull's lines).
 - `POST /models/load` / `POST /models/unload` `{"model": NAME}`: answer once it is loaded, or
   once its running requests have ended and its server is gone.
 """
@@ -17,7 +18,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import httpx
 from fastapi import FastAPI, Request
@@ -32,12 +33,13 @@ from nanoserve.entrypoints.router.forward import (
     body_fields,
     error_response,
     forward,
-    request_model,
     take_lease,
 )
 from nanoserve.entrypoints.router.metrics_merge import merge_expositions
+from nanoserve.entrypoints.router.ollama_pull import add_ollama_pull_routes
 from nanoserve.entrypoints.router.ollama_routes import add_ollama_router_routes, ollama_keep_alive
 from nanoserve.entrypoints.router.pool import ModelPool, ModelState
+from nanoserve.entrypoints.router.pulled_models import PulledModels
 from nanoserve.entrypoints.serving.auth import PUBLIC_PATHS
 from nanoserve.entrypoints.serving.limits import BodyLimitMiddleware
 from nanoserve.entrypoints.web.router import PUBLIC_PATHS as WEB_PUBLIC_PATHS
@@ -47,7 +49,7 @@ from nanoserve.server_config import ServerConfig
 _METRICS_TIMEOUT_S = 5.0
 
 
-def build_router_app(pool: ModelPool, config: ServerConfig) -> FastAPI:
+def build_router_app(pool: ModelPool, config: ServerConfig, pulled: PulledModels) -> FastAPI:
     client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0),
                                limits=httpx.Limits(max_connections=None,
                                                    max_keepalive_connections=64))
@@ -58,6 +60,7 @@ def build_router_app(pool: ModelPool, config: ServerConfig) -> FastAPI:
         try:
             yield
         finally:
+            pulled.pulls.close()
             await pool.close()
             await client.aclose()
 
@@ -80,18 +83,25 @@ def build_router_app(pool: ModelPool, config: ServerConfig) -> FastAPI:
     @app.get("/v1/models")
     @app.get("/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card(pool, name) for name in pool.entries]}
+        await pulled.refresh()
+        cards = [model_card(pool, name) for name, e in pool.entries.items() if not e.removed]
+        cards += [_pulling_card(name, status) for name, status in pulled.pulls.status().items()
+                  if name not in pool.entries]
+        return {"object": "list", "data": cards}
 
     @app.post("/models/load")
     async def load(request: Request) -> dict[str, Any]:
-        name = _named_model(pool, await request.body())
+        fields = body_fields(await request.body())
+        _named_model(fields)
+        name = await pulled.find(request.url.path, fields, None)
         lease = await take_lease(pool, name)
         await pool.release(lease)
         return {"success": True, "model": name, "status": {"value": "loaded"}}
 
     @app.post("/models/unload")
     async def unload(request: Request) -> dict[str, Any]:
-        name = _named_model(pool, await request.body())
+        asked = _named_model(body_fields(await request.body()))
+        name = pool.names.resolve(asked) or _unknown(asked)
         await pool.unload(name)
         return {"success": True, "model": name, "status": {"value": "unloaded"}}
 
@@ -113,7 +123,8 @@ def build_router_app(pool: ModelPool, config: ServerConfig) -> FastAPI:
         return Response(merge_expositions(list(texts)),
                         media_type="text/plain; version=0.0.4")
 
-    add_ollama_router_routes(app, pool, client)
+    add_ollama_router_routes(app, pool, client, pulled)
+    add_ollama_pull_routes(app, pulled)
     public_paths = PUBLIC_PATHS
     if config.web_ui:  # the pages here; their /web/defaults comes from the chosen model
         app.include_router(web_router())
@@ -123,8 +134,7 @@ def build_router_app(pool: ModelPool, config: ServerConfig) -> FastAPI:
     async def to_model(request: Request, path: str) -> Response:
         body = await request.body()
         fields = body_fields(body)
-        name = request_model(request.url.path, fields, request.query_params.get("model"),
-                             pool.names)
+        name = await pulled.find(request.url.path, fields, request.query_params.get("model"))
         keep_alive = ollama_keep_alive(request.url.path, fields)
         lease = await take_lease(pool, name, keep_alive)
         return await forward(request, client, pool, lease, body)
@@ -163,12 +173,19 @@ def _disk_folder(args: list[str]) -> Path | None:
     return None
 
 
-def _named_model(pool: ModelPool, body: bytes) -> str:
-    """The `model` of a /models/load or /models/unload body, as a catalog name."""
-    asked = body_fields(body).get("model")
+def _pulling_card(name: str, status: dict[str, Any]) -> dict[str, Any]:
+    """A model being pulled, as `/v1/models` lists it until it is here."""
+    return {"id": name, "object": "model", "created": 0, "owned_by": "nanoserve",
+            "root": name, "status": status}
+
+
+def _named_model(fields: dict[str, Any]) -> str:
+    """The `model` of a /models/load or /models/unload body."""
+    asked = fields.get("model")
     if not isinstance(asked, str):
         raise RouteError(400, "give the model to load or unload: {\"model\": NAME}")
-    name = pool.names.resolve(asked)
-    if name is None:
-        raise RouteError(404, f"The model `{asked}` does not exist.")
-    return name
+    return asked
+
+
+def _unknown(asked: str) -> NoReturn:
+    raise RouteError(404, f"The model `{asked}` does not exist.")

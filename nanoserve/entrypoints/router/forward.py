@@ -30,6 +30,7 @@ from nanoserve.entrypoints.router.pool import (
 )
 from nanoserve.entrypoints.serving.errors import error_body
 from nanoserve.entrypoints.serving.model_names import ModelNames
+from nanoserve.model.sources.names import parse_model_name
 
 # hop-by-hop headers, and those the relay sets itself
 _DROPPED_HEADERS = frozenset({"host", "connection", "keep-alive", "transfer-encoding", "te",
@@ -69,15 +70,23 @@ def auth_headers(request: Request) -> dict[str, str]:
                                                                       "x-api-key")}
 
 
+def asked_model(fields: dict[str, Any], query_model: str | None) -> str | None:
+    """The name the request gives: its body's `model`, else the `model` query parameter."""
+    return fields["model"] if isinstance(fields.get("model"), str) else query_model
+
+
 def request_model(path: str, fields: dict[str, Any], query_model: str | None,
                   names: ModelNames) -> str:
     """The catalog name the request is for (any name the model answers to: model_names.py).
     A body without `model` is for the only model, if the directory holds one; otherwise a
     400 naming the models."""
-    asked = fields["model"] if isinstance(fields.get("model"), str) else query_model
+    asked = asked_model(fields, query_model)
     if asked is None:
         if len(names.names) == 1:
             return names.names[0]
+        if not names.names:
+            raise RouteError(400, "model is required, and this server holds no model yet: "
+                                  "pull one (`nanoserve pull NAME`, or Ollama's /api/pull)")
         raise RouteError(400, f"model is required: this server holds {len(names.names)} models "
                               f"({', '.join(sorted(names.names))}); name one in `model`")
     name = names.resolve(asked)
@@ -87,10 +96,18 @@ def request_model(path: str, fields: dict[str, Any], query_model: str | None,
 
 
 def _unknown_message(path: str, asked: str, names: tuple[str, ...]) -> str:
+    """A 404 that says how to get the model: the pull commands, where `asked` is a name a pull
+    takes (Ollama answers a chat for a model it lacks so, and never downloads one silently)."""
+    here = ", ".join(sorted(names)) or "none yet"
+    can_pull = parse_model_name(asked) is not None
     if path.startswith(OLLAMA_PREFIX):  # Ollama's own words, which its clients show
-        return (f'model "{asked}" not found, try pulling it first (this server serves the '
-                f"models of its --models-dir: {', '.join(sorted(names))})")
-    return f"The model `{asked}` does not exist. Models here: {', '.join(sorted(names))}"
+        how = f"`ollama pull {asked}` or `nanoserve pull {asked}`; " if can_pull else ""
+        return (f'model "{asked}" not found, try pulling it first ({how}this server serves '
+                f"the models of its --models-dir and those pulled: {here})")
+    how = (f" Pull it first: `nanoserve pull {asked}`, or `ollama pull {asked}` against this "
+           "server (a router started with --allow-pull pulls what it is asked for)."
+           if can_pull else "")
+    return f"The model `{asked}` does not exist.{how} Models here: {here}"
 
 
 async def take_lease(pool: ModelPool, name: str, keep_alive: KeepAlive = DEFAULT) -> Lease:

@@ -1,7 +1,8 @@
 """Ollama's API where it is about several models: the router answers `/api/tags` (every model
-in the directory), `/api/ps` (the loaded ones, with when each unloads) and `/api/version`
-itself, and reads each request's `keep_alive`. `/api/chat`, `/api/generate`, `/api/embed` and
-`/api/show` go to the model's own server, which speaks Ollama's API (entrypoints/ollama/).
+in the directory and every pulled one), `/api/ps` (the loaded ones, with when each unloads)
+and `/api/version` itself, and reads each request's `keep_alive`. `/api/chat`, `/api/generate`,
+`/api/embed` and `/api/show` go to the model's own server, which speaks Ollama's API
+(entrypoints/ollama/). `/api/pull` and `/api/delete` are ollama_pull.py's.
 
 An empty `/api/generate` or `/api/chat` (no prompt, no messages) only loads the model, or with
 `keep_alive: 0` unloads it, as Ollama's do: the unload is answered here, without loading it
@@ -28,11 +29,12 @@ from nanoserve.entrypoints.router.forward import (
     auth_headers,
     body_fields,
     forward,
-    request_model,
     take_lease,
 )
 from nanoserve.entrypoints.router.pool import DEFAULT, KeepAlive, ModelPool, ModelState
+from nanoserve.entrypoints.router.pulled_models import PulledModels
 from nanoserve.entrypoints.serving.errors import APIError
+from nanoserve.model.sources.store import PulledModel
 
 # the paths whose bodies carry `keep_alive` in Ollama's API
 _KEEP_ALIVE_PATHS = frozenset({"/api/chat", "/api/generate", "/api/embed", "/api/embeddings"})
@@ -49,15 +51,21 @@ def ollama_keep_alive(path: str, fields: dict[str, Any]) -> KeepAlive:
         raise RouteError(e.status, e.message) from e
 
 
-def _listed(name: str, card: ModelCard) -> dict[str, Any]:
-    """A model as /api/tags lists it (the fields of the model's own server's /api/tags)."""
+def _listed(name: str, card: ModelCard, pulled: PulledModel | None) -> dict[str, Any]:
+    """A model as /api/tags lists it (the fields of the model's own server's /api/tags); a
+    pulled one with its pull's time, size on disk and digest (bare hex, as Ollama's)."""
     details = {"parent_model": "", "format": "", "family": "", "families": None,
                "parameter_size": "", "quantization_level": "", **card.details}
-    return {"name": name, "model": name, "modified_at": card.modified_at, "size": card.size,
-            "digest": card.digest, "details": details}
+    listed = {"name": name, "model": name, "modified_at": card.modified_at, "size": card.size,
+              "digest": card.digest, "details": details}
+    if pulled is not None:
+        listed.update(modified_at=rfc3339(pulled.modified_at), size=pulled.size,
+                      digest=pulled.digest.removeprefix("sha256:") or card.digest)
+    return listed
 
 
-def add_ollama_router_routes(app: FastAPI, pool: ModelPool, client: httpx.AsyncClient) -> None:
+def add_ollama_router_routes(app: FastAPI, pool: ModelPool, client: httpx.AsyncClient,
+                             pulled: PulledModels) -> None:
     cards: dict[Path, ModelCard] = {}  # read on first use (a GGUF file's header: ~1 s)
 
     def card(path: Path) -> ModelCard:
@@ -71,8 +79,11 @@ def add_ollama_router_routes(app: FastAPI, pool: ModelPool, client: httpx.AsyncC
 
     @app.get("/api/tags")
     async def tags() -> dict[str, Any]:
+        await pulled.refresh()
+        entries = [e for e in pool.entries.values() if not e.removed]
         listed = await asyncio.to_thread(
-            lambda: [_listed(e.name, card(e.path)) for e in pool.entries.values()])
+            lambda: [_listed(e.name, card(e.path), pulled.records.get(e.name))
+                     for e in entries])
         return {"models": listed}
 
     @app.get("/api/ps")
@@ -103,7 +114,7 @@ def add_ollama_router_routes(app: FastAPI, pool: ModelPool, client: httpx.AsyncC
         body = await request.body()
         fields = body_fields(body)
         keep_alive = ollama_keep_alive(request.url.path, fields)
-        name = request_model(request.url.path, fields, None, pool.names)
+        name = await pulled.find(request.url.path, fields, None)
         if not fields.get(field) and keep_alive == 0:
             await pool.unload(name)
             answer: dict[str, Any] = {"model": name, "created_at": rfc3339(time.time()),

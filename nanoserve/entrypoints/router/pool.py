@@ -13,6 +13,8 @@ A request takes a lease on its model (`acquire`) and gives it back when its answ
   it) unloads; a keep-alive of 0 unloads it once its last request ends.
 - A load that fails answers every request that waited for it with the reason (503); the next
   request tries again. A model whose server dies is unloaded; the next request reloads it.
+- Models come and go while the router runs (pulled, deleted: `add`, `remove`); a removed model
+  takes no new request, finishes those it runs, then leaves.
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ class ModelEntry:
     draining: bool = False  # to unload: it takes no new request
     failure: str | None = None  # why its last load failed
     loads_begun: int = 0
+    removed: bool = False  # deleted: it takes no request and leaves once unloaded
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
 
 
@@ -81,7 +84,7 @@ class Lease:
 
 @dataclass
 class _Waiter:
-    name: str
+    entry: ModelEntry
 
 
 class ModelPool:
@@ -109,7 +112,7 @@ class ModelPool:
         """A lease on `name`'s server, once it is loaded. UnknownModelError, LoadError (its
         load failed), TooManyWaitingError (more requests wait for loads than allowed)."""
         entry = self.entries.get(name)
-        if entry is None:
+        if entry is None or entry.removed:
             raise UnknownModelError(name)
         async with self._changed:
             if entry.state is ModelState.LOADED and not entry.draining:
@@ -117,11 +120,13 @@ class ModelPool:
             if len(self._waiting) >= self.max_waiting:
                 raise TooManyWaitingError(
                     f"{len(self._waiting)} requests already wait for models to load")
-            waiter = _Waiter(name)
+            waiter = _Waiter(entry)
             self._waiting.append(waiter)
             loads_seen = entry.loads_begun
             try:
                 while True:
+                    if entry.removed:
+                        raise UnknownModelError(name)
                     if entry.state is ModelState.LOADED and not entry.draining:
                         return self._lease(entry, keep_alive)
                     if entry.state is ModelState.UNLOADED:
@@ -164,6 +169,37 @@ class ModelPool:
                                                                   ModelState.LOADED)
                                          and not entry.draining)
 
+    def add(self, name: str, path: Path) -> None:
+        """Serve `name` from `path` from now on (a model pulled while the router runs). A name
+        already served keeps its entry; its next load reads `path` (a loaded server keeps the
+        file it opened)."""
+        entry = self.entries.get(name)
+        if entry is None:
+            self.entries[name] = ModelEntry(name, path)
+            self._names_changed()
+        elif not entry.removed:
+            entry.path = path
+
+    async def remove(self, name: str) -> None:
+        """Stop serving `name`: no new request reaches it; returns once its running requests
+        have ended and its server is gone (Ollama's delete of a loaded model)."""
+        entry = self.entries.get(name)
+        if entry is None or entry.removed:
+            raise UnknownModelError(name)
+        async with self._changed:
+            entry.removed = True
+            if entry.state is ModelState.LOADED:
+                entry.draining = True
+                if entry.in_flight == 0:
+                    self._begin_unload(entry)
+            self._changed.notify_all()  # requests that wait for it: a 404 now
+            await self._changed.wait_for(lambda: entry.state is ModelState.UNLOADED)
+            del self.entries[name]
+            self._names_changed()
+
+    def _names_changed(self) -> None:
+        self.names = ModelNames({name: e.path for name, e in self.entries.items()})
+
     async def close(self) -> None:
         """Stop every model's server (the router is stopping)."""
         if self._reaper is not None:
@@ -193,7 +229,7 @@ class ModelPool:
     def _first_to_load(self, waiter: _Waiter) -> bool:
         """Whether `waiter` is the oldest of the requests whose model is not loaded."""
         for other in self._waiting:
-            if self.entries[other.name].state is ModelState.UNLOADED:
+            if other.entry.state is ModelState.UNLOADED:
                 return other is waiter
         return False
 
@@ -257,6 +293,8 @@ class ModelPool:
             entry.last_used = time.monotonic()
             keep = self.keep_alive
             entry.expires_at = None if keep is None or keep < 0 else time.time() + keep
+            if entry.removed:  # deleted while it loaded
+                self._begin_unload(entry)
             self._changed.notify_all()
         self._spawn(entry, self._watch(entry, server))
 

@@ -1,6 +1,8 @@
 """`nanoserve serve --models-dir DIR`: the router process. It imports no torch and loads no
 model itself; each model's server is a `nanoserve serve` of its own (model_server.py), given
-the same command-line options as the router's, but for those only the router can use."""
+the same command-line options as the router's, but for those only the router can use. It
+serves the directory's models and those pulled by name (pulled_models.py); with
+`--allow-pull`, it pulls a model a request names that nobody has pulled yet."""
 
 from __future__ import annotations
 
@@ -17,15 +19,18 @@ from nanoserve.engine.stop_signals import STOP_SIGNALS, StopRequests
 from nanoserve.entrypoints.router.app import build_router_app
 from nanoserve.entrypoints.router.catalog import find_models
 from nanoserve.entrypoints.router.pool import ModelPool
+from nanoserve.entrypoints.router.pulled_models import PulledModels
 from nanoserve.entrypoints.serving.event_loop import run_event_loop
 from nanoserve.entrypoints.serving.listen import AddressInUseError, bind_listening_socket
 from nanoserve.entrypoints.web.router import page_banner
+from nanoserve.model.sources.store import list_pulled
 from nanoserve.server_config import ServerConfig
 
 # options of the router itself, with how many values each takes (-1: one or more)
 _ROUTER_ONLY = {"--models-dir": 1, "--models-max": 1, "--keep-alive": 1, "--host": 1,
                 "--port": 1, "--served-model-name": 1, "--model": 1, "--allowed-origins": -1,
-                "--no-web-ui": 0, "--stopped-by-parent": 0}
+                "--no-web-ui": 0, "--stopped-by-parent": 0, "--allow-pull": 0,
+                "--hf-token": 1}
 _LOAD_TIMEOUT_S = 900.0  # a model's start, as long as the single server's engine may take
 
 
@@ -61,7 +66,8 @@ def run_router(args: argparse.Namespace, server: ServerConfig, argv: list[str]) 
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.model_positional or args.model:
         raise ValueError("give either a MODEL or --models-dir, not both")
-    models = find_models(args.models_dir)
+    pulled_now = [m for m in list_pulled() if m.path.exists()]
+    models = find_models(args.models_dir, may_be_empty=args.allow_pull or bool(pulled_now))
     keep_alive = None if args.keep_alive < 0 else float(args.keep_alive)
     stops = StopRequests(STOP_SIGNALS)
     # a model's server gets the drain's time, then its engine's to write its disk tier
@@ -74,12 +80,19 @@ def run_router(args: argparse.Namespace, server: ServerConfig, argv: list[str]) 
     except AddressInUseError as e:
         print(f"nanoserve serve: {e.strerror}", file=sys.stderr, flush=True)
         return 1
-    app = build_router_app(pool, server)
+    pulled = PulledModels(pool, allow_pull=args.allow_pull, token=args.hf_token)
+    for model in pulled_now:
+        pulled.serve(model)
+    app = build_router_app(pool, server, pulled)
     config = uvicorn.Config(app, log_level=server.log_level, access_log=False,
                             timeout_graceful_shutdown=max(1, int(server.shutdown_timeout)))
     kept = "kept loaded" if keep_alive is None else f"unloaded after {keep_alive:g} s idle"
-    print(f"Serving {len(models)} models from {args.models_dir} ({', '.join(models)}), "
-          f"loaded on first use, at most {args.models_max} at once, {kept}", flush=True)
+    names = ", ".join([*models, *pulled.records]) or "none yet"
+    more = ("a model a request names is pulled if it is not here (--allow-pull)"
+            if args.allow_pull else "more with `nanoserve pull NAME` or /api/pull")
+    print(f"Serving {len(models) + len(pulled.records)} models ({names}): the files of "
+          f"{args.models_dir} and those pulled by name; {more}; loaded on first use, at most "
+          f"{args.models_max} at once, {kept}", flush=True)
     if server.web_ui:
         print(page_banner(server.host, server.port, "any of them"), flush=True)
 

@@ -4,7 +4,9 @@ and the model's server checks it again).
 
 A model answers to its served name, to its model file's name (`x.gguf`) and stem (`x`), or its
 directory's name, and to each of these with Ollama's default tag, `:latest`, which Ollama's
-clients add to a name given without a tag. Another tag is another model, as in Ollama.
+clients add to a name given without a tag; a model named with that tag (`smollm2:latest`, as a
+pull records `smollm2`) answers to the name without it too. Another tag is another model, as in
+Ollama.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ DEFAULT_TAG = "latest"
 
 def model_aliases(name: str, path: str | Path | None = None) -> frozenset[str]:
     """Every name the model served as `name` from `path` answers to (see the module)."""
-    bases = {name}
+    bases = {name, name.removesuffix(f":{DEFAULT_TAG}")}
     if path is not None and str(path):
         file = Path(path)
         bases.add(file.name)
