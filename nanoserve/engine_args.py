@@ -48,7 +48,14 @@ class EngineArgs:
     """The engine's settings as the user gives them: flat, with flags and keyword names."""
 
     model: str | None = _arg(
-        ModelConfig.model, f"HF model directory or .gguf file (default: {DEFAULT_MODEL_NAME})")
+        ModelConfig.model, "a local HF model directory or .gguf file, or a name: org/repo, "
+        "org/repo:QUANT (a GGUF repository's file), hf.co/org/repo:QUANT, an Ollama name "
+        f"such as qwen3.5:0.8b (default: {DEFAULT_MODEL_NAME})")
+    revision: str | None = _arg(
+        None, "with a hub name: the branch, tag or commit to fetch (default: the main branch)")
+    hf_token: str | None = _arg(
+        None, "with a hub name: the token of a gated or private repository (default: HF_TOKEN "
+        "or the one `hf auth login` stored)")
     device: str = _arg(ModelConfig.device, "auto | cpu | cuda | cuda:N")
     dtype: str = _arg(ModelConfig.dtype, "auto | float32 | bfloat16 | float16 "
                       "(auto: float32 on CPU, bfloat16 on CUDA)")

@@ -28,10 +28,10 @@ def _per_token_us(run: Any, token_ids: list[int], repeats: int) -> float:
 
 def run_detokenize_bench(args: argparse.Namespace) -> int:
     from nanoserve.model.gguf_file import GGUFFile
-    from nanoserve.model.loader import resolve_model_path
+    from nanoserve.model.sources.fetch import local_model
     from nanoserve.model.tokenizer import load_tokenizer_from_dir, load_tokenizer_from_gguf
 
-    path = resolve_model_path(args.model)
+    path = local_model(args.model)
     tokenizer = load_tokenizer_from_dir(path) if path.is_dir() else \
         load_tokenizer_from_gguf(GGUFFile(path))
     prompt = tokenizer.encode("Tell me about streaming.", add_special_tokens=False)

@@ -194,9 +194,9 @@ def _ready(process: subprocess.Popen[bytes], port: int, name: str) -> Iterator[s
 
 def gguf_for_llama_server(model: str | None) -> Path:
     """The GGUF file both servers serve; llama-server reads nothing else."""
-    from nanoserve.model.loader import resolve_model_path
+    from nanoserve.model.sources.fetch import local_model
 
-    path = resolve_model_path(model)
+    path = local_model(model)
     if path.suffix != ".gguf":
         raise ValueError(f"--compare-llama-server needs a GGUF model; {model!r} resolves to "
                          f"{path}")

@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from nanoserve.bench.cli import add_bench_commands
 from nanoserve.engine_args import EngineArgs
+from nanoserve.entrypoints.model_by_name import with_local_model
+from nanoserve.entrypoints.model_commands import add_model_commands
 from nanoserve.entrypoints.serving.chat_defaults import chat_defaults, describe
-from nanoserve.model.model_path import resolve_model_path
 from nanoserve.native import check_cpu_isa
 from nanoserve.parsers.reasoning import REASONING_PARSERS
 from nanoserve.parsers.tool_calls import TOOL_CALL_PARSERS
@@ -154,6 +155,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine_args = EngineArgs.from_cli_args(args)
     if args.model_positional and engine_args.model is None:
         engine_args = replace(engine_args, model=args.model_positional)
+    if args.models_dir is None:  # a wrong path: one line now; a name: downloaded now
+        engine_args, name = with_local_model(engine_args)
+        args.served_model_name = args.served_model_name or name
     server = ServerConfig(
         host=args.host, port=args.port, api_key=args.api_key or api_key_from_env(),
         served_model_name=args.served_model_name, reasoning_parser=args.reasoning_parser,
@@ -177,7 +181,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from nanoserve.entrypoints.router.run import run_router
 
         return run_router(args, server, args.raw_argv)
-    resolve_model_path(engine_args.model)  # a wrong path: one line now, before any process
     return run_serve(engine_args.to_config(), server)
 
 
@@ -283,6 +286,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --models-dir: unload a model idle this long; -1 keeps it "
                         "(Ollama's default and meaning; a request's keep_alive overrides it) "
                         "(default: %(default)s)")
+    g.add_argument("--allow-pull", action="store_true",
+                   help="with --models-dir: a request for a model that is not here pulls it "
+                        "by name (qwen3.5:0.8b, org/repo:Q4_K_M) and answers once it is loaded "
+                        "(default: a 404 that says how to pull it, as Ollama's)")
     add_limit_args(serve)
     EngineArgs.add_cli_args(serve)
     serve.set_defaults(func=cmd_serve)
@@ -304,6 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks that print figures beside a peer's")
     add_bench_commands(bench, build_llm)
+    add_model_commands(sub)
     return parser
 
 

@@ -19,9 +19,9 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
-from nanoserve.config import EngineConfig
 from nanoserve.engine.build import build_engine_core
 from nanoserve.engine_args import EngineArgs
+from nanoserve.entrypoints.model_by_name import with_local_model
 from nanoserve.output.processor import OutputProcessor
 from nanoserve.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
 from nanoserve.pooling_params import PoolingParams
@@ -37,19 +37,21 @@ class LLM:
     """An engine core in this process, with a tokenizer and the shared output path."""
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
-        """`model`: a HF directory or a .gguf file (None: the default model). The keyword
-        arguments are the fields of EngineArgs (device, dtype, max_num_seqs, block_size, ...),
-        with the defaults and meanings given there; a name it lacks is a TypeError."""
-        self._start(EngineArgs(model=model, **engine_args).to_config())
+        """`model`: a HF directory or a .gguf file, or a name fetched first (`org/repo`,
+        `org/repo:QUANT`, `qwen3.5:0.8b`; None: the default model). The keyword arguments are
+        the fields of EngineArgs (device, dtype, max_num_seqs, block_size, revision, ...), with
+        the defaults and meanings given there; a name it lacks is a TypeError."""
+        self._start(EngineArgs(model=model, **engine_args))
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLM:
         """An LLM from ready-made EngineArgs (what the CLI builds from its flags)."""
         llm = cls.__new__(cls)
-        llm._start(engine_args.to_config())
+        llm._start(engine_args)
         return llm
 
-    def _start(self, config: EngineConfig) -> None:
+    def _start(self, engine_args: EngineArgs) -> None:
+        config = with_local_model(engine_args)[0].to_config()
         if config.parallel.data_parallel_size > 1:  # one engine core in this process
             raise ValueError(f"data_parallel_size={config.parallel.data_parallel_size}: LLM "
                              "runs one engine core; several run behind `nanoserve serve "

@@ -36,6 +36,7 @@ from pathlib import Path
 import gguf
 import httpx
 import pytest
+from hub_server import LocalHub, checkpoint_repo_files, start_hub
 from process_tree import group_members, still_running, tree
 from server_harness import free_port, wait_until
 
@@ -81,11 +82,13 @@ def user_env() -> dict[str, str]:
 class GroupServer:
     """A README command that serves, run by bash in a session (process group) of its own."""
 
-    def __init__(self, command: str, port: int, log: Path, cwd: Path = REPO) -> None:
+    def __init__(self, command: str, port: int, log: Path, cwd: Path = REPO,
+                 env: dict[str, str] | None = None) -> None:
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = log
         with open(log, "w") as out:
-            self.proc = subprocess.Popen(["bash", "-c", command], cwd=cwd, env=user_env(),
+            self.proc = subprocess.Popen(["bash", "-c", command], cwd=cwd,
+                                         env={**user_env(), **(env or {})},
                                          stdout=out, stderr=subprocess.STDOUT,
                                          start_new_session=True)
         self.pgid = self.proc.pid
@@ -145,11 +148,14 @@ def servers(tmp_path_factory: pytest.TempPathFactory,
       otherwise start a reinstall inside the test).
     - "own model": the README's `nanoserve serve /path/to/Qwen3-0.6B` on a tiny directory.
     - "several models": the README's `--models-dir` block over a tiny directory and a tiny GGUF.
+    - each `nanoserve serve org/repo` of the README, fetched from a hub on loopback that holds
+      the tiny models under those names.
     """
     if not (REPO / ".venv" / "bin" / "nanoserve").exists():
         pytest.skip("no .venv: `make serve` needs `make install` first")
     logs = tmp_path_factory.mktemp("front-door")
     started: dict[str, GroupServer] = {}
+    hub: LocalHub | None = None
     try:
         line = readme_blocks()[0][1].splitlines()[0]
         port = free_port()
@@ -161,6 +167,15 @@ def servers(tmp_path_factory: pytest.TempPathFactory,
         port = free_port()
         started["own model"] = GroupServer(f"{with_own_models(line, models)} --port {port}",
                                            port, logs / "own-model.log")
+        hub = readme_hub(models)
+        hub_env = {"HF_ENDPOINT": hub.url, "HF_HOME": str(logs / "hf-home"),
+                   "HF_HUB_DISABLE_TELEMETRY": "1",  # what it pulls stays out of the router's
+                   "NANOSERVE_MODELS": str(logs / "pulled")}
+        for line in command_lines(block, "nanoserve serve"):
+            if "/path/to/" not in line:  # a name: fetched from the hub on loopback
+                port = free_port()
+                started[name_of(line)] = GroupServer(f"{line} --port {port}", port,
+                                                     logs / f"{port}.log", env=hub_env)
         block = with_own_models(readme_block("--models-dir", "sh"), models)
         [setup] = command_lines(block, "mkdir")
         [serve] = command_lines(block, "nanoserve serve")
@@ -172,6 +187,8 @@ def servers(tmp_path_factory: pytest.TempPathFactory,
     finally:
         for server in started.values():
             server.kill()
+        if hub is not None:
+            hub.close()
 
 
 @pytest.fixture
@@ -261,6 +278,25 @@ def own_models(folder: Path, tiny_model_dir: Callable[[str], Path]) -> dict[str,
     return {OWN_DIR: hf_dir, OWN_GGUF: gguf_file}
 
 
+def name_of(line: str) -> str:
+    """The model a README `nanoserve serve NAME` line names."""
+    return shlex.split(line)[2]
+
+
+def readme_hub(models: dict[str, Path]) -> LocalHub:
+    """A hub on loopback holding each repository the README serves by name: a GGUF repository
+    the tiny GGUF (as its Q4_K_M file), a checkpoint's the tiny directory."""
+    block = readme_block(f"nanoserve serve {OWN_DIR}", "sh")
+    repos: dict[str, dict[str, bytes | Path]] = {}
+    for line in command_lines(block, "nanoserve serve"):
+        if "/path/to/" not in line:
+            repo = name_of(line).split(":")[0]
+            repos[repo] = ({f"{repo.split('/')[1]}-Q4_K_M.gguf": models[OWN_GGUF]}
+                           if "GGUF" in repo else dict(checkpoint_repo_files(models[OWN_DIR])))
+    assert len(repos) >= 2, "the README serves a GGUF and a checkpoint by name"
+    return start_hub(repos)
+
+
 def with_own_models(text: str, models: dict[str, Path]) -> str:
     for placeholder, path in models.items():
         text = text.replace(placeholder, str(path))
@@ -280,6 +316,20 @@ def test_serve_your_own_hugging_face_directory(servers: dict[str, GroupServer]) 
     # a terminal's hang-up to the group ends it as a SIGTERM does: every process, status 0
     assert server.stop_group(signal.SIGHUP) == 0, server.log()
     assert "Traceback" not in server.log(), server.log()
+
+
+def test_serve_a_model_by_its_hub_name(servers: dict[str, GroupServer]) -> None:
+    by_name = {name: server for name, server in servers.items() if "/" in name}
+    assert len(by_name) >= 2
+    for name, server in by_name.items():
+        server.wait_healthy()
+        [listed] = httpx.get(server.url + "/v1/models", timeout=10).json()["data"]
+        assert listed["id"] == name  # served as it was named, as vLLM does
+        reply = httpx.post(server.url + "/v1/completions", timeout=60, json={
+            "model": name, "prompt": "Hello", "max_tokens": 4, "temperature": 0})
+        assert reply.status_code == 200, reply.text
+        assert "pulling manifest" in server.log()  # the download's progress, on the terminal
+        assert server.stop_group(signal.SIGTERM) == 0, server.log()
 
 
 def test_several_models_in_one_server(servers: dict[str, GroupServer]) -> None:
