@@ -1,7 +1,7 @@
 """Models by name on a `--models-dir` router: the official `ollama` client's pull (streamed
 progress), list and delete, then a chat with the pulled name; `nanoserve pull/list/rm` beside a
 running router; a hub name through `/api/pull`; a name nobody pulled as a 404 that says how to
-pull it; and a router started empty with `--allow-pull` that pulls the model a request names
+pull it; and a router started empty with `--allow-pull` that pulls the hub name a request names
 while another model serves.
 
 Every server pulls from a registry served on loopback by the test (registry_server.py, the real
@@ -209,7 +209,9 @@ def test_what_nanoserve_pull_and_rm_do_a_running_router_sees(
 
 
 def test_a_router_started_empty_pulls_what_a_request_names_while_another_model_serves(
-        registry: RegistryServer, tmp_path: Path, tiny_model_dir: Any) -> None:
+        hub: LocalHub, tmp_path: Path, tiny_model_dir: Any) -> None:
+    """A hub name asked for by a chat: pulled (its transfer held until the other model has
+    loaded and streamed to its end), loaded, answered."""
     store = tmp_path / "store"
     tiny = tiny_model_dir("llama")
     with pytest.MonkeyPatch.context() as env:  # a model pulled earlier: the second model
@@ -219,31 +221,33 @@ def test_a_router_started_empty_pulls_what_a_request_names_while_another_model_s
     log = tmp_path / "router.log"
     server = RunningServer("--models-dir", str(tmp_path / "empty"), "--allow-pull",
                            "--keep-alive", "-1", "--max-model-len", "1024", "--log-level",
-                           "info", log=log, env={"NANOSERVE_REGISTRY": registry.url,
+                           "info", log=log, env={"HF_ENDPOINT": hub.url,
+                                                 "HF_HOME": str(tmp_path / "hf-home"),
                                                  "NANOSERVE_MODELS": str(store)})
+    gguf = "SmolLM2-135M-Instruct-Q8_0.gguf"
+    released = hub.hold_gets(HUB_REPO, gguf)  # the model file's bytes wait until released
     try:
         assert set(_cards(server)) == {TINY}
-        digest = _model_digest(registry)
-        size = default_model_path().stat().st_size
-        hooks = registry.hold(digest, size // 2)  # the pull waits halfway until released
         answers: list[Any] = []
         asking = threading.Thread(target=lambda: answers.append(
-            server.client().chat.completions.create(model=NAME, messages=HELLO,
+            server.client().chat.completions.create(model=HUB_NAME, messages=HELLO,
                                                     max_tokens=4, temperature=0)))
         asking.start()
-        assert hooks.held.wait(60)
-        pulling = wait_until(lambda: _cards(server).get(NAME), "the pull in /v1/models")
+        wait_until(lambda: hub.num_gets(HUB_REPO, gguf) > 0, "the model file's transfer")
+        pulling = wait_until(lambda: _cards(server).get(HUB_NAME), "the pull in /v1/models")
         assert pulling["status"]["value"] == "pulling"
-        assert pulling["status"]["progress"]["total"] == size
         # the other model loads and streams to its end while the pull is held
         assert stream_chat(server.client(), TINY, HELLO, max_tokens=48) in ("stop", "length")
         assert asking.is_alive() and not answers
-        hooks.released.set()
+        released.set()
         asking.join(300)
-        assert answers and answers[0].model == NAME and answers[0].choices[0].message.content
-        assert _cards(server)[NAME]["status"]["value"] == "loaded"
+        assert answers and answers[0].model == HUB_NAME
+        assert answers[0].choices[0].message.content
+        assert _cards(server)[HUB_NAME]["status"]["value"] == "loaded"
         text = log.read_text()
-        assert f"pulling {NAME}: pulling {digest[7:19]}" in text
-        assert f"pulling {NAME}: success" in text
+        sha256 = hub.file(HUB_REPO, gguf).sha256
+        assert sha256 and f"pulling {HUB_NAME}: pulling {sha256[:12]}" in text
+        assert f"pulling {HUB_NAME}: success" in text
     finally:
+        released.set()
         assert server.stop() == 0
