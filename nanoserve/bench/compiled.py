@@ -28,6 +28,7 @@ import torch
 from nanoserve.bench.roofline import start_decoding
 from nanoserve.bench.timing import median_seconds
 from nanoserve.engine.core import EngineCore
+from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.model.llama import CausalLM
 from nanoserve.model.native_layers import native_module
 from nanoserve.model.quant_linear import QuantizedWeight
@@ -136,7 +137,9 @@ def compare_compiled(engine: EngineCore, batch_sizes: list[int], context_len: in
                      ) -> list[tuple[int, float, float, float, bool]]:
     """(batch, native step seconds, compiled step seconds, seconds to compile, whether one
     step's final hidden states were the same bits), medians over interleaved rounds."""
-    model, plan = engine.runner.model, engine.runner.plan
+    runner = engine.runner
+    assert isinstance(runner, ModelRunner), "a benchmark runs a model (no zero-cost runner)"
+    model, plan = runner.model, runner.plan
     figures: list[tuple[int, float, float, float, bool]] = []
     for batch in batch_sizes:
         ids = start_decoding(engine, batch, context_len, 2 * rounds * (repeats + 1) + 3,

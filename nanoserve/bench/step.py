@@ -55,6 +55,7 @@ from nanoserve.bench.floor import ReadProbe, format_floors, macs_per_s, step_flo
 from nanoserve.bench.roofline import start_decoding
 from nanoserve.bench.timing import median_seconds
 from nanoserve.engine.core import EngineCore
+from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.native import loaded_tier
 
 MATMUL_OPS = re.compile(r"mm$|addmm|linear|quant_matmul|linear_dynamic|_weight_int|matmul")
@@ -193,7 +194,9 @@ def run_step_profile(engine: EngineCore, args: argparse.Namespace) -> list[StepP
           f"CPU kernels: {loaded_tier() or 'none'} (NANOSERVE_CPU_ISA to choose), "
           f"median of {args.repeats}\nkernel schedule: "
           f"{engine.kernel_schedule or 'none'} (--kernel-tuning)\n")
-    model = engine.runner.model
+    runner = engine.runner
+    assert isinstance(runner, ModelRunner), "a benchmark runs a model (no zero-cost runner)"
+    model = runner.model
     probe = ReadProbe(model)  # read rates sampled between the timed steps
     profiles = [profile_decode_step(engine, size, args.context_len, args.repeats, probe)
                 for size in sizes]

@@ -24,6 +24,7 @@ import torch
 
 from nanoserve.bench import LLMFactory, OfflineLLM
 from nanoserve.bench.roofline import measure_decode_step, measure_matmuls
+from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.engine_args import EngineArgs
 from nanoserve.sampling_params import SamplingParams
 
@@ -140,7 +141,9 @@ def run_throughput_bench(args: argparse.Namespace, build_llm: LLMFactory) -> int
     if not args.skip_roofline:
         batch = args.num_prompts
         step = measure_decode_step(llm.engine, batch, args.input_len)
-        matmuls = measure_matmuls(llm.engine.runner.model, batch, args.input_len)
+        runner = llm.engine.runner
+        assert isinstance(runner, ModelRunner), "a benchmark runs a model (no zero-cost runner)"
+        matmuls = measure_matmuls(runner.model, batch, args.input_len)
         print(f"\ndecode step at batch {batch}, context ~{args.input_len}: {step * 1e3:.1f} ms")
         print(f"  its matmuls alone: {matmuls.total * 1e3:.1f} ms (projections and LM head "
               f"{matmuls.projections * 1e3:.1f} ms, attention QK/PV {matmuls.attention * 1e3:.1f}"
