@@ -21,11 +21,14 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from nanoserve.engine.kv_disk import KVDiskTier
 from nanoserve.engine.kv_events import BlockRemoved, BlockStored, KVEvent, wire_hash
-from nanoserve.engine.request import Request
 from nanoserve.engine.state_cache import NO_SOURCE, BlockHash, StateSnapshots
+
+if TYPE_CHECKING:  # the API's data-parallel router hashes blocks without the engine's requests
+    from nanoserve.engine.request import Request
 
 
 def hash_block(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:

@@ -15,11 +15,11 @@ import contextlib
 import logging
 import os
 import socket
+import sys
 from collections.abc import Callable, Iterator
 from multiprocessing.process import BaseProcess
 
 import msgspec
-import torch
 import uvicorn
 
 from nanoserve.config import EngineConfig
@@ -44,7 +44,8 @@ from nanoserve.entrypoints.serving.process_exit import exit_now
 from nanoserve.entrypoints.serving.request_logger import RequestLogger
 from nanoserve.entrypoints.serving.server_context import ServerContext
 from nanoserve.entrypoints.web.router import page_banner
-from nanoserve.model.loader import FrontendModel, load_frontend, resolve_model_path
+from nanoserve.model.frontend import FrontendModel, load_frontend
+from nanoserve.model.model_path import resolve_model_path
 from nanoserve.parsers.tool_format import template_tool_format
 from nanoserve.protocol import EngineReady
 from nanoserve.reasoning_section import ReasoningTokens
@@ -79,9 +80,7 @@ async def serve_api(engine_config: EngineConfig, server_config: ServerConfig,
                     watch_parent: bool = False) -> int:
     """One API server: wait for the engine cores, then serve HTTP until `stops` says stop.
     Returns the exit status: 0 after a stop, 1 after a failed start or an engine's death."""
-    # The API process computes no tensors worth threads; a torch pool here would only wake
-    # workers on the cores the engine's threads use (engine/core_proc.py).
-    torch.set_num_threads(1)
+    _one_torch_thread()
     sockets = EngineCoreClient(addresses, index)
 
     def engine_alive() -> bool:  # all of them: one engine core gone fails the server
@@ -240,3 +239,13 @@ async def _watch_parent(server: uvicorn.Server) -> None:
     while os.getppid() == parent:
         await asyncio.sleep(0.5)
     _stop(server)
+
+
+def _one_torch_thread() -> None:
+    """The API process computes no tensors worth threads; a torch pool here (torch comes only
+    with a logits processor's plugin) would only wake workers on the cores the engine's
+    threads use (engine/core_proc.py). Without torch loaded, nothing to do: it is not imported
+    for this (~2.7 s of a core at each start)."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(1)

@@ -13,12 +13,10 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
-from nanoserve.model.dequant import dequantize_fast
 from nanoserve.model.gguf_split import (
     SPLIT_COUNT,
     SPLIT_NO,
@@ -27,6 +25,9 @@ from nanoserve.model.gguf_split import (
     missing_part_error,
     split_part_paths,
 )
+
+if TYPE_CHECKING:  # the reader itself needs no torch: an API process reads its tokenizer here
+    import torch
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -75,8 +76,11 @@ class GGUFFile:
     # -- reading tensors ----------------------------------------------------------------------
     def dequantize(self, name: str) -> torch.Tensor:
         """The tensor as float32 (a copy), whatever block format it is stored in."""
+        import torch  # the engine's loader calls it, with torch loaded already
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
+
+        from nanoserve.model.dequant import dequantize_fast
 
         tensor = self.tensors[name]
         fast = dequantize_fast(tensor.data, tensor.ggml_type, tensor.shape)

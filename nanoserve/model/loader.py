@@ -17,6 +17,11 @@ import torch
 
 from nanoserve.config import DEFAULT_MODEL_NAME
 from nanoserve.model.arch import ArchConfig, RopeScaling
+from nanoserve.model.frontend import (  # noqa: F401 (the loader's names for them)
+    FrontendModel,
+    gguf_sampling_defaults,
+    load_frontend,
+)
 from nanoserve.model.gguf_file import GGUFFile
 from nanoserve.model.llama import CausalLM
 from nanoserve.model.model_path import (  # noqa: F401 (the loader's names for them)
@@ -80,26 +85,6 @@ class LoadedModel:
         """All of it but the weights."""
         return ModelInfo(self.arch, self.tokenizer, self.path, self.name, self.eos_token_ids,
                          self.generation_config, self.quantization)
-
-
-@dataclass
-class FrontendModel:
-    """What an API server needs of a model without its weights: tokenizer and defaults."""
-
-    tokenizer: Any
-    generation_config: dict[str, Any]
-    path: Path
-
-
-def load_frontend(model: str | None) -> FrontendModel:
-    path = resolve_model_path(model)
-    if path.is_dir():
-        gen_file = path / "generation_config.json"
-        defaults = json.loads(gen_file.read_text()) if gen_file.exists() else {}
-        return FrontendModel(load_tokenizer_from_dir(path), defaults, path)
-    gguf = GGUFFile(path)
-    return FrontendModel(load_tokenizer_from_gguf(gguf), gguf_sampling_defaults(gguf.metadata),
-                         path)
 
 
 def load_arch(model: str | None) -> ArchConfig:
@@ -181,16 +166,3 @@ def _eos_token_ids(arch: ArchConfig, tokenizer: Any,
 
 
 GEMMA_END_OF_TURN = "<end_of_turn>"
-
-
-# GGUF's recommended-sampling keys -> generation_config.json names
-_GGUF_SAMPLING_KEYS = {
-    "general.sampling.temp": "temperature", "general.sampling.top_k": "top_k",
-    "general.sampling.top_p": "top_p", "general.sampling.min_p": "min_p",
-    "general.sampling.penalty_repeat": "repetition_penalty",
-}
-
-
-def gguf_sampling_defaults(meta: dict[str, Any]) -> dict[str, Any]:
-    """A GGUF file's recommended sampling settings, as generation_config.json would say them."""
-    return {name: meta[key] for key, name in _GGUF_SAMPLING_KEYS.items() if key in meta}

@@ -48,13 +48,16 @@ from __future__ import annotations
 import importlib.metadata
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from nanoserve.plugins import import_named
 from nanoserve.sample.sequence import SequenceData
 from nanoserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # the API process loads the classes to check requests' arguments, no tensors
+    import torch
 
 ENTRY_POINT_GROUP = "nanoserve.logits_processors"
 

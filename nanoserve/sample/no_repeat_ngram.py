@@ -13,14 +13,14 @@ the n-grams they complete are checked beside the index, for that row only.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from nanoserve.sample.logits_processor import LogitsProcessor, ProcessorBatch
 from nanoserve.sample.sequence import SequenceData
-from nanoserve.sample.stages import ban
 from nanoserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # an API process loads the class to check requests' arguments, no tensors
+    import torch
 
 ARG = "no_repeat_ngram_size"
 
@@ -65,6 +65,8 @@ class NoRepeatNGram(LogitsProcessor):
                                   int(pending))
             ban_rows += [int(row)] * len(banned)
             ban_ids += banned
+        from nanoserve.sample.stages import ban  # the engine's, with torch loaded already
+
         ban(logits, ban_rows, ban_ids)
 
     def _banned(self, slot: int, prompt: Sequence[int], output: Sequence[int],

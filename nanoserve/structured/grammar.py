@@ -28,12 +28,14 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llguidance
-import torch
 
 from nanoserve.sampling_params import StructuredOutputsParams
+
+if TYPE_CHECKING:  # the API process checks grammars without torch; the engine fills masks
+    import torch
 
 WORKER_THREAD_PREFIX = "nanoserve-grammar"
 # The grammar worker's nice value (the step loop's is 0): where the cores are all busy, the
@@ -164,6 +166,8 @@ class GrammarMatcher:
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed next tokens into `bitmask[row]` (int32 words, bit i of word w =
         token 32 * w + i; a terminated matcher allows only EOS)."""
+        import torch  # loaded already in the engine, the only process that fills masks
+
         if bitmask.dtype != torch.int32 or bitmask.device.type != "cpu" or bitmask.dim() != 2:
             raise ValueError("the bitmask must be a 2-D int32 CPU tensor")
         words = bitmask[row]

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from nanoserve.model.gguf_file import GGUFFile
-from nanoserve.model.loader import resolve_model_path
+from nanoserve.model.model_path import resolve_model_path
 
 _DTYPE_LEVELS = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 # config.json's names for the keys Ollama's model_info gives under "<arch>."
