@@ -84,7 +84,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
     history: list[dict[str, str]] = []
     if args.system:
         history.append({"role": "system", "content": args.system})
-    print(f"nanoserve chat with {llm.engine.model_info.name} (Ctrl-D or /quit to leave)")
+    # the name as given (a hub name, not its cache path), else the model's own
+    print(f"nanoserve chat with {args.model or llm.engine.model_info.name} (Ctrl-D or /quit "
+          "to leave)")
     print(describe(vars(args), defaults.source))
     while True:
         try:
