@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from nanoserve.config import hub_environment
+from nanoserve.model.gguf_split import gguf_model_files
 from nanoserve.model.model_path import DEFAULT_MODEL_ALIASES, resolve_model_path
 from nanoserve.model.sources.errors import ModelNotPulledError, ModelSourceError
 from nanoserve.model.sources.hub import fetch_from_hub
@@ -80,15 +81,8 @@ def _hub_source(name: HubName) -> str:
 def _size_on_disk(path: Path) -> int:
     """Bytes of the model's files: a checkpoint directory's, or a GGUF file's with its other
     split parts."""
-    files = list(path.iterdir()) if path.is_dir() else _gguf_parts(path)
+    files = list(path.iterdir()) if path.is_dir() else gguf_model_files(path)
     return sum(f.stat().st_size for f in files if f.is_file())
-
-
-def _gguf_parts(path: Path) -> list[Path]:
-    stem = path.name.split("-00001-of-")
-    if len(stem) != 2:
-        return [path]
-    return sorted(path.parent.glob(f"{stem[0]}-*-of-{stem[1]}"))
 
 
 def _hub_digest(path: Path) -> str:

@@ -12,7 +12,6 @@ from the cache alone (and from it when the hub cannot be reached), and each fail
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 from typing import Any
@@ -33,6 +32,7 @@ from nanoserve.model.sources.hub_files import (
     choose_gguf,
     is_checkpoint,
 )
+from nanoserve.model.sources.local_files import write_atomically
 from nanoserve.model.sources.names import HubName
 from nanoserve.model.sources.progress import Progress, ProgressSink, no_progress
 
@@ -195,10 +195,7 @@ def _remember_ref(storage: Path, revision: str, commit: str) -> None:
     ref = storage / "refs" / revision
     if ref.is_file() and ref.read_text() == commit:
         return
-    ref.parent.mkdir(parents=True, exist_ok=True)
-    staging = ref.with_name(f".{ref.name}.{os.getpid()}")
-    staging.write_text(commit)
-    os.replace(staging, ref)  # a reader never sees half a ref
+    write_atomically(ref, commit.encode())  # a reader never sees half a ref
 
 
 class _SilentBar:

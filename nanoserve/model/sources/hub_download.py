@@ -13,15 +13,14 @@ model (nanoserve's, or vLLM's beside it) download it once.
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from nanoserve.model.sources.hub_files import RepoFile
+from nanoserve.model.sources.local_files import check_room, sha256_of
 from nanoserve.model.sources.progress import Progress, ProgressSink
 
 
@@ -82,7 +81,7 @@ def _download(file: RepoFile, url: str, headers: dict[str, str], blob: Path,
     if done > file.size:  # not a prefix of this file: start again
         partial.unlink()
         done = 0
-    _check_room(blob.parent, file.size - done)
+    check_room(blob.parent, file.size - done)
     bar = _ProgressBar.factory(progress, file)
     with partial.open("ab") as out:
         # http_get appends from `done` with a Range request (and starts over itself if the
@@ -97,11 +96,6 @@ def _download(file: RepoFile, url: str, headers: dict[str, str], blob: Path,
     os.replace(partial, blob)
 
 
-def sha256_of(path: Path) -> str:
-    with path.open("rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
 def git_blob_sha1(path: Path) -> str:
     """The git object id of the file's bytes: what the hub lists for a file kept in git."""
     digest = hashlib.sha1(f"blob {path.stat().st_size}\0".encode())
@@ -109,13 +103,6 @@ def git_blob_sha1(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
-
-
-def _check_room(directory: Path, needed: int) -> None:
-    """ENOSPC now, rather than a disk filled to its last byte and a transfer that fails."""
-    free = shutil.disk_usage(directory).free
-    if needed > free:
-        raise OSError(errno.ENOSPC, f"{needed} bytes needed, {free} free", str(directory))
 
 
 class _ProgressBar:

@@ -25,7 +25,6 @@ import hashlib
 import ipaddress
 import json
 import os
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +34,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from nanoserve.model.sources.errors import ModelNotFoundError, ModelSourceError
+from nanoserve.model.sources.local_files import check_room, sha256_of, write_atomically
 from nanoserve.model.sources.names import RegistryName
 from nanoserve.model.sources.progress import Progress, ProgressSink, no_progress
 from nanoserve.model.sources.store import (
@@ -45,7 +45,6 @@ from nanoserve.model.sources.store import (
     models_home,
     record_pulled,
     store_lock,
-    write_atomically,
 )
 
 REGISTRY_ENV = "NANOSERVE_REGISTRY"  # read in registry_address() only
@@ -240,11 +239,7 @@ def _verify_kept(layer: _Layer, model: str) -> None:
     """A blob kept from an earlier pull hashed again (Ollama's pull does too); a damaged one
     is deleted and the pull fails, so the next one fetches it again."""
     path = blob_path(layer.digest)
-    hasher = hashlib.sha256()
-    with open(path, "rb") as file:
-        while chunk := file.read(_CHUNK):
-            hasher.update(chunk)
-    if f"sha256:{hasher.hexdigest()}" != layer.digest:
+    if f"sha256:{sha256_of(path)}" != layer.digest:
         path.unlink(missing_ok=True)
         raise ModelSourceError(model, f"the kept blob {layer.digest} was damaged on disk "
                                "(sha256 mismatch) and is deleted", "pull again to fetch it")
@@ -274,11 +269,10 @@ def _check_status(response: httpx.Response, model: str, what: str) -> None:
 
 
 def _check_space(model: str, needed: int, folder: Path) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
-    free = shutil.disk_usage(folder).free
-    if needed > free:
-        raise _disk_error(model, OSError(errno.ENOSPC, f"{needed} bytes are needed, "
-                                         f"{free} are free", str(folder)))
+    try:
+        check_room(folder, needed)
+    except OSError as e:
+        raise _disk_error(model, e) from None
 
 
 def _network_error(model: str, base: str, e: Exception) -> ModelSourceError:

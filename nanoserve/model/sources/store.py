@@ -22,13 +22,13 @@ import fcntl
 import json
 import os
 import re
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
+from nanoserve.model.sources.local_files import write_atomically
 from nanoserve.model.sources.names import parse_model_name
 
 MODELS_HOME_ENV = "NANOSERVE_MODELS"  # read in models_home() only
@@ -143,20 +143,6 @@ def canonical_name(name: str) -> str:
     """The name as records are kept: `parse_model_name`'s spelling, else `name` itself."""
     parsed = parse_model_name(name)
     return name if parsed is None else str(parsed)
-
-
-def write_atomically(path: Path, data: bytes) -> None:
-    """`data` as the whole of `path`, or `path` untouched (a temporary file renamed)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as file:
-            file.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 # --- inside the store -------------------------------------------------------------------------
