@@ -65,6 +65,8 @@ class ModelConfig:
     """Which weights to run, where, and in what dtype."""
 
     model: str | None = None  # a HF directory or a .gguf file; None = DEFAULT_MODEL_NAME
+    # llama.cpp's mmproj GGUF: the vision tower of a GGUF model (llama-server's --mmproj)
+    mmproj: str | None = None
     device: str = "auto"  # "auto" picks cuda when present, else cpu
     dtype: str = "auto"  # "auto" = float32 on CPU, bfloat16 on CUDA
     max_model_len: int | None = None  # None = the model's own context length (capped, see below)

@@ -56,6 +56,9 @@ class EngineArgs:
     hf_token: str | None = _arg(
         None, "with a hub name: the token of a gated or private repository (default: HF_TOKEN "
         "or the one `hf auth login` stored)")
+    mmproj: str | None = _arg(
+        ModelConfig.mmproj, "llama.cpp's multimodal projector GGUF: the vision tower of a GGUF "
+        "model, so its prompts may carry images (as llama-server's --mmproj)")
     device: str = _arg(ModelConfig.device, "auto | cpu | cuda | cuda:N")
     dtype: str = _arg(ModelConfig.dtype, "auto | float32 | bfloat16 | float16 "
                       "(auto: float32 on CPU, bfloat16 on CUDA)")
@@ -214,7 +217,8 @@ class EngineArgs:
     def to_config(self) -> EngineConfig:
         """The frozen config the engine core is built from."""
         return EngineConfig(
-            model=ModelConfig(model=self.model, device=self.device, dtype=self.dtype,
+            model=ModelConfig(model=self.model, mmproj=self.mmproj, device=self.device,
+                              dtype=self.dtype,
                               max_model_len=self.max_model_len, seed=self.seed,
                               quantization=self.quantization, pooling=self.pooling,
                               zero_cost_runner=self.zero_cost_runner,

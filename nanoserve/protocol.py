@@ -91,6 +91,20 @@ class SchedulerStats(msgspec.Struct, array_like=True):
 
 
 # -- API server -> engine core ------------------------------------------------------------------
+class ImageInput(msgspec.Struct, array_like=True):
+    """One image of a prompt: where its placeholder tokens lie, what it is, and its pixels as
+    the model's processor resized them (model/vision/)."""
+
+    offset: int  # the prompt index of its first placeholder token
+    length: int  # its placeholder tokens, one feature row of the vision tower each
+    content_hash: bytes  # 16 bytes of the decoded image: the prefix cache's and encoder's key
+    pixels: np.ndarray  # uint8 [S, S, 3], resized (normalized where the tower runs)
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
 class EngineRequest(msgspec.Struct, tag=True, array_like=True):
     request_id: str
     prompt_token_ids: list[int]
@@ -99,6 +113,7 @@ class EngineRequest(msgspec.Struct, tag=True, array_like=True):
     prefill_leader: str | None = None
     pooling_params: PoolingParams | None = None  # set: prefill only, a vector comes back
     tenant: str = ""  # the digest of the API key the request presented ("" without one)
+    images: list[ImageInput] = []  # in prompt order, their placeholders in prompt_token_ids
 
 
 class AbortRequests(msgspec.Struct, tag=True, array_like=True):
@@ -197,6 +212,18 @@ class PoolingRows(msgspec.Struct, array_like=True):
     params: PoolingParams
 
 
+class StepImage(msgspec.Struct, array_like=True):
+    """A run of one image's placeholder rows in a step: the vision tower's feature rows
+    [first_feature, first_feature + num_rows) of the image replace the embeddings of the flat
+    batch's rows [first_row, first_row + num_rows)."""
+
+    first_row: int
+    first_feature: int
+    num_rows: int
+    content_hash: bytes  # the encoder cache's key
+    pixels: np.ndarray  # uint8 [S, S, 3], for the tower where the cache misses
+
+
 class StepInput(msgspec.Struct, tag=True, array_like=True):
     """One step for every worker: flat arrays, no engine objects (the worker never sees a
     request or the scheduler). R requests are scheduled, T tokens computed, S rows sampled.
@@ -234,6 +261,11 @@ class StepInput(msgspec.Struct, tag=True, array_like=True):
     seq_slots: list[int] = []
     state_inits: list[tuple[int, int]] = []
     state_snapshots: list[tuple[int, int]] = []
+    # images (model/vision/): the placeholder rows this step computes; and where a model
+    # attends both ways inside an image (Gemma 3), each token's key end [T] int32: its
+    # position + 1, or its image's end (empty: a causal step)
+    images: list[StepImage] = []
+    key_ends: np.ndarray = msgspec.field(default_factory=lambda: np.zeros(0, np.int32))
 
     @property
     def num_requests(self) -> int:
@@ -287,7 +319,7 @@ def _decode_array(code: int, data: memoryview) -> np.ndarray:
 
 
 _encoder = msgspec.msgpack.Encoder(enc_hook=_encode_array)
-_input_decoder = msgspec.msgpack.Decoder(EngineInput)
+_input_decoder = msgspec.msgpack.Decoder(EngineInput, ext_hook=_decode_array)
 _message_decoder = msgspec.msgpack.Decoder(EngineMessage, ext_hook=_decode_array)
 _step_decoder = msgspec.msgpack.Decoder(StepInput, ext_hook=_decode_array)
 _worker_decoder = msgspec.msgpack.Decoder(WorkerMessage, ext_hook=_decode_array)

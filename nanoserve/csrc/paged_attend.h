@@ -35,13 +35,18 @@ struct Problem {
   int64_t num_heads, num_kv_heads, dim, num_blocks, block_size, max_blocks;
   float scale;
   int64_t window = 0;  // a sliding window's keys (0: the whole context)
+  // [B] where a row's window ends elsewhere than its context (an image's placeholder, which
+  // attends its whole image but windows from its own position); null: at its context's end
+  const int32_t* window_ends = nullptr;
 };
 
 // The first key row b attends: the whole context's first, or its sliding window's (the last
 // `window` keys, as transformers' sliding masks keep them).
 template <typename T>
 inline int64_t window_start(const Problem<T>& pb, int64_t b) {
-  return pb.window > 0 ? std::max<int64_t>(0, pb.context_lens[b] - pb.window) : 0;
+  if (pb.window <= 0) return 0;
+  const int64_t end = pb.window_ends != nullptr ? pb.window_ends[b] : pb.context_lens[b];
+  return std::max<int64_t>(0, end - pb.window);
 }
 
 // The tile a walk over keys [begin, ...) starts at when the row's first key is `start`: tiles

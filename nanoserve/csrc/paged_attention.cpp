@@ -43,12 +43,12 @@ template <typename T>
 void attend_batch(const torch::Tensor& q, const torch::Tensor& k_cache,
                   const torch::Tensor& v_cache, const torch::Tensor& block_table,
                   const torch::Tensor& context_lens, double scale, int64_t window,
-                  torch::Tensor& out) {
+                  torch::Tensor& out, const int32_t* window_ends) {
   const Problem<T> pb{q.data_ptr<float>(), static_cast<const T*>(k_cache.data_ptr()),
                       static_cast<const T*>(v_cache.data_ptr()), block_table.data_ptr<int32_t>(),
                       context_lens.data_ptr<int32_t>(), q.size(1), k_cache.size(0), q.size(2),
                       k_cache.size(1), k_cache.size(2), block_table.size(1),
-                      static_cast<float>(scale), window};
+                      static_cast<float>(scale), window, window_ends};
   float* out_ptr = out.data_ptr<float>();
   const int64_t batch = q.size(0), group = pb.num_heads / pb.num_kv_heads, dim = pb.dim;
   const int64_t items = batch * pb.num_kv_heads;
@@ -85,18 +85,29 @@ void attend_batch(const torch::Tensor& q, const torch::Tensor& k_cache,
 }  // namespace
 
 // out [B, H, D] = softmax(q · K^T * scale) · V per request, over its context_lens[b] cached
-// tokens (the last `window` of them where window > 0: a sliding-window layer), for a float32,
-// float16 or int8 cache. Writes `out` and returns it.
+// tokens (the last `window` of them where window > 0: a sliding-window layer, the window
+// ending at window_ends[b] where given, else at the context's end), for a float32, float16
+// or int8 cache. Writes `out` and returns it.
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                torch::Tensor block_table, torch::Tensor context_lens,
-                               double scale, torch::Tensor out, int64_t window) {
+                               double scale, torch::Tensor out, int64_t window,
+                               std::optional<torch::Tensor> window_ends = std::nullopt) {
   check_inputs(q, k_cache, v_cache, block_table, context_lens, out, window);
+  const int32_t* ends = nullptr;
+  if (window_ends.has_value()) {
+    TORCH_CHECK(window_ends->scalar_type() == torch::kInt32 && window_ends->is_contiguous() &&
+                    window_ends->numel() == q.size(0),
+                "window_ends must be contiguous int32 [B]");
+    ends = window_ends->data_ptr<int32_t>();
+  }
   if (k_cache.scalar_type() == torch::kFloat16)
-    attend_batch<Half>(q, k_cache, v_cache, block_table, context_lens, scale, window, out);
+    attend_batch<Half>(q, k_cache, v_cache, block_table, context_lens, scale, window, out, ends);
   else if (k_cache.scalar_type() == torch::kChar)
-    attend_batch<int8_t>(q, k_cache, v_cache, block_table, context_lens, scale, window, out);
+    attend_batch<int8_t>(q, k_cache, v_cache, block_table, context_lens, scale, window, out,
+                         ends);
   else
-    attend_batch<float>(q, k_cache, v_cache, block_table, context_lens, scale, window, out);
+    attend_batch<float>(q, k_cache, v_cache, block_table, context_lens, scale, window, out,
+                        ends);
   return out;
 }
 
@@ -119,7 +130,7 @@ TORCH_LIBRARY_IMPL(nanoserve, CPU, m) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, py::arg("q"), py::arg("k_cache"),
         py::arg("v_cache"), py::arg("block_table"), py::arg("context_lens"), py::arg("scale"),
-        py::arg("out"), py::arg("window") = 0,
+        py::arg("out"), py::arg("window") = 0, py::arg("window_ends") = py::none(),
         "Decode attention over a paged float32, float16 or int8 KV cache, read in place "
         "(CPU, AVX2)");
   m.def("get_schedule", [] { return schedule::flat(schedule::current()); },

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -46,6 +47,7 @@ from nanoserve.pooling_params import PoolingParams
 from nanoserve.profiling import scope
 from nanoserve.protocol import (
     EngineCoreOutput,
+    ImageInput,
     NewSequence,
     SchedulerStats,
     StepInput,
@@ -165,7 +167,8 @@ class EngineCore:
     # -- the interface ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams, prefill_leader: str | None = None,
-                    pooling_params: PoolingParams | None = None, tenant: str = "") -> Request:
+                    pooling_params: PoolingParams | None = None, tenant: str = "",
+                    images: Sequence[ImageInput] = ()) -> Request:
         """Queue a request; raises ValueError if it can never run (too long, empty).
 
         `prefill_leader` names a request with the same prompt (an earlier sample of an n > 1
@@ -173,7 +176,8 @@ class EngineCore:
         With `pooling_params` the request is prefill only: it samples nothing (`params` is not
         read) and comes back as one output with its vector in `pooled` (see `_finish_pooling`).
         `tenant`: who sent it (the digest of its API key), for proposers that learn across
-        requests.
+        requests. `images`: the prompt's images, their placeholder tokens in the prompt
+        (model/vision/); each is computed in one step, so it must fit the step's budget.
         """
         if pooling_params is not None:
             pooling_params.check(self.model_info.arch.hidden_size,
@@ -182,10 +186,15 @@ class EngineCore:
         request = Request(request_id, prompt_token_ids, params, self.model_info.eos_token_ids,
                           pooling_params, self.config.model.pooling)
         request.tenant = tenant
+        if images:
+            self._check_images(images, len(prompt_token_ids))
+            request.images = list(images)
         if prefill_leader is not None:
             request.prefill_leader = self.scheduler.requests.get(prefill_leader)
         vocab = self.model_info.arch.vocab_size
-        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        # (an image's placeholder id may lie past the text vocabulary: Gemma 3's does)
+        bad = [t for i, t in enumerate(prompt_token_ids)
+               if not 0 <= t < vocab and not any(m.offset <= i < m.end for m in images)]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is out of range [0, {vocab})")
         if pooling_params is None:
@@ -199,6 +208,24 @@ class EngineCore:
         if request.grammar is not None and not request.grammar.is_ready:
             self.compiling[request_id] = request
         return request
+
+    def _check_images(self, images: Sequence[ImageInput], num_prompt_tokens: int) -> None:
+        """Refuse images this model cannot see, or that no step could compute whole."""
+        if not self.model_info.has_vision:
+            raise ValueError(f"At most 0 image(s) may be provided in one prompt. "
+                             f"{self.model_info.name} does not support image input")
+        budget = self.config.scheduler.max_num_batched_tokens
+        end = 0
+        for image in images:
+            if image.offset < end or image.end > num_prompt_tokens or image.length < 1:
+                raise ValueError(f"image placeholders [{image.offset}, {image.end}) overlap "
+                                 f"another image or lie outside the {num_prompt_tokens}-token "
+                                 "prompt")
+            if image.length > budget:
+                raise ValueError(f"an image of {image.length} tokens does not fit one step's "
+                                 f"token budget (--max-num-batched-tokens {budget}), and an "
+                                 "image is computed in one step")
+            end = image.end
 
     def _check_sampling(self, params: SamplingParams) -> None:
         """Refuse what the sampler cannot do, with the API's checks and words (the API server
@@ -244,7 +271,8 @@ class EngineCore:
             [NewSequence(r.slot, r.params, r.prompt_token_ids, list(r.output_token_ids),
                          r.sampling_seed) for r in sched.admitted
              if r.slot is not None and not r.is_pooling],
-            released, self._fill_grammars(sampling), self.block_tables[1:])
+            released, self._fill_grammars(sampling), self.block_tables[1:],
+            self.model_info.arch.attends_images_both_ways)
         if self.model_info.arch.linear is not None:
             plan_states(sched, step, self.state_snapshots, self.kv_cache)
         # 3) run the model and sample, on the workers

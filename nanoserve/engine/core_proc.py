@@ -187,7 +187,7 @@ class EngineCoreProc:
             try:
                 self.core.add_request(message.request_id, message.prompt_token_ids,
                                       message.params, message.prefill_leader,
-                                      message.pooling_params, message.tenant)
+                                      message.pooling_params, message.tenant, message.images)
                 self.client_of[message.request_id] = message.client_index
             except ValueError as e:
                 self._post(message.client_index, encode(RequestError(message.request_id, str(e))))

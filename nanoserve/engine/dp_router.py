@@ -31,7 +31,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from nanoserve.config import LOAD_BALANCE_METHODS
-from nanoserve.engine.kv_cache import BlockHash, hash_block, salt_root
+from nanoserve.engine.kv_cache import BlockHash, chain_hashes, salt_root
+from nanoserve.protocol import ImageInput
 
 ROUTING_POLICIES = LOAD_BALANCE_METHODS  # --load-balance-method
 
@@ -60,15 +61,11 @@ class RoutingConfig:
 
 
 def prompt_block_hashes(token_ids: Sequence[int], block_size: int,
-                        cache_salt: str | None = None) -> list[BlockHash]:
+                        cache_salt: str | None = None,
+                        images: Sequence[ImageInput] = ()) -> list[BlockHash]:
     """The chained hashes of the prompt's full blocks, as the engine's prefix cache keys them
-    (a salted request's from its salt's root)."""
-    hashes: list[BlockHash] = []
-    root = salt_root(cache_salt)
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        hashes.append(hash_block(hashes[-1] if hashes else root,
-                                 token_ids[start : start + block_size]))
-    return hashes
+    (a salted request's from its salt's root; its images' keys in the blocks they overlap)."""
+    return chain_hashes(token_ids, block_size, salt_root(cache_salt), images, [])
 
 
 def engine_load(num_in_flight: int, num_waiting: int, num_running: int) -> int:

@@ -29,13 +29,39 @@ from nanoserve.engine.state_cache import NO_SOURCE, BlockHash, StateSnapshots
 
 if TYPE_CHECKING:  # the API's data-parallel router hashes blocks without the engine's requests
     from nanoserve.engine.request import Request
+    from nanoserve.protocol import ImageInput
 
 
-def hash_block(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
-    """A collision-resistant key for a full block given everything before it."""
+def hash_block(parent: BlockHash | None, token_ids: Sequence[int],
+               extra_keys: bytes = b"") -> BlockHash:
+    """A collision-resistant key for a full block given everything before it; `extra_keys`
+    (`image_keys`): what the token ids do not say of it (a text block's hash leaves it out, so
+    the keys of text-only prompts, and the disk tier's files, stay what they were)."""
     digest = hashlib.blake2b(parent or b"", digest_size=16)
     digest.update(array("q", token_ids).tobytes())
+    if extra_keys:
+        digest.update(extra_keys)
     return digest.digest()
+
+
+def image_keys(images: Sequence[ImageInput], start: int, end: int) -> bytes:
+    """The extra keys of the block of tokens [start, end): each image whose placeholders
+    overlap it, by its content hash and its offset from the block's start (vLLM's mm extra
+    keys). Every image's placeholders are the same token ids: without these two prompts that
+    differ only in pixels would share blocks, and the same image one token later would too."""
+    return b"".join(image.content_hash + (image.offset - start).to_bytes(8, "little", signed=True)
+                    for image in images if image.offset < end and image.end > start)
+
+
+def chain_hashes(token_ids: Sequence[int], block_size: int, root: BlockHash | None,
+                 images: Sequence[ImageInput], hashes: list[BlockHash]) -> list[BlockHash]:
+    """`hashes` (the chain of the first full blocks, from `root`) extended in place over
+    every full block of `token_ids`; the engine's and the data-parallel router's one chain."""
+    for i in range(len(hashes), len(token_ids) // block_size):
+        start, end = i * block_size, (i + 1) * block_size
+        hashes.append(hash_block(hashes[-1] if hashes else root, token_ids[start:end],
+                                 image_keys(images, start, end) if images else b""))
+    return hashes
 
 
 def salt_root(cache_salt: str | None) -> BlockHash | None:
@@ -379,13 +405,9 @@ class KVCacheManager:
     def block_hashes(self, request: Request) -> list[BlockHash]:
         """The chained hashes of the request's full blocks, extended as tokens arrive."""
         hashes = request.block_hashes
-        size = self.block_size
-        tokens = request.all_token_ids
         root = salt_root(request.params.cache_salt) if not hashes else None
-        for i in range(len(hashes), len(tokens) // size):
-            hashes.append(hash_block(hashes[-1] if hashes else root,
-                                     tokens[i * size : (i + 1) * size]))
-        return hashes
+        return chain_hashes(request.all_token_ids, self.block_size, root, request.images,
+                            hashes)
 
 
 _HASH_BYTES = 16  # hash_block's digest

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from nanoserve.config import GiB
+from nanoserve.engine.image_encoder import ImageEncoder
 from nanoserve.engine.state_pool import StatePool
 from nanoserve.model.arch import ArchConfig
 from nanoserve.model.attention import (
@@ -129,6 +130,9 @@ class ModelRunner:
                                                   num_blocks=num_blocks)
         self.state_pool = (StatePool(arch, num_state_slots, device) if model.is_hybrid
                            else None)
+        # a vision model's tower, run once per distinct image (engine/image_encoder.py)
+        self.image_encoder = (None if model.vision is None else ImageEncoder(
+            model.vision, model.normalize_image, device, dtype_of(model)))
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -150,6 +154,10 @@ class ModelRunner:
         extra: dict[str, Any] = {"group_metas": group_metas} if group_metas else {}
         if self.state_pool is not None:
             extra["states"] = self.state_pool.step_states(step)
+        if step.images:
+            if self.image_encoder is None:
+                raise ValueError("a step with images for a model without a vision tower")
+            extra["images"] = self.image_encoder.step_rows(step.images)
         hidden = self.plan.forward(self._tensor(step.token_ids), self._tensor(step.positions),
                                    self.kv_caches, self.attention, meta, **extra)  # [T, hidden]
         prompt_logits = [
@@ -198,6 +206,11 @@ class ModelRunner:
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
+
+
+def dtype_of(model: CausalLM) -> torch.dtype:
+    """The model's float dtype (its final norm's)."""
+    return model.norm.dtype
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -53,7 +53,7 @@ def build_rank(config: EngineConfig, group: TensorParallelGroup | None, *,
         if tier is not None:
             prefer_tier(tier)
     loaded = load_model(model.model, device, dtype, model.max_model_len, model.quantization,
-                        group, engine_tokenizer=engine_tokenizer)
+                        group, engine_tokenizer=engine_tokenizer, mmproj=model.mmproj)
     kv_dtype = resolve_kv_cache_dtype(cache.kv_cache_dtype, loaded.quantization, device, dtype)
     is_rank0 = group is None or group.rank == 0
     num_blocks = 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 
 from nanoserve.pooling_params import PoolingParams
-from nanoserve.protocol import TokenLogprobs
+from nanoserve.protocol import ImageInput, TokenLogprobs
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.structured.manager import SequenceGrammar
 
@@ -78,6 +78,8 @@ class Request:
         self.pooling_params = pooling_params
         is_embed = pooling_params is not None and pooling_params.task == "embed"
         self.pooling_method = pooling_method if is_embed else "last"
+        # the prompt's images, in order: their placeholder tokens' spans and pixels
+        self.images: list[ImageInput] = []
 
     @property
     def num_tokens(self) -> int:

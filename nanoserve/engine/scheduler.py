@@ -142,6 +142,10 @@ class Scheduler:
             request = self.running[i]
             num_new = min(self._capped(request.num_tokens - request.num_computed_tokens), budget)
             num_new = self._paced(request, request.num_computed_tokens, num_new)
+            num_new = whole_images(request, request.num_computed_tokens, num_new, budget)
+            if num_new == 0:  # its next image does not fit what is left of this step
+                i += 1
+                continue
             # drafts ride on a decode, as many as the budget leaves room for
             drafts = request.draft_token_ids[: budget - 1] if num_new == 1 else []
             num_new += len(drafts)
@@ -172,7 +176,9 @@ class Scheduler:
             computed_blocks, num_cached = self.kv_cache.get_computed_blocks(request)
             num_new = min(self._capped(request.num_tokens - num_cached), budget)
             num_new = self._paced(request, num_cached, num_new)
-            if not self.kv_cache.allocate_slots(request, num_new, computed_blocks):
+            num_new = whole_images(request, num_cached, num_new, budget)
+            if num_new == 0 or not self.kv_cache.allocate_slots(request, num_new,
+                                                                computed_blocks):
                 break
             self.waiting.popleft()
             if request.status == RequestStatus.WAITING:
@@ -341,3 +347,18 @@ class Scheduler:
         self.free_slots.append(request.slot)
         self.released_slots.append(request.slot)
         request.slot = None
+
+
+def whole_images(request: Request, start: int, num_new: int, budget: int) -> int:
+    """`num_new` tokens from `start`, changed so the chunk never ends inside an image: cut
+    before an image it would split, or, where it starts inside one (a prefix hit ended there),
+    stretched to the image's end if `budget` holds it, else 0 (it waits for a step with room).
+    An image is computed in one step: Gemma 3's placeholders attend each other both ways, and
+    a chunk cannot attend tokens of the next (vLLM keeps such spans whole too)."""
+    end = start + num_new
+    for image in request.images:
+        if image.offset < end < image.end:
+            if image.offset > start:
+                return image.offset - start
+            return image.end - start if image.end - start <= budget else 0
+    return num_new

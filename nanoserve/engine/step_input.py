@@ -17,17 +17,25 @@ import numpy as np
 
 from nanoserve.engine.block_table import BlockTable
 from nanoserve.engine.scheduler import ScheduledRequest
-from nanoserve.protocol import NewSequence, PoolingRows, PromptLogprobsRows, StepInput
+from nanoserve.protocol import (
+    NewSequence,
+    PoolingRows,
+    PromptLogprobsRows,
+    StepImage,
+    StepInput,
+)
 
 
 def build_step_input(scheduled: list[ScheduledRequest], block_table: BlockTable,
                      block_size: int, new_sequences: list[NewSequence],
                      released_slots: list[int],
                      grammar: tuple[np.ndarray, np.ndarray],
-                     group_tables: Sequence[BlockTable] = ()) -> StepInput:
+                     group_tables: Sequence[BlockTable] = (),
+                     images_both_ways: bool = False) -> StepInput:
     """The step input for `scheduled` (their blocks already synced into `block_table`, and
     into `group_tables` for the KV layer groups after the first); `grammar` is the core's
-    filled bitmask: (sampled rows with a grammar, their rows)."""
+    filled bitmask: (sampled rows with a grammar, their rows). `images_both_ways`: the
+    model's image placeholders attend each other both ways (the step's `key_ends`)."""
     order = batch_order(scheduled)
     num_decodes = sum(1 for s in scheduled if s.num_new_tokens == 1)
     first_row = step_first_rows(scheduled)
@@ -62,6 +70,9 @@ def build_step_input(scheduled: list[ScheduledRequest], block_table: BlockTable,
     np.cumsum(num_new, out=query_start_loc[1:])
     rows = _sample_rows(scheduled, first_row)
     grammar_rows, grammar_bitmask = grammar
+    images = step_images(scheduled, first_row)
+    key_ends = (image_key_ends(scheduled, first_row, all_positions) if images and images_both_ways
+                else np.zeros(0, np.int32))
     return StepInput(
         token_ids=np.asarray(token_ids, dtype=np.int64), positions=all_positions,
         cache_index=cache_index, query_start_loc=query_start_loc,
@@ -76,7 +87,37 @@ def build_step_input(scheduled: list[ScheduledRequest], block_table: BlockTable,
         new_sequences=new_sequences, released_slots=released_slots,
         pooling=_pooling_rows(scheduled, first_row),
         group_block_tables=[t for _, t in groups], group_cache_index=[c for c, _ in groups],
-        seq_slots=slots.tolist())
+        seq_slots=slots.tolist(), images=images, key_ends=key_ends)
+
+
+def step_images(scheduled: Sequence[ScheduledRequest], first_row: list[int]
+                ) -> list[StepImage]:
+    """The placeholder rows of every image this step computes (an image is never split by a
+    chunk, but a prefix hit may have cached its first rows: the features after them)."""
+    out = []
+    for i, s in enumerate(scheduled):
+        end = s.start + s.num_new_tokens
+        for image in s.request.images:
+            first, last = max(image.offset, s.start), min(image.end, end)
+            if first < last:
+                out.append(StepImage(first_row[i] + first - s.start, first - image.offset,
+                                     last - first, image.content_hash, image.pixels))
+    return out
+
+
+def image_key_ends(scheduled: Sequence[ScheduledRequest], first_row: list[int],
+                   positions: np.ndarray) -> np.ndarray:
+    """Each token's key end [T] int32: its position + 1, or for an image's placeholder its
+    image's end, so it attends every placeholder of its image (the rest of the image is in
+    the same step, and its keys are written before any layer attends)."""
+    key_ends = (positions + 1).astype(np.int32)
+    for i, s in enumerate(scheduled):
+        for image in s.request.images:
+            first, last = max(image.offset, s.start), min(image.end, s.start + s.num_new_tokens)
+            if first < last:
+                row = first_row[i] + first - s.start
+                key_ends[row : row + last - first] = image.end
+    return key_ends
 
 
 def batch_order(scheduled: Sequence[ScheduledRequest]) -> list[int]:

@@ -105,6 +105,12 @@ class ArchConfig:
         return self.num_kv_heads * self.head_dim
 
     @property
+    def attends_images_both_ways(self) -> bool:
+        """Whether an image's placeholder tokens attend each other both ways (Gemma 3:
+        transformers' `token_type_ids` mask), not only causally."""
+        return self.family == "gemma3"
+
+    @property
     def norms_are_offsets(self) -> bool:
         """The checkpoint's RMSNorm weights w are used as 1 + w (Gemma, Qwen3.5)."""
         return self.family in ("gemma3", "qwen3_5")

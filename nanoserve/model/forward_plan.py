@@ -46,11 +46,15 @@ class ForwardPlan:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: KVCaches,
                 attention: AttentionBackend[Any], meta: AttentionMetadata,
                 group_metas: list[AttentionMetadata] | None = None,
-                states: HybridStates | None = None) -> torch.Tensor:
+                states: HybridStates | None = None,
+                images: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> final hidden states [num_tokens, hidden_size].
         `meta` is `attention`'s own, from `attention.build_metadata` for this step (and
         `group_metas` the same for KV layer groups 1.., model/kv_groups.py); `states` a
-        hybrid model's DeltaNet states for this step."""
+        hybrid model's DeltaNet states for this step; `images` the rows whose embeddings
+        are image features (`CausalLM.embed`). A step with images runs the layer loop: its
+        placeholders may attend past themselves (StepInput.key_ends), which the native stack
+        does not take."""
         model = self.model
         assert model.rotary is not None, "weights not loaded: use nanoserve.model.loader"
         table, layers = self._bind_layers()
@@ -58,7 +62,8 @@ class ForwardPlan:
         rope_local = (table.rope_tables(model.rotary_local, positions)
                       if model.rotary_local is not None and model.features.has_local_rope
                       else None)
-        stack = self._native_stack(kv_caches, attention) if table.is_fused else None
+        stack = (self._native_stack(kv_caches, attention)
+                 if table.is_fused and images is None else None)
         if stack is not None:
             hidden = model.embed(input_ids)
             # a scope for `bench step`: a few tokens run as one native region the profiler
@@ -67,7 +72,7 @@ class ForwardPlan:
                 return attention.run_layer_stack(stack, hidden, cos, sin, positions, meta,
                                                  rope_local, group_metas)
         return model.forward(input_ids, positions, kv_caches, attention, meta, table, layers,
-                             cos, sin, rope_local, group_metas, states)
+                             cos, sin, rope_local, group_metas, states, images)
 
     def _bind_layers(self) -> tuple[OpTable, list[BoundDecoderLayer]]:
         """This forward's op table and the layers bound to it (bound at its first use)."""

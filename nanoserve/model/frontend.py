@@ -13,6 +13,7 @@ from typing import Any
 from nanoserve.model.gguf_file import GGUFFile
 from nanoserve.model.model_path import resolve_model_path
 from nanoserve.model.tokenizer import load_tokenizer_from_dir, load_tokenizer_from_gguf
+from nanoserve.model.vision.gemma3_images import Gemma3ImageProcessor
 
 # GGUF's recommended-sampling keys -> generation_config.json names
 _GGUF_SAMPLING_KEYS = {
@@ -24,22 +25,39 @@ _GGUF_SAMPLING_KEYS = {
 
 @dataclass
 class FrontendModel:
-    """What an API server needs of a model without its weights: tokenizer and defaults."""
+    """What an API server needs of a model without its weights: tokenizer and defaults, and
+    where the model sees images, how an image becomes its pixels and placeholder tokens."""
 
     tokenizer: Any
     generation_config: dict[str, Any]
     path: Path
+    image_processor: Gemma3ImageProcessor | None = None
 
 
-def load_frontend(model: str | None) -> FrontendModel:
+def load_frontend(model: str | None, mmproj: str | None = None) -> FrontendModel:
     path = resolve_model_path(model)
+    mmproj_path = None if mmproj is None else Path(mmproj)
     if path.is_dir():
         gen_file = path / "generation_config.json"
         defaults = json.loads(gen_file.read_text()) if gen_file.exists() else {}
-        return FrontendModel(load_tokenizer_from_dir(path), defaults, path)
-    gguf = GGUFFile(path)
-    return FrontendModel(load_tokenizer_from_gguf(gguf), gguf_sampling_defaults(gguf.metadata),
-                         path)
+        tokenizer = load_tokenizer_from_dir(path)
+    else:
+        gguf = GGUFFile(path)
+        tokenizer = load_tokenizer_from_gguf(gguf)
+        defaults = gguf_sampling_defaults(gguf.metadata)
+    return FrontendModel(tokenizer, defaults, path,
+                         load_image_processor(path, tokenizer, mmproj_path))
+
+
+def load_image_processor(path: Path, tokenizer: Any,
+                         mmproj: Path | None = None) -> Gemma3ImageProcessor | None:
+    """The model's image processor: from `mmproj` (llama.cpp's projector GGUF) where given,
+    else from a checkpoint directory's config; None for a model that reads text only."""
+    if mmproj is not None:
+        return Gemma3ImageProcessor.from_mmproj(GGUFFile(mmproj).metadata, tokenizer)
+    if path.is_dir():
+        return Gemma3ImageProcessor.from_hf_dir(path, tokenizer)
+    return None
 
 
 def gguf_sampling_defaults(meta: dict[str, Any]) -> dict[str, Any]:

@@ -209,6 +209,10 @@ class CausalLM(nn.Module):
         self.lm_head = _param(num_rows, arch.hidden_size)
         self.rotary: RotaryEmbedding | None = None
         self.rotary_local: RotaryEmbedding | None = None  # windowed layers' own base (Gemma)
+        # a vision tower (model/vision/) where the checkpoint has one, set by the loader, and
+        # its image processor's `normalize` (uint8 [S, S, 3] -> float32 [3, S, S])
+        self.vision: nn.Module | None = None
+        self.normalize_image: Any = None
 
     @property
     def decoder_layers(self) -> list[DecoderLayer]:
@@ -225,20 +229,22 @@ class CausalLM(nn.Module):
                 layers: list[BoundDecoderLayer], cos: torch.Tensor, sin: torch.Tensor,
                 rope_local: tuple[torch.Tensor, torch.Tensor] | None = None,
                 group_metas: list[AttentionMetadata] | None = None,
-                states: HybridStates | None = None) -> torch.Tensor:
+                states: HybridStates | None = None,
+                images: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> final hidden states [num_tokens, hidden_size],
         through `layers` (this model's, bound to `table`; the runner's `ForwardPlan` chooses
         both, and `cos`, `sin` are `table.rope_tables` at `positions`, `rope_local` the same
         of `rotary_local` where the model has one). `meta` is `attention`'s own, from
         `attention.build_metadata` for this step, and `group_metas` the same for KV layer
         groups 1.. (their own block tables and cache rows); `states` a hybrid model's
-        DeltaNet states (their layers ignore their cache pair)."""
+        DeltaNet states (their layers ignore their cache pair); `images` the rows whose
+        embeddings are an image's features (`embed`)."""
         steps = [StepContext(positions, cos, sin, attention.forward, m, m.cache_index,
                              m.reads_new_kv, self.arch.rms_norm_eps, states)
                  for m in (meta, *(group_metas or ()))]  # per KV layer group
         local = steps if rope_local is None else [
             replace(step, cos=rope_local[0], sin=rope_local[1]) for step in steps]
-        hidden = self.embed(input_ids)  # [T, hidden], a fresh tensor: updated in place
+        hidden = self.embed(input_ids, images)  # [T, hidden], fresh: updated in place
         delta = None
         for layer, (k_cache, v_cache) in zip(layers, kv_caches, strict=True):
             # a forward given one metadata (a whole prompt at once, as tests and benchmarks
@@ -249,10 +255,19 @@ class CausalLM(nn.Module):
         assert delta is not None, "a model has at least one layer"
         return table.add_rms_norm(hidden, delta, self.norm, self.arch.rms_norm_eps)
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids [T] -> [T, hidden]. Under tensor parallelism each rank looks up the ids
-        in its vocabulary rows and zeroes the others; the all-reduce then gives every id its
-        own row exactly (the other ranks add zeros), as nano-vllm's VocabParallelEmbedding."""
+    def embed(self, input_ids: torch.Tensor,
+              images: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """input_ids [T] -> [T, hidden]; `images` (rows [R], features [R, hidden]): those
+        rows are the vision tower's features instead, unscaled (transformers scatters them
+        over the scaled embeddings: Gemma 3). Under tensor parallelism each rank looks up the
+        ids in its vocabulary rows and zeroes the others; the all-reduce then gives every id
+        its own row exactly (the other ranks add zeros), as nano-vllm's
+        VocabParallelEmbedding."""
+        if images is not None:
+            rows, features = images
+            # a placeholder's id may lie past the vocabulary (Gemma 3's 262144): looked up as 0
+            hidden = self.embed(input_ids.index_fill(0, rows, 0))
+            return hidden.index_copy_(0, rows, features.to(hidden.dtype))
         if self.group.world_size == 1:
             return self._scaled(self._lookup(input_ids))
         is_local = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)

@@ -22,6 +22,7 @@ from nanoserve.model.frontend import (  # noqa: F401 (the loader's names for the
     FrontendModel,
     gguf_sampling_defaults,
     load_frontend,
+    load_image_processor,
 )
 from nanoserve.model.gguf_file import GGUFFile
 from nanoserve.model.llama import CausalLM
@@ -40,6 +41,7 @@ from nanoserve.model.tokenizer import (
     load_tokenizer_from_dir,
     load_tokenizer_from_gguf,
 )
+from nanoserve.model.vision.vision_weights import load_vision_tower
 from nanoserve.model.weights import (
     ReadTensor,
     gguf_rope_factors,
@@ -67,6 +69,7 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...]
     generation_config: dict[str, Any] = field(default_factory=dict)
     quantization: str = "none"  # the resolved mode the matmul weights are held in
+    has_vision: bool = False  # a vision tower: the prompt may carry images
 
 
 @dataclass
@@ -85,7 +88,8 @@ class LoadedModel:
     def info(self) -> ModelInfo:
         """All of it but the weights."""
         return ModelInfo(self.arch, self.tokenizer, self.path, self.name, self.eos_token_ids,
-                         self.generation_config, self.quantization)
+                         self.generation_config, self.quantization,
+                         self.model.vision is not None)
 
 
 def load_arch(model: str | None) -> ArchConfig:
@@ -107,11 +111,13 @@ def gguf_arch(gguf: GGUFFile) -> ArchConfig:
 def load_model(model: str | None, device: torch.device, dtype: torch.dtype,
                max_positions: int | None = None, quantization: str = "auto",
                group: TensorParallelGroup | None = None,
-               engine_tokenizer: bool = False) -> LoadedModel:
+               engine_tokenizer: bool = False, mmproj: str | None = None) -> LoadedModel:
     """Read weights, tokenizer and generation defaults; put the model on `device` in `dtype`,
     its matmul weights held as `quantization` says (model/quantization.py). With a `group` of
     several ranks, only this rank's shard of the weights (shard.py). With `engine_tokenizer`,
-    the tokenizer is only what an engine process reads (no text in or out: tokenizer.py)."""
+    the tokenizer is only what an engine process reads (no text in or out: tokenizer.py).
+    A vision tower comes with it where the checkpoint has one, or from `mmproj` (llama.cpp's
+    projector GGUF), with its image processor's normalization (model/vision/)."""
     path = resolve_model_path(model)
     mode = resolve_mode(quantization, not path.is_dir(), device)
     block = LOAD_QUANTIZED_BLOCK.get(mode, 1)  # a rank's columns come in whole blocks of it
@@ -145,6 +151,12 @@ def load_model(model: str | None, device: torch.device, dtype: torch.dtype,
     if arch.rope_local_theta is not None:  # Gemma's windowed layers: their own base, unscaled
         local = replace(arch, rope_theta=arch.rope_local_theta, rope_scaling=RopeScaling())
         net.rotary_local = RotaryEmbedding(inverse_frequencies(local), positions, dtype, device)
+    mmproj_path = None if mmproj is None else Path(mmproj)
+    net.vision = load_vision_tower(path, mmproj_path, dtype, device)
+    if net.vision is not None:
+        processor = load_image_processor(path, tokenizer, mmproj_path)
+        assert processor is not None, "a vision tower comes with its processor"
+        net.normalize_image = processor.normalize
     net.eval()
     name = DEFAULT_MODEL_NAME if model in DEFAULT_MODEL_ALIASES else str(model)
     return LoadedModel(net, net.arch, tokenizer, path, name,

@@ -107,16 +107,37 @@ def read_safetensors_dir(path: Path, arch: ArchConfig | None = None,
         raise FileNotFoundError(f"{path} has a config.json but no *.safetensors weights")
     for name in files:
         with safe_open(str(path / name), framework="pt") as f:
-            for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                part = f.get_slice(key)
+            for stored in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                key = text_weight_name(stored)
+                if key is None:  # a vision tower's (model/vision/ reads those)
+                    continue
+                part = f.get_slice(stored)
                 shape = tuple(part.get_shape())
                 split = (tensor_split(key, shape, arch, group, column_unit(shape, block))
                          if is_sharded and arch is not None and group is not None else None)
                 if split is None:
-                    yield key, f.get_tensor(key)
+                    yield key, f.get_tensor(stored)
                     continue
                 dim, start, stop = split
                 yield key, (part[start:stop] if dim == 0 else part[:, start:stop]).contiguous()
+
+
+# a multimodal checkpoint's text half, under the names a text-only one uses
+_TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                  ("language_model.lm_head.", "lm_head."))
+_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "visual.", "model.vision_tower.",
+                    "model.multi_modal_projector.", "model.visual.")
+
+
+def text_weight_name(key: str) -> str | None:
+    """A checkpoint tensor's name in the text model (Gemma3ForConditionalGeneration writes
+    `language_model.model.*` or `model.language_model.*`), or None for a vision tower's."""
+    if key.startswith(_VISION_PREFIXES):
+        return None
+    for prefix, replacement in _TEXT_PREFIXES:
+        if key.startswith(prefix):
+            return replacement + key[len(prefix):]
+    return key
 
 
 def read_gguf_tensors(gguf: GGUFFile, arch: ArchConfig, keep_blocks: bool = False,

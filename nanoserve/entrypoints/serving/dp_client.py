@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from nanoserve.engine.core_client import EngineCoreClient
 from nanoserve.engine.dp_router import (
@@ -28,6 +28,7 @@ from nanoserve.protocol import (
     EngineMessage,
     EngineOutputs,
     EngineRequest,
+    ImageInput,
     RequestError,
     SchedulerStats,
 )
@@ -56,19 +57,22 @@ class DPEngineClient:
     def num_engines(self) -> int:
         return self.client.num_engines
 
-    def place(self, prompt_token_ids: list[int], cache_salt: str | None = None) -> int:
-        """The engine core for a new request with this prompt (and prefix-cache salt)."""
+    def place(self, prompt_token_ids: list[int], cache_salt: str | None = None,
+              images: Sequence[ImageInput] = ()) -> int:
+        """The engine core for a new request with this prompt (its prefix-cache salt and its
+        images hashed into the blocks as the engine's cache hashes them)."""
         if self.num_engines == 1:
             return 0
         loads = [engine_load(self.num_in_flight[k], s.num_waiting, s.num_running)
                  for k, s in enumerate(self.engine_stats)]
-        hashes = (prompt_block_hashes(prompt_token_ids, self.block_size, cache_salt)
+        hashes = (prompt_block_hashes(prompt_token_ids, self.block_size, cache_salt, images)
                   if self.router.config.policy == "cache_aware" else [])
         return self.router.route(hashes, loads)
 
     async def add(self, requests: list[EngineRequest]) -> int:
         """Send one API request's engine requests (its samples) to one engine core: which."""
-        engine = self.place(requests[0].prompt_token_ids, requests[0].params.cache_salt)
+        first = requests[0]
+        engine = self.place(first.prompt_token_ids, first.params.cache_salt, first.images)
         for request in requests:
             self.engine_of[request.request_id] = engine
             self.num_in_flight[engine] += 1

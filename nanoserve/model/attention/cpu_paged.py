@@ -58,7 +58,10 @@ class CpuPagedMetadata(AttentionMetadata):
     """One query per token of the step, each with its request's blocks and its own context."""
 
     block_table: torch.Tensor  # [T, max_blocks] int32 block ids, each token's request's row
-    context_lens: torch.Tensor  # [T] int32, each token's position + 1
+    context_lens: torch.Tensor  # [T] int32, each token's position + 1 (its image's end)
+    # [T] int32 position + 1, where an image's placeholders attend past it (the step's
+    # key_ends): a window still ends at the token itself; None in a causal step
+    window_ends: torch.Tensor | None = None
 
 
 class CpuPagedBackend(AttentionBackend[CpuPagedMetadata]):
@@ -94,11 +97,14 @@ class CpuPagedBackend(AttentionBackend[CpuPagedMetadata]):
         num_queries = np.diff(step.query_start_loc)  # [R], tokens per request
         table = (step.block_table if step.num_requests == step.num_decodes
                  else np.repeat(step.block_table, num_queries, axis=0))  # [T, max_blocks]
-        context_lens = step.positions + 1
+        both_ways = len(step.key_ends) > 0
+        context_lens = step.key_ends if both_ways else step.positions + 1
         max_blocks = int(-(-context_lens.max() // self.block_size))
         return CpuPagedMetadata(self._tensor(step.cache_index),
                                 self._tensor(np.ascontiguousarray(table[:, :max_blocks])),
-                                self._tensor(context_lens.astype(np.int32)))
+                                self._tensor(context_lens.astype(np.int32)),
+                                self._tensor((step.positions + 1).astype(np.int32))
+                                if both_ways else None)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: CpuPagedMetadata,
@@ -110,8 +116,10 @@ class CpuPagedBackend(AttentionBackend[CpuPagedMetadata]):
         batch, num_heads, head_dim = q.shape
         q_f32 = q.to(torch.float32).contiguous()  # the kernel computes in float32 (q is tiny)
         out = q_f32.new_empty(batch, num_heads, head_dim)
-        args = (q_f32, k_cache, v_cache, meta.block_table, meta.context_lens,
-                1.0 / math.sqrt(head_dim), out, window)
+        args: tuple[Any, ...] = (q_f32, k_cache, v_cache, meta.block_table, meta.context_lens,
+                                 1.0 / math.sqrt(head_dim), out, window)
+        if window and meta.window_ends is not None:  # (a step with images seen both ways)
+            args = (*args, meta.window_ends)
         if torch.autograd._profiler_enabled():  # lets `bench step` see the kernel (~40 ns)
             with record_function("nanoserve::decode_attention"):
                 self._kernel(*args)

@@ -43,6 +43,9 @@ class PrefillChunk:
     # Indexes the cache's [num_kv_heads * num_blocks] block rows: see `head_block_rows`.
     block_ids: torch.Tensor | None = None
     mask: torch.Tensor | None = None  # [num_tokens, context_len] bool, causal with offset
+    # [num_tokens] int64, each token's key end where an image's placeholders attend their
+    # whole image (StepInput.key_ends); None: causal
+    key_ends: torch.Tensor | None = None
 
 
 @dataclass
@@ -90,6 +93,10 @@ class SdpaBackend(AttentionBackend[SdpaMetadata]):
         prefills = [self._prefill_chunk(int(starts[i]), int(starts[i + 1] - starts[i]),
                                         int(step.context_lens[i]), step.block_table[i])
                     for i in range(num_decodes, step.num_requests)]
+        if len(step.key_ends):  # images seen both ways: each chunk's own key ends
+            for chunk in prefills:
+                chunk.key_ends = self._tensor(
+                    step.key_ends[chunk.start : chunk.start + chunk.num_tokens].astype(np.int64))
         return SdpaMetadata(self._tensor(step.cache_index), decodes, prefills)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
@@ -194,11 +201,16 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
         keys = keys[:, : chunk.context_len].to(q.dtype)
         values = values[:, : chunk.context_len].to(q.dtype)
         mask, is_causal = chunk.mask, False
-    if window:  # the causal mask, less the keys before each token's window
+    if window or chunk.key_ends is not None:  # a mask of each token's keys
         query_pos = torch.arange(chunk.context_len - num_tokens, chunk.context_len,
                                  device=q.device)[:, None]
         key_pos = torch.arange(keys.shape[1], device=q.device)[None, :]
-        mask, is_causal = (key_pos <= query_pos) & (key_pos > query_pos - window), False
+        # causal, or to its image's end; less the keys before its window (transformers'
+        # "sliding and (causal or same image)")
+        ends = query_pos + 1 if chunk.key_ends is None else chunk.key_ends[:, None]
+        mask, is_causal = key_pos < ends, False
+        if window:
+            mask = mask & (key_pos > query_pos - window)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0),  # [1, H, n, D]
         keys.unsqueeze(0), values.unsqueeze(0),  # [1, Hkv, ctx, D]
