@@ -305,7 +305,9 @@ def _encode_array(value: object) -> msgspec.msgpack.Ext:
     if not isinstance(value, np.ndarray):
         raise NotImplementedError(f"cannot encode {type(value).__name__}")
     array = np.ascontiguousarray(value)
-    header = f"{array.dtype.str}|{','.join(map(str, array.shape))}|".encode()
+    # a one-byte type's str has no byte order but "|" ("|u1"), the header's separator: "="
+    dtype = array.dtype.str.replace("|", "=")
+    header = f"{dtype}|{','.join(map(str, array.shape))}|".encode()
     return msgspec.msgpack.Ext(_ARRAY_EXT, header + array.tobytes())
 
 

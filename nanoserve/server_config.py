@@ -5,8 +5,76 @@ flags): what one request may ask (`RequestLimits`) and the server's own settings
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
+
+# Pillow refuses to open an image past twice its `Image.MAX_IMAGE_PIXELS` (89,478,485): its
+# decompression-bomb guard, which a larger --max-image-pixels could not lift
+PILLOW_MAX_PIXELS = 2 * 89_478_485
+
+
+@dataclass(frozen=True)
+class ImageLimits:
+    """What the images of one request may be (entrypoints/serving/images.py checks them, each
+    past its limit a 400 naming the part)."""
+
+    # images per prompt: vLLM's --limit-mm-per-prompt and its default; a model without a vision
+    # tower takes none, whatever this says
+    max_images: int = 999
+    # pixels per image, read from the header before anything is decoded: 50 MP holds an 8K
+    # screenshot or a phone camera's photo, and its decoded RGBA (200 MB) stays bounded
+    max_pixels: int = 50_000_000
+    # bytes per image (a data URL's decoded bytes, a fetched body): Anthropic's API takes 5 MB,
+    # OpenAI's 20 MB; the request body limit (--max-request-body-bytes) applies first
+    max_bytes: int = 20 * 1024 * 1024
+    # hosts whose http(s) image URLs are fetched (vLLM's --allowed-media-domains); empty: none,
+    # so no request can make the server reach the network unless its operator says so
+    allowed_media_domains: tuple[str, ...] = ()
+    # seconds a fetch may take (vLLM's VLLM_IMAGE_FETCH_TIMEOUT and its default)
+    fetch_timeout: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.max_images < 0:
+            raise ValueError(f"--limit-mm-per-prompt's image count must be >= 0, got "
+                             f"{self.max_images}")
+        if not 1 <= self.max_pixels <= PILLOW_MAX_PIXELS:
+            raise ValueError(f"--max-image-pixels must be in [1, {PILLOW_MAX_PIXELS}] (past it "
+                             f"Pillow refuses to decode), got {self.max_pixels}")
+        if self.max_bytes < 1:
+            raise ValueError(f"--max-image-bytes must be >= 1, got {self.max_bytes}")
+        if not self.fetch_timeout > 0:
+            raise ValueError(f"--image-fetch-timeout must be > 0 seconds, got "
+                             f"{self.fetch_timeout}")
+
+
+def parse_mm_limits(text: str) -> int:
+    """`--limit-mm-per-prompt` as vLLM takes it, JSON (`{"image": 4}`, `{"image": {"count":
+    4}}`) or `image=4,video=0`, to the image count. Other modalities are accepted at 0 only
+    (vLLM commands often turn video off): this server reads images alone."""
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError:
+        raw = dict(item.split("=", 1) for item in text.split(",") if "=" in item)
+        if not raw:
+            raise ValueError(f"--limit-mm-per-prompt must be JSON such as '{{\"image\": 4}}' "
+                             f"or image=4, got {text!r}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"--limit-mm-per-prompt must be an object such as "
+                         f"'{{\"image\": 4}}', got {text!r}")
+    counts = {}
+    for modality, value in raw.items():
+        count = value.get("count", 999) if isinstance(value, dict) else value
+        try:
+            counts[modality] = int(count)
+        except (TypeError, ValueError):
+            raise ValueError(f"--limit-mm-per-prompt: {modality} must be a count, got "
+                             f"{value!r}") from None
+    others = [name for name, count in counts.items() if name != "image" and count != 0]
+    if others:
+        raise ValueError(f"--limit-mm-per-prompt: this server reads images only; "
+                         f"{', '.join(others)} may only be 0")
+    return counts.get("image", ImageLimits.max_images)
 
 
 @dataclass(frozen=True)
@@ -43,6 +111,7 @@ class RequestLimits:
     # ~3 tokens per update x 4,096 is more than any max_tokens this server allows by default.
     slow_reader_timeout: float = 30.0
     max_unread_updates: int = 4096
+    images: ImageLimits = field(default_factory=ImageLimits)
 
     def __post_init__(self) -> None:
         for name in ("max_request_body_bytes", "max_n", "max_stop_strings",

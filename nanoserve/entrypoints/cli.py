@@ -23,7 +23,13 @@ from nanoserve.native import check_cpu_isa
 from nanoserve.parsers.reasoning import REASONING_PARSERS
 from nanoserve.parsers.tool_calls import TOOL_CALL_PARSERS
 from nanoserve.sampling_params import SamplingParams
-from nanoserve.server_config import RequestLimits, ServerConfig, api_key_from_env
+from nanoserve.server_config import (
+    ImageLimits,
+    RequestLimits,
+    ServerConfig,
+    api_key_from_env,
+    parse_mm_limits,
+)
 
 if TYPE_CHECKING:
     from nanoserve.entrypoints.llm import LLM
@@ -175,7 +181,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             max_bad_words=args.max_bad_words,
             request_timeout=args.request_timeout,
             slow_reader_timeout=args.slow_reader_timeout,
-            max_unread_updates=args.max_unread_updates),
+            max_unread_updates=args.max_unread_updates, images=image_limits(args)),
         allowed_origins=tuple(args.allowed_origins), log_requests=args.log_requests,
         web_ui=not args.no_web_ui, strip_billing_header=not args.keep_billing_header,
         stopped_by_parent=args.stopped_by_parent)
@@ -213,6 +219,36 @@ def add_limit_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-unread-updates", type=int, default=RequestLimits.max_unread_updates,
                    help="abort a stream once this many updates wait unread (default: "
                         "%(default)s)")
+
+
+def add_image_args(parser: argparse.ArgumentParser) -> None:
+    """What images one request may send (defaults and reasons: ImageLimits)."""
+    g = parser.add_argument_group("images")
+    g.add_argument("--limit-mm-per-prompt", default=None, metavar="JSON",
+                   help='the most images one prompt may carry, as vLLM\'s: \'{"image": 4}\' '
+                        f"(default: {ImageLimits.max_images}; none for a model without a "
+                        "vision tower)")
+    g.add_argument("--max-image-pixels", type=int, default=ImageLimits.max_pixels,
+                   help="the most pixels (width x height) of one image, read from its header "
+                        "before it is decoded (default: %(default)s)")
+    g.add_argument("--max-image-bytes", type=int, default=ImageLimits.max_bytes,
+                   help="the most bytes of one encoded image, sent or fetched "
+                        "(default: %(default)s)")
+    g.add_argument("--allowed-media-domains", nargs="+", default=[], metavar="HOST",
+                   help="hosts whose http(s) image URLs the server fetches (default: none; "
+                        "images are sent as data: URLs)")
+    g.add_argument("--image-fetch-timeout", type=float, default=ImageLimits.fetch_timeout,
+                   metavar="SECONDS",
+                   help="seconds one image URL's fetch may take (default: %(default)s)")
+
+
+def image_limits(args: argparse.Namespace) -> ImageLimits:
+    count = ImageLimits.max_images if args.limit_mm_per_prompt is None \
+        else parse_mm_limits(args.limit_mm_per_prompt)
+    return ImageLimits(max_images=count, max_pixels=args.max_image_pixels,
+                       max_bytes=args.max_image_bytes,
+                       allowed_media_domains=tuple(args.allowed_media_domains),
+                       fetch_timeout=args.image_fetch_timeout)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -293,6 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "by name (qwen3.5:0.8b, org/repo:Q4_K_M) and answers once it is loaded "
                         "(default: a 404 that says how to pull it, as Ollama's)")
     add_limit_args(serve)
+    add_image_args(serve)
     EngineArgs.add_cli_args(serve)
     serve.set_defaults(func=cmd_serve)
 

@@ -90,7 +90,7 @@ async def serve_api(engine_config: EngineConfig, server_config: ServerConfig,
 
     try:
         try:
-            frontend = load_frontend(engine_config.model.model)
+            frontend = load_frontend(engine_config.model.model, engine_config.model.mmproj)
         except Exception as e:
             raise EngineStartError.of(e) from e
         ready = await wait_for_engines(sockets, engine_alive, lambda: stops.requested,
@@ -176,6 +176,8 @@ def _server_context(engine_config: EngineConfig, server_config: ServerConfig,
         reasoning_parser=server_config.reasoning_parser,
         tool_call_parser=tool_call_parser, template_reads_tools=tool_format.reads_tools,
         chat_template=server_config.chat_template,
+        accepts_images=frontend.image_processor is not None,
+        image_processor=frontend.image_processor,
         processor_classes=load_processor_classes(engine_config.sampler.logits_processors),
         reasoning_tokens=ReasoningTokens.of(frontend.tokenizer),
         grammar_tokenizer=GrammarTokenizer(frontend.tokenizer, ready.vocab_size, ()),

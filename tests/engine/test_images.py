@@ -258,3 +258,17 @@ def test_a_text_model_refuses_images(tiny_model_dir: Any) -> None:
     with pytest.raises(ValueError, match=r"At most 0 image\(s\)"):
         engine.add_request("r", [1, 2, 3, 4], GREEDY,
                            images=[ImageInput(1, 2, b"a" * 16, np.zeros((1, 1, 3), np.uint8))])
+
+
+def test_an_image_crosses_the_process_boundary_whole() -> None:
+    """A uint8 array's dtype str is "|u1": it once broke the array header's separator."""
+    from nanoserve.protocol import EngineRequest, decode_input, encode
+
+    pixels = np.arange(2 * 3 * 3, dtype=np.uint8).reshape(2, 3, 3)
+    sent = EngineRequest("r", [1, 2, 3], GREEDY, 0,
+                         images=[ImageInput(1, 2, b"h" * 16, pixels)])
+    got = decode_input(encode(sent))
+    assert isinstance(got, EngineRequest)
+    assert got.images[0].content_hash == b"h" * 16
+    assert np.array_equal(got.images[0].pixels, pixels)
+    assert got.images[0].pixels.dtype == np.uint8

@@ -273,7 +273,10 @@ def body(**changes: Any) -> dict[str, Any]:
     (body(messages=[{"role": "wizard", "content": "hi"}]), 400, "invalid_request_error",
      "messages.0.role"),
     (body(messages=[{"role": "user", "content": [IMAGE]}]), 400, "invalid_request_error",
-     "messages.0.content.0: image blocks are not supported"),
+     "messages.0.content.0: At most 0 image(s) may be provided in one prompt."),
+    (body(messages=[{"role": "user", "content": [{**IMAGE, "source": {
+        **IMAGE["source"], "media_type": "image/bmp"}}]}]), 400, "invalid_request_error",
+     "messages.0.content.0.source.media_type: 'image/bmp' is not supported"),
     (body(messages=[{"role": "user", "content": [{"type": "video"}]}]), 400,
      "invalid_request_error", "messages.0.content.0"),
     (body(messages=[*ASK, {"role": "assistant", "content": [{**CALL, "input": None}]}]), 400,
@@ -323,7 +326,7 @@ def test_bad_requests_get_anthropic_errors(server: RunningServer, sent: dict[str
 @pytest.mark.parametrize(("sent", "status", "kind", "fragment"), [
     ({"model": MODEL}, 400, "invalid_request_error", "messages: Field required"),
     ({"model": MODEL, "messages": [{"role": "user", "content": [IMAGE]}]}, 400,
-     "invalid_request_error", "image blocks are not supported"),
+     "invalid_request_error", "messages.0.content.0: At most 0 image(s)"),
     ({"model": "claude-haiku-4-5", "messages": ASK}, 404, "not_found_error", "claude-haiku"),
 ])
 def test_count_tokens_errors_too(server: RunningServer, sent: dict[str, Any], status: int,

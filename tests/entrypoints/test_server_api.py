@@ -228,9 +228,12 @@ def test_bad_fields_are_400_naming_the_field(server: RunningServer, body: dict, 
 def test_chat_specific_errors(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError, match="top_logprobs"):
         client.chat.completions.create(model=MODEL, messages=CHAT, top_logprobs=2)
-    with pytest.raises(openai.BadRequestError, match="image_url"):
+    with pytest.raises(openai.BadRequestError, match=r"At most 0 image\(s\) may be provided"):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}])
+    with pytest.raises(openai.BadRequestError, match="content part type 'input_audio'"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": [
+            {"type": "input_audio", "input_audio": {"data": "x", "format": "wav"}}]}])
     with pytest.raises(openai.NotFoundError, match="The model `gpt-9` does not exist"):
         client.chat.completions.create(model="gpt-9", messages=CHAT)
 

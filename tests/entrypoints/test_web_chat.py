@@ -93,6 +93,13 @@ def test_page_loads_without_console_errors_or_requests_elsewhere(web: WatchedPag
     assert any(url.endswith("/metrics") for url in web.requests)
 
 
+def test_a_text_only_model_offers_no_image_button(web: WatchedPage) -> None:
+    page = open_chat(web)  # ready only once /api/show has answered
+    assert any(url.endswith("/api/show") for url in web.requests)
+    expect(page.locator("#attach")).to_be_hidden()  # "vision" is not among its capabilities
+    expect(page.locator("#attachments")).to_be_hidden()
+
+
 def test_answer_streams_and_equals_the_api_answer(web: WatchedPage,
                                                   server: RunningServer) -> None:
     page = open_chat(web, temperature=0, max_tokens=200)  # long enough to see many frames

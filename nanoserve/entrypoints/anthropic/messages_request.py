@@ -20,9 +20,15 @@ this, nothing of the endpoint reads the pydantic request.
 - The sampling fields are checked by chat completions' code, with Anthropic's own cap on
   `temperature` (1); `seed` and `ignore_eos` are vLLM's extras, as on chat completions.
 
+- An `image` block (base64 or url source) is an image part, in a user turn and inside a
+  `tool_result` (Claude Code's Read tool puts screenshots there): as vLLM does, the tool
+  message keeps the text and a user message after the turn's run of tool messages carries
+  the images, in their order. Base64 becomes a data URL of its media type.
+
 Unlike chat completions' translation, this one refuses what only this wire format can name:
-image and document blocks (the models here read text) and a `tool_result` that answers no
-earlier `tool_use`, each a 400 naming the block.
+document blocks, an image of a media type Anthropic's API does not take (`source.media_type`),
+images where Anthropic takes none (assistant and system turns) and a `tool_result` that
+answers no earlier `tool_use`, each a 400 naming the block.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from typing import Any
 
 from nanoserve.entrypoints.anthropic.billing_header import strip_billing_header
 from nanoserve.entrypoints.anthropic.protocol import (
+    AnthropicImageBlock,
     AnthropicMessage,
     AnthropicTextBlock,
     AnthropicThinkingBlock,
@@ -39,6 +46,7 @@ from nanoserve.entrypoints.anthropic.protocol import (
     AnthropicToolResultBlock,
     AnthropicToolUseBlock,
     AnthropicUnreadableBlock,
+    AnthropicURLSource,
     CountTokensRequest,
     MessagesRequest,
 )
@@ -53,10 +61,12 @@ from nanoserve.entrypoints.serving.chat_input import (
     ToolChoice,
     ToolFunction,
     ToolInput,
+    data_url,
 )
 from nanoserve.entrypoints.serving.errors import bad_request
 
 MAX_TEMPERATURE = 1.0  # Anthropic's documented range for `temperature` is [0, 1]
+MEDIA_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")  # Anthropic's API's
 
 
 def messages_input(req: CountTokensRequest, *, strip_billing: bool = True,
@@ -139,7 +149,8 @@ def _assistant(message: AnthropicMessage, index: int) -> MessageInput:
             reasoning.append(block.thinking)
         elif isinstance(block, AnthropicToolUseBlock):
             calls.append(ToolCallInput(block.id, block.name, json.dumps(block.input)))
-        elif isinstance(block, AnthropicUnreadableBlock | AnthropicToolResultBlock):
+        elif isinstance(block, AnthropicUnreadableBlock | AnthropicToolResultBlock
+                        | AnthropicImageBlock):
             raise _refused(block, f"messages.{index}.content.{j}", "an assistant's")
     return MessageInput("assistant", "".join(texts) or None, tool_calls=tuple(calls) or None,
                         reasoning="".join(reasoning) or None)
@@ -157,40 +168,68 @@ def _system_turn(message: AnthropicMessage, index: int) -> MessageInput:
 
 
 def _user(message: AnthropicMessage, index: int, call_ids: set[str]) -> list[MessageInput]:
-    """The turn's text, and a `tool` message per tool result, in their order."""
+    """The turn's text and images, and a `tool` message per tool result, in their order. A
+    tool result's images follow its run of tool messages in a user message (vLLM's way:
+    templates take images in user turns; the run stays unbroken, as templates group it)."""
     out: list[MessageInput] = []
     parts: list[ContentPart] = []
+    tool_images: list[ContentPart] = []  # of the tool results since the last user part
     for j, block in enumerate(message.content):
         where = f"messages.{index}.content.{j}"
-        if isinstance(block, AnthropicTextBlock):
-            parts.append(ContentPart("text", block.text))
-        elif isinstance(block, AnthropicToolResultBlock):
+        if isinstance(block, AnthropicToolResultBlock):
             if parts:
                 out.append(MessageInput("user", tuple(parts)))
                 parts = []
-            out.append(_tool_result(block, where, call_ids))
+            tool, images = _tool_result(block, where, call_ids)
+            out.append(tool)
+            tool_images += images
+            continue
+        parts += tool_images
+        tool_images = []
+        if isinstance(block, AnthropicTextBlock):
+            parts.append(ContentPart("text", block.text))
+        elif isinstance(block, AnthropicImageBlock):
+            parts.append(_image(block, where))
         elif isinstance(block, AnthropicUnreadableBlock | AnthropicToolUseBlock
                         | AnthropicThinkingBlock):
             raise _refused(block, where, "a user's")
+    parts += tool_images
     if parts or not out:
         out.append(MessageInput("user", tuple(parts)))
     return out
 
 
-def _tool_result(block: AnthropicToolResultBlock, where: str, call_ids: set[str]) -> MessageInput:
+def _tool_result(block: AnthropicToolResultBlock, where: str,
+                 call_ids: set[str]) -> tuple[MessageInput, list[ContentPart]]:
+    """The tool message (its text) and the result's images, in their order."""
     if block.tool_use_id not in call_ids:
         raise bad_request(f"{where}.tool_use_id: {block.tool_use_id!r} answers no tool_use "
                           "block of an earlier assistant message", f"{where}.tool_use_id")
-    texts = []
+    texts, images = [], []
     for k, part in enumerate(block.content):
         if isinstance(part, AnthropicUnreadableBlock):
             raise _refused(part, f"{where}.content.{k}", "a tool result's")
-        texts.append(part.text)
-    return MessageInput("tool", "\n".join(texts), tool_call_id=block.tool_use_id)
+        if isinstance(part, AnthropicImageBlock):
+            images.append(_image(part, f"{where}.content.{k}"))
+        else:
+            texts.append(part.text)
+    return MessageInput("tool", "\n".join(texts), tool_call_id=block.tool_use_id), images
+
+
+def _image(block: AnthropicImageBlock, where: str) -> ContentPart:
+    """An image block as the neutral image part: a URL as it is, base64 as a data URL of one
+    of the media types Anthropic's API takes."""
+    source = block.source
+    if isinstance(source, AnthropicURLSource):
+        return ContentPart("image", image_url=source.url, where=where)
+    if source.media_type not in MEDIA_TYPES:
+        raise bad_request(f"{where}.source.media_type: {source.media_type!r} is not supported; "
+                          f"send one of {', '.join(MEDIA_TYPES)}", f"{where}.source.media_type")
+    return ContentPart("image", image_url=data_url(source.data, source.media_type), where=where)
 
 
 def _refused(block: Any, where: str, whose: str) -> Exception:
-    reason = ("the models this server runs read text only"
+    reason = ("this server reads text and images only"
               if isinstance(block, AnthropicUnreadableBlock)
               else "Anthropic's API does not take it there either")
     return bad_request(f"{where}: {block.type} blocks are not supported in {whose} content; "

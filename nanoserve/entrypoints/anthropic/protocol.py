@@ -5,9 +5,9 @@ Only shapes and types are checked here (a 400 naming the field, e.g.
 Unknown fields are accepted and ignored (`cache_control`, `citations`, `metadata`,
 `service_tier`, `context_management`, ...): the SDK and Claude Code send many that change
 nothing here. The sampling fields are typed although the current `anthropic` SDK sends them as
-untyped extra body fields: on the wire they are the same top-level keys. Image and document
-blocks parse (so the error can name them) and are refused by the translation
-(`messages_request.py`): the models here read text only.
+untyped extra body fields: on the wire they are the same top-level keys. Image blocks (a base64
+or a URL source) are read, in user turns and tool results; document blocks parse (so the error
+can name them) and are refused by the translation (`messages_request.py`).
 """
 
 from __future__ import annotations
@@ -31,10 +31,28 @@ class AnthropicTextBlock(AnthropicModel):
     text: str
 
 
+class AnthropicBase64Source(AnthropicModel):
+    type: Literal["base64"]
+    media_type: str  # one of Anthropic's four image types (checked by messages_request.py)
+    data: str
+
+
+class AnthropicURLSource(AnthropicModel):
+    type: Literal["url"]
+    url: str
+
+
+class AnthropicImageBlock(AnthropicModel):
+    """An image: base64 bytes or a URL (checked and decoded by serving/images.py)."""
+
+    type: Literal["image"]
+    source: Annotated[AnthropicBase64Source | AnthropicURLSource, Field(discriminator="type")]
+
+
 class AnthropicUnreadableBlock(AnthropicModel):
     """A block of a kind the models here cannot read: refused with a 400 naming it."""
 
-    type: Literal["image", "document", "search_result", "container_upload"]
+    type: Literal["document", "search_result", "container_upload"]
 
 
 class AnthropicToolUseBlock(AnthropicModel):
@@ -47,7 +65,7 @@ class AnthropicToolUseBlock(AnthropicModel):
 class AnthropicToolResultBlock(AnthropicModel):
     type: Literal["tool_result"]
     tool_use_id: str
-    content: list[Annotated[AnthropicTextBlock | AnthropicUnreadableBlock,
+    content: list[Annotated[AnthropicTextBlock | AnthropicImageBlock | AnthropicUnreadableBlock,
                             Field(discriminator="type")]] = []
     is_error: bool = False
 
@@ -66,9 +84,10 @@ class AnthropicRedactedThinkingBlock(AnthropicModel):
     type: Literal["redacted_thinking"]
 
 
-ContentBlock = Annotated[AnthropicTextBlock | AnthropicUnreadableBlock | AnthropicToolUseBlock
-                         | AnthropicToolResultBlock | AnthropicThinkingBlock
-                         | AnthropicRedactedThinkingBlock, Field(discriminator="type")]
+ContentBlock = Annotated[AnthropicTextBlock | AnthropicImageBlock | AnthropicUnreadableBlock
+                         | AnthropicToolUseBlock | AnthropicToolResultBlock
+                         | AnthropicThinkingBlock | AnthropicRedactedThinkingBlock,
+                         Field(discriminator="type")]
 
 
 class AnthropicMessage(AnthropicModel):

@@ -20,9 +20,13 @@ caps' first checks (`output_caps.py`).
   parser refuses `think` true with Ollama's 400, `"<model>" does not support thinking`; false
   is accepted for any model.
 
-Refused with a 400 naming the field, as only this wire format can ask for them: `images` (the
-models here read text), `suffix` (no fill-in-the-middle prompts) and `template` (a Go template;
-the model's own Jinja template is used, and `raw` sends a prompt of the client's own).
+- `images` (raw base64, a message's or generate's): image parts after the turn's text (data
+  URLs without a media type, checked where they are read: `serving/images.py`).
+
+Refused with a 400 naming the field, as only this wire format can ask for them: `images` with
+`raw` (images need the chat template), `suffix` (no fill-in-the-middle prompts) and `template`
+(a Go template; the model's own Jinja template is used, and `raw` sends a prompt of the
+client's own).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from nanoserve.entrypoints.ollama.protocol import (
 )
 from nanoserve.entrypoints.serving.chat_input import (
     ChatInput,
+    ContentPart,
     MessageInput,
     ResponseFormatInput,
     SamplingInput,
@@ -47,10 +52,9 @@ from nanoserve.entrypoints.serving.chat_input import (
     ToolCallInput,
     ToolFunction,
     ToolInput,
+    data_url,
 )
 from nanoserve.entrypoints.serving.errors import bad_request
-
-_TEXT_ONLY = "the models this server runs read text only"
 
 
 def chat_input(req: OllamaChatRequest, model: str, can_think: bool) -> ChatInput:
@@ -67,8 +71,9 @@ def chat_input(req: OllamaChatRequest, model: str, can_think: bool) -> ChatInput
 def generate_input(req: OllamaGenerateRequest, model: str, can_think: bool) -> ChatInput:
     """A generate body with a prompt, as a one-turn chat (with `raw`, only its sampling and
     format are read: the prompt is sent as it is)."""
-    if req.images:
-        raise bad_request(f"images are not supported: {_TEXT_ONLY}", "images")
+    if req.images and req.raw:
+        raise bad_request("images need the chat template, which raw: true skips; send them "
+                          "without raw", "images")
     if req.suffix:
         raise bad_request(f'"{model}" does not support insert: suffix needs a '
                           "fill-in-the-middle prompt, which this server does not build",
@@ -78,7 +83,7 @@ def generate_input(req: OllamaGenerateRequest, model: str, can_think: bool) -> C
                           "own chat template; send raw: true with a prompt of your own instead",
                           "template")
     turns = [MessageInput("system", req.system)] if req.system else []
-    turns.append(MessageInput("user", req.prompt or ""))
+    turns.append(MessageInput("user", _with_images(req.prompt, req.images, "images")))
     return ChatInput(messages=tuple(turns), response_format=response_format(req.format),
                      sampling=sampling_input(req),
                      template=TemplateOptions(kwargs=template_kwargs(req.think, model,
@@ -138,9 +143,6 @@ def _messages(messages: list[OllamaMessage]) -> tuple[MessageInput, ...]:
     out: list[MessageInput] = []
     unanswered: list[tuple[str, str]] = []  # (call id, function name) of calls so far
     for i, message in enumerate(messages):
-        if message.images:
-            raise bad_request(f"images are not supported: {_TEXT_ONLY}",
-                              f"messages.{i}.images")
         calls = None
         if message.tool_calls:
             calls = tuple(_call(call.id or f"call_{i}_{j}", call.function.name,
@@ -150,10 +152,25 @@ def _messages(messages: list[OllamaMessage]) -> tuple[MessageInput, ...]:
         call_id = message.tool_call_id
         if message.role == "tool" and call_id is None:
             call_id = _answered(unanswered, message.tool_name) or f"call_{i}"
-        out.append(MessageInput(message.role, message.content, tool_calls=calls,
+        content = _with_images(message.content, message.images, f"messages.{i}.images") \
+            if message.images else message.content
+        out.append(MessageInput(message.role, content, tool_calls=calls,
                                 tool_call_id=call_id if message.role == "tool" else None,
                                 reasoning=message.thinking))
     return tuple(out)
+
+
+def _with_images(text: str | None, images: list[str] | None,
+                 where: str) -> str | tuple[ContentPart, ...]:
+    """A turn's text, then its images (raw base64, as Ollama sends them: data URLs with no
+    media type; a data URL sent as it is stays one)."""
+    if not images:
+        return text or ""
+    parts = [ContentPart("text", text)] if text else []
+    parts += [ContentPart("image", image_url=image if image.startswith("data:")
+                          else data_url(image), where=f"{where}.{k}")
+              for k, image in enumerate(images)]
+    return tuple(parts)
 
 
 def _answered(unanswered: list[tuple[str, str]], name: str | None) -> str | None:

@@ -77,7 +77,7 @@ class OllamaToolCall(OpenAIModel):
 class OllamaMessage(OpenAIModel):
     role: str
     content: str | None = None
-    images: list[str] | None = None  # refused: the models here read text
+    images: list[str] | None = None  # base64 (chat_request.py: image parts after the text)
     tool_calls: list[OllamaToolCall] | None = None
     thinking: str | None = None  # an assistant's earlier reasoning
     tool_name: str | None = None  # a tool result: the function it answers
@@ -108,7 +108,7 @@ class OllamaGenerateRequest(_GenerateFields):
     system: str | None = None
     template: str | None = None  # refused (Go templates; the model's own template is used)
     raw: bool = False
-    images: list[str] | None = None  # refused
+    images: list[str] | None = None  # base64, as a message's; refused with raw
     context: list[int] | None = None  # accepted and ignored (deprecated by Ollama)
 
 

@@ -177,6 +177,8 @@ def _show(ctx: ServerContext, card: ModelCard) -> dict[str, Any]:
         capabilities.append("tools")
     if ctx.reasoning_parser is not None:
         capabilities.append("thinking")
+    if ctx.accepts_images:  # what Ollama's clients read before they offer an image upload
+        capabilities.append("vision")
     return {"modelfile": modelfile, "parameters": parameters, "template": template,
             "details": details, "model_info": info, "capabilities": capabilities,
             "modified_at": card.modified_at}

@@ -93,9 +93,19 @@ class CompletionRequest(SamplingFields):
     best_of: int | None = None
 
 
-class TextPart(OpenAIModel):
-    type: str = documented(..., enum=["text"])  # others get a 400 naming the part's type
+class ImageURL(OpenAIModel):
+    url: str
+    detail: str | None = None  # "auto", "low", "high": accepted; the model's processor decides
+
+
+class ContentPartModel(OpenAIModel):
+    """A content part: `{"type": "text", "text"}` or `{"type": "image_url", "image_url":
+    {"url", "detail"}}` (vLLM also takes `image_url` as the URL itself); another type gets a
+    400 naming the part, and an image's URL is checked where it is read (serving/images.py)."""
+
+    type: str = documented(..., enum=["text", "image_url"])
     text: str | None = None
+    image_url: ImageURL | str | None = None
 
 
 class FunctionDefinition(OpenAIModel):
@@ -141,7 +151,7 @@ class ChatMessage(OpenAIModel):
     # OpenAI's roles ("developer" is its newer name for "system"; "function" its deprecated
     # "tool"); anything else is a 400 naming messages.<i>.role and these
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPartModel] | None = None
     name: str | None = None
     tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a `tool` message: the call it answers

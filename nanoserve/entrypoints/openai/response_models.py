@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import RootModel
+from pydantic import Field, RootModel
 
 from nanoserve.entrypoints.serving.api_models import ResponseModel
 
@@ -116,6 +116,9 @@ class ModelCard(ResponseModel):
     owned_by: str
     root: str
     max_model_len: int
+    # what a prompt may hold: ["text"], or ["text", "image"] for a model with a vision tower
+    # (OpenRouter's and models.dev's name, which clients read to offer an image upload)
+    input_modalities: list[str] = Field(default_factory=lambda: ["text"])
 
 
 class ModelList(ResponseModel):

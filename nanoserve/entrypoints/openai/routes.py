@@ -50,7 +50,8 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{
             "id": ctx.model_name, "object": "model", "created": 0, "owned_by": "nanoserve",
-            "root": ctx.model_name, "max_model_len": ctx.max_model_len}]}
+            "root": ctx.model_name, "max_model_len": ctx.max_model_len,
+            "input_modalities": ctx.input_modalities}]}
 
     @app.post("/v1/completions", response_model=None,
               responses=responses(CompletionResponse, *GENERATE_ERRORS, streams=True))

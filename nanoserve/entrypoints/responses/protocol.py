@@ -16,7 +16,8 @@ from pydantic import Field
 from nanoserve.entrypoints.serving.api_models import OpenAIModel, ResponseModel, documented
 
 _TEXT_PART = {"type": "object", "required": ["type"],
-              "properties": {"type": {"type": "string"}, "text": {"type": "string"}}}
+              "properties": {"type": {"type": "string"}, "text": {"type": "string"},
+                             "image_url": {"type": "string"}}}
 _CONTENT_SCHEMA: dict[str, Any] = {"anyOf": [{"type": "string"},
                                              {"type": "array", "items": _TEXT_PART}]}
 _INPUT_SCHEMA: dict[str, Any] = {"anyOf": [
@@ -26,12 +27,17 @@ _INPUT_SCHEMA: dict[str, Any] = {"anyOf": [
 
 
 class InputPart(OpenAIModel):
-    """A part of a message's content (`input_text`, `output_text`, `refusal`; others are
-    refused by `request.py`, naming the part: the models here read text only)."""
+    """A part of a message's content (`input_text`, `output_text`, `refusal`, `input_image`;
+    others are refused by `request.py`, naming the part). An image's `image_url` is a data: or
+    http(s) URL (checked where it is read: serving/images.py); `file_id` is refused (no files
+    are stored here)."""
 
     type: str
     text: str | None = None
     refusal: str | None = None
+    image_url: str | dict[str, Any] | None = None  # a URL; {"url": ...} is accepted too
+    file_id: str | None = None
+    detail: str | None = None  # accepted: the model's processor decides
 
 
 class MessageItem(OpenAIModel):

@@ -9,7 +9,10 @@ turns their errors back into this API's names.
 - `instructions` becomes a first system message; `input` a string (one user turn) or items.
   An assistant turn is gathered from consecutive `reasoning`, assistant `message` and
   `function_call` items (as a chat completion's one assistant message carries its content and
-  its calls); a `function_call_output` is a tool message.
+  its calls); a `function_call_output` is a tool message (its images, as vLLM moves them, a
+  user message after it).
+- `input_image` parts are image parts holding their `image_url` (a data: or http(s) URL,
+  checked where it is read: `serving/images.py`); `file_id` is refused: no files are stored.
 - Function tools are offered to the model; every other tool type (`web_search`, `file_search`,
   `local_shell`, `custom`, `namespace`, MCP, ...) is hosted by OpenAI or needs its own output
   format, and is left out with one log line, never a 400 (Codex sends several).
@@ -180,9 +183,13 @@ class _Turns:
         elif isinstance(item, FunctionCallOutputItem):
             self._flush()
             output = _content(item.output, f"{where}.output")
+            images: tuple[ContentPart, ...] = ()
             if isinstance(output, tuple):  # a tool result's text parts, as one text
-                output = "\n".join(part.text or "" for part in output)
+                images = tuple(part for part in output if part.type == "image")
+                output = "\n".join(part.text or "" for part in output if part.type == "text")
             self.messages.append(MessageInput("tool", output, tool_call_id=item.call_id))
+            if images:  # as vLLM: the tool's text, then its images in a user turn
+                self.messages.append(MessageInput("user", images))
         else:
             assert isinstance(item, MessageItem)
             self._flush()
@@ -203,31 +210,54 @@ class _Turns:
 
 
 def _content(content: Any, where: str) -> str | tuple[ContentPart, ...]:
-    """A message's content as the neutral input takes it: a string, or text parts."""
+    """A message's content as the neutral input takes it: a string, or text and image
+    parts."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise bad_request(f"{where} must be a string or an array of content parts, got "
                           f"{type(content).__name__}", where)
-    return tuple(ContentPart("text", text) for text in _texts(content, where))
+    return tuple(_parts(content, where))
 
 
 def _texts(parts: list[Any], where: str) -> list[str]:
-    """The text of each part; a part that is not text is a 400 naming it."""
+    """The text of each part (reasoning's); a part that is not text is a 400 naming it."""
     texts = []
+    for part in _parts(parts, where, images=False):
+        assert part.text is not None
+        texts.append(part.text)
+    return texts
+
+
+def _parts(parts: list[Any], where: str, images: bool = True) -> list[ContentPart]:
+    """Each part as a neutral text or image part; another type is a 400 naming it."""
+    out = []
     for j, raw in enumerate(parts):
         if not isinstance(raw, InputPart | dict):
             raise bad_request(f"{where}.{j} must be a content part object, got "
                               f"{type(raw).__name__}", f"{where}.{j}")
         part = raw if isinstance(raw, InputPart) else _validated(InputPart, raw, f"{where}.{j}")
+        if part.type == "input_image" and images:
+            out.append(_image(part, f"{where}.{j}"))
+            continue
         if part.type not in _TEXT_PARTS:
-            raise bad_request(f"{where}.{j}.type {part.type!r} is not supported; this model "
-                              "reads text only (input_text, output_text)", f"{where}.{j}.type")
+            allowed = "input_text, output_text, input_image" if images else "text"
+            raise bad_request(f"{where}.{j}.type {part.type!r} is not supported here; "
+                              f"send {allowed}", f"{where}.{j}.type")
         text = part.refusal if part.type == "refusal" else part.text
         if text is None:
             raise bad_request(f"{where}.{j} has no text", f"{where}.{j}.text")
-        texts.append(text)
-    return texts
+        out.append(ContentPart("text", text))
+    return out
+
+
+def _image(part: InputPart, where: str) -> ContentPart:
+    """An `input_image` part: its `image_url` (a URL, checked where it is read)."""
+    if part.file_id is not None and part.image_url is None:
+        raise bad_request(f"{where}.file_id is not supported; send the image as image_url "
+                          "(a data: URL, base64)", f"{where}.file_id")
+    url = part.image_url.get("url") if isinstance(part.image_url, dict) else part.image_url
+    return ContentPart("image", image_url=url if isinstance(url, str) else None, where=where)
 
 
 def _tools(raw: list[dict[str, Any]] | None) -> tuple[tuple[ToolInput, ...] | None,

@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from nanoserve.entrypoints.serving.dp_client import DPEngineClient
+from nanoserve.entrypoints.serving.image_prompt import PromptIds
 from nanoserve.entrypoints.serving.request_logger import RequestLogger
 from nanoserve.entrypoints.serving.tenant import current_tenant
 from nanoserve.output.processor import OutputProcessor, TimingObserver
@@ -123,7 +124,8 @@ class AsyncEngine:
     async def generate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
         """Updates for one request (shaped by params.output_kind) until it finishes, or until
-        its deadline: then it is aborted in the engine and RequestTimeoutError raised."""
+        its deadline: then it is aborted in the engine and RequestTimeoutError raised. A
+        `PromptIds` carries the prompt's images with its ids (serving/image_prompt.py)."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
         if self.request_logger is not None:
@@ -140,8 +142,10 @@ class AsyncEngine:
         try:
             tenant = current_tenant.get()
             await self.client.add([  # every sample on one engine core, beside its leader
-                EngineRequest(engine_id, prompt_token_ids, sample_params,
-                              self.client.client_index, leader, tenant=tenant)
+                EngineRequest(engine_id, list(prompt_token_ids), sample_params,
+                              self.client.client_index, leader, tenant=tenant,
+                              images=list(prompt_token_ids.images)
+                              if isinstance(prompt_token_ids, PromptIds) else [])
                 for engine_id, sample_params, leader in engine_requests])
             while True:
                 item = await self._next(queue, deadline)

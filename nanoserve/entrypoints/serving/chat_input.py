@@ -10,20 +10,30 @@ order the chat endpoint always used, so a request with several mistakes is answe
 same first one. Errors name the fields in chat completions' vocabulary (`messages.0.content`,
 `tools.1.function.name`, `tool_choice`), which the OpenAI-compatible servers all share; the
 tool choice and the response-format shapes are kept in that vocabulary for the same reason.
+
+An image is a part of its own (`ContentPart(type="image", image_url=...)`) holding a URL as
+the client sent it (`data:` or http(s)), or the data URL the translator made of bytes sent
+bare (Anthropic's base64 source, Ollama's `images`); nothing is decoded or fetched here
+(`serving/images.py` does that, once, for every wire format). Its `where` names the part as
+the client wrote it, where that differs from chat completions' `messages.i.content.j`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 
 @dataclass(frozen=True)
 class ContentPart:
-    """One part of a message's content; only text parts can be read by this server's models."""
+    """One part of a message's content: `text`, `image` (see the module), or a type no model
+    here reads (refused by the template step, naming it)."""
 
     type: str
     text: str | None = None
+    image_url: str | None = None  # an image: a data: or http(s) URL; None: the client gave none
+    where: str | None = None  # the part's field path in the request; None: messages.i.content.j
 
 
 @dataclass(frozen=True)
@@ -45,6 +55,21 @@ class MessageInput:
     tool_calls: tuple[ToolCallInput, ...] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool result: the call it answers
     reasoning: str | None = None  # an assistant's earlier reasoning (`reasoning_content`)
+
+
+def image_parts(messages: Sequence[MessageInput]) -> Iterator[tuple[str, ContentPart]]:
+    """Every image part of the messages, in order, with the field path that names it."""
+    for i, message in enumerate(messages):
+        if isinstance(message.content, tuple):
+            for j, part in enumerate(message.content):
+                if part.type == "image":
+                    yield part.where or f"messages.{i}.content.{j}", part
+
+
+def data_url(base64_data: str, media_type: str = "") -> str:
+    """Bytes a wire format sends bare, as the data URL an image part holds (Ollama's images
+    carry no media type: `data:;base64,...`, as Ollama's own OpenAI layer takes them)."""
+    return f"data:{media_type};base64,{base64_data}"
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from typing import Any
 
 from nanoserve.entrypoints.serving.chat_input import ChatInput, MessageInput, ToolInput
 from nanoserve.entrypoints.serving.errors import bad_request
+from nanoserve.entrypoints.serving.images import too_many_images
 from nanoserve.entrypoints.serving.server_context import ServerContext
 from nanoserve.entrypoints.serving.tool_prompt import describe_tools
 
@@ -33,7 +34,7 @@ def render_prompt(ctx: ServerContext, chat: ChatInput) -> str:
     if "chat_template" in kwargs:  # request-supplied templates run arbitrary Jinja
         raise bad_request("chat_template_kwargs may not replace the chat template",
                           "chat_template_kwargs")
-    messages = message_dicts(chat.messages)
+    messages = message_dicts(chat.messages, ctx.accepts_images)
     if options.continue_final_message and messages[-1]["role"] != "assistant":
         raise bad_request("continue_final_message needs a final assistant message",
                           "continue_final_message")
@@ -53,22 +54,18 @@ def render_prompt(ctx: ServerContext, chat: ChatInput) -> str:
                           "messages") from None
 
 
-def message_dicts(messages: Sequence[MessageInput]) -> list[dict[str, Any]]:
+def message_dicts(messages: Sequence[MessageInput],
+                  accepts_images: bool = False) -> list[dict[str, Any]]:
     """The messages as chat templates take them: text content, a name, tool fields, an
     assistant's earlier reasoning as `reasoning_content` (as vLLM passes it: Qwen3.5's
-    template writes it back in the turn's <think> section)."""
+    template writes it back in the turn's <think> section). Text parts join into one string;
+    a message with images, on a model that takes them, keeps its parts as a list in order,
+    `{"type": "text", "text": ...}` and `{"type": "image"}` (what Gemma 3's and Qwen's
+    templates read). A model that takes no images gets vLLM's count error for the first."""
     out = []
     for i, message in enumerate(messages):
-        content = message.content
-        if isinstance(content, tuple):
-            texts = []
-            for part in content:
-                if part.type != "text" or part.text is None:
-                    raise bad_request(f"content part type {part.type!r} is not supported; this "
-                                      "model reads text only", f"messages.{i}.content")
-                texts.append(part.text)
-            content = "\n".join(texts)
-        entry: dict[str, Any] = {"role": message.role, "content": content or ""}
+        entry: dict[str, Any] = {"role": message.role,
+                                 "content": _content(message, i, accepts_images)}
         if message.name is not None:
             entry["name"] = message.name
         if message.reasoning and message.role == "assistant":
@@ -76,6 +73,27 @@ def message_dicts(messages: Sequence[MessageInput]) -> list[dict[str, Any]]:
         entry.update(tool_message_fields(message, i))
         out.append(entry)
     return out
+
+
+def _content(message: MessageInput, index: int, accepts_images: bool) -> str | list[Any]:
+    content = message.content
+    if not isinstance(content, tuple):
+        return content or ""
+    parts: list[dict[str, Any]] = []
+    for j, part in enumerate(content):
+        where = part.where or f"messages.{index}.content.{j}"
+        if part.type == "image":
+            if not accepts_images:
+                raise bad_request(too_many_images(0, False), where)
+            parts.append({"type": "image"})
+        elif part.type == "text" and part.text is not None:
+            parts.append({"type": "text", "text": part.text})
+        else:
+            raise bad_request(f"content part type {part.type!r} is not supported; this "
+                              "server reads text and images", where)
+    if any(part["type"] == "image" for part in parts):
+        return parts
+    return "\n".join(part["text"] for part in parts)
 
 
 def template_tools(tools: Sequence[ToolInput] | None) -> list[dict[str, Any]] | None:

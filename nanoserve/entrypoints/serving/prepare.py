@@ -9,6 +9,8 @@ from dataclasses import replace
 
 from nanoserve.entrypoints.serving.chat_input import ChatInput
 from nanoserve.entrypoints.serving.chat_prompt import render_prompt
+from nanoserve.entrypoints.serving.image_prompt import place_images
+from nanoserve.entrypoints.serving.images import collect_images
 from nanoserve.entrypoints.serving.reasoning_options import (
     grammar_after_reasoning,
     with_reasoning_effort,
@@ -37,9 +39,14 @@ async def prepare_chat(ctx: ServerContext, chat: ChatInput, admit: bool = True,
         ctx.check_capacity(n=chat.sampling.n)
     else:
         ctx.check_request_size(n=chat.sampling.n)
+    images = await collect_images(ctx, chat)
     if raw_prompt is None:
         prompt = render_prompt(ctx, chat)
+        if images:  # each image's marker becomes its placeholder tokens, as transformers'
+            prompt = ctx.image_processor.expand_prompt(prompt)
         ids = ctx.tokenizer.encode(prompt, add_special_tokens=False)
+        if images:
+            ids = await place_images(ctx.image_processor, images, ids)
     else:
         prompt, ids = raw_prompt, ctx.tokenizer.encode(raw_prompt, add_special_tokens=True)
     fields = chat.sampling

@@ -39,6 +39,11 @@ class ServerContext:
     # the model's tokenizer as llguidance's, for the grammar checks (built on first use)
     grammar_tokenizer: GrammarTokenizer | None = None
     limits: RequestLimits = field(default_factory=RequestLimits)
+    # the model has a vision tower: image parts reach its template (else any image is a 400,
+    # vLLM's "At most 0 image(s) ..."); set from the model at start-up
+    accepts_images: bool = False
+    # its image processor (model/vision/): an image's pixels and placeholder tokens
+    image_processor: Any = None
     model_path: str = ""  # the checkpoint served (--model), for /get_server_info
     instance_id: str = ""  # this server's id for routers: one per engine start (router_info.py)
     # where each engine core publishes KV-cache events, for /kv_event_sources (none: 404)
@@ -50,6 +55,11 @@ class ServerContext:
     def __post_init__(self) -> None:
         if self.names is None:
             self.names = ModelNames({self.model_name: self.model_path or None})
+
+    @property
+    def input_modalities(self) -> list[str]:
+        """What a prompt may hold, as /v1/models tells clients."""
+        return ["text", "image"] if self.accepts_images else ["text"]
 
     @property
     def has_reasoning_tokens(self) -> bool:

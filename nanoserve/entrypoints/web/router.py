@@ -28,8 +28,8 @@ from nanoserve.entrypoints.serving.chat_defaults import chat_defaults
 
 STATIC_URL = "/web/static/"
 PAGES = {"/": "index.html", "/dashboard": "dashboard.html"}
-ASSETS = ("style.css", "common.js", "markdown.js", "stream.js", "chat.js", "plot.js",
-          "dashboard.js", "vendor/marked.umd.js", "vendor/purify.min.js")
+ASSETS = ("style.css", "common.js", "markdown.js", "stream.js", "attachments.js", "chat.js",
+          "plot.js", "dashboard.js", "vendor/marked.umd.js", "vendor/purify.min.js")
 # what the API-key middleware lets through without a key: the pages and their files, no data
 PUBLIC_PATHS = frozenset({*PAGES, *(STATIC_URL + name for name in ASSETS)})
 _MEDIA_TYPES = {".html": "text/html; charset=utf-8", ".css": "text/css; charset=utf-8",

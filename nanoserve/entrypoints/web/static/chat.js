@@ -1,8 +1,11 @@
 // The chat page: conversations kept in localStorage, settings that start from the model's own
 // sampling defaults (GET /web/defaults), answers streamed from /v1/chat/completions. A server
 // holding several models (--models-dir) lists them in GET /v1/models: the page shows a picker,
-// and the chosen model's own server answers its defaults (/web/defaults?model=NAME).
+// and the chosen model's own server answers its defaults (/web/defaults?model=NAME). Images
+// attached to a message (attachments.js) stay in its turn and go with the history.
 
+import { checkImages, hasAttached, imageStrip, takeAttached, userContent, wireAttachments }
+  from "./attachments.js";
 import { apiFetch, el, errorText } from "./common.js";
 import { copyText, renderMarkdown } from "./markdown.js";
 import { streamAnswer } from "./stream.js";
@@ -88,7 +91,8 @@ function renderMessages() {
 /** One message's element, and how to redraw it (at most once a frame while it streams). */
 function messageView(message, isLast) {
   if (message.role === "user") {
-    const node = el("article", { class: "message user" },
+    const images = imageStrip(message.images);
+    const node = el("article", { class: "message user" }, ...(images ? [images] : []),
       el("div", { class: "content" }, message.content)); // text, never HTML
     return { node, schedule() {} };
   }
@@ -163,7 +167,9 @@ function requestBody(messages) {
   const sent = settings.system?.trim() ? [{ role: "system", content: settings.system }] : [];
   for (const m of messages) {
     if (!(m.role === "assistant" && m.error && !m.content)) { // a failed answer says nothing
-      sent.push({ role: m.role, content: m.content });
+      // earlier turns keep their images: the prefix cache hashes pixels, so a resent one is
+      // found there, not encoded again
+      sent.push({ role: m.role, content: m.role === "user" ? userContent(m) : m.content });
     }
   }
   const body = { messages: sent, stream: true, return_progress: true, // llama-server's
@@ -199,11 +205,14 @@ async function generate() {
 
 async function send() {
   const text = $("input").value;
-  if (!text.trim() || state.controller) return;
+  if ((!text.trim() && !hasAttached()) || state.controller) return;
   if (!state.server) await loadDefaults(); // they failed at start (say, no key given then)
   const conversation = state.current;
-  if (!conversation.messages.length) conversation.title = text.trim().slice(0, 40);
-  conversation.messages.push({ role: "user", content: text });
+  if (!conversation.messages.length) conversation.title = text.trim().slice(0, 40) || "Image";
+  const message = { role: "user", content: text };
+  const images = takeAttached();
+  if (images.length) message.images = images;
+  conversation.messages.push(message);
   $("input").value = "";
   generate();
 }
@@ -283,6 +292,7 @@ async function loadDefaults() {
   $("defaults-source").textContent = state.server.source === "model"
     ? "Defaults: the model's own sampling settings (its generation config)."
     : "Defaults: nanoserve's chat preset (the model names no sampling settings).";
+  await checkImages(state.server.model);
   document.body.dataset.ready = "true";
 }
 
@@ -304,6 +314,7 @@ function wire() {
     }
   });
   $("stop").addEventListener("click", () => state.controller?.abort());
+  wireAttachments($("input"), notice);
   $("model-picker").addEventListener("change", async () => {
     localStorage.setItem(STORE.model, $("model-picker").value);
     state.server = null; // the new model's defaults (it loads now, if it is not loaded)
