@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import base64
 import io
-import struct
-import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +24,7 @@ import httpx
 import ollama
 import openai
 import pytest
+from image_files import png_header
 from PIL import Image
 from server_harness import RunningServer, wait_until
 from shared_server import shared_server
@@ -44,15 +43,6 @@ def png_bytes() -> bytes:
     return out.getvalue()
 
 
-def png_header(width: int, height: int) -> bytes:
-    """A PNG that states a size and holds almost no pixel data: its IHDR, and an IDAT chunk
-    of a few compressed bytes (Pillow reads up to the first IDAT to open it)."""
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return (struct.pack(">I", len(data)) + kind + data
-                + struct.pack(">I", zlib.crc32(kind + data)))
-    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr)
-            + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b""))
 
 
 PNG = png_bytes()

@@ -11,13 +11,12 @@ import asyncio
 import base64
 import io
 import random
-import struct
-import zlib
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
 from aiohttp import web
+from image_files import png_header
 from PIL import Image
 from sse_server import serving
 
@@ -47,15 +46,6 @@ def as_data_url(data: bytes, media_type: str = "image/png") -> str:
     return f"data:{media_type};base64,{base64.b64encode(data).decode()}"
 
 
-def png_header(width: int, height: int) -> bytes:
-    """A PNG that states a size and holds almost no pixel data: its IHDR, and an IDAT chunk
-    of a few compressed bytes (Pillow reads up to the first IDAT to open it)."""
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return (struct.pack(">I", len(data)) + kind + data
-                + struct.pack(">I", zlib.crc32(kind + data)))
-    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr)
-            + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b""))
 
 
 def decoded(data: bytes, max_pixels: int = LIMITS.max_pixels) -> DecodedImage:
