@@ -321,9 +321,12 @@ class KVCacheManager:
         num_reclaimed = sum(1 for hit in computed for b in hit if b.ref_count == 0)
         if sum(max(n, 0) for n in needed) > self.pool.num_free_blocks - num_reclaimed:
             return False
+        # every group's hits held before any group allocates: a hit in the free queue (a
+        # preempted request's own blocks) would else be taken as another group's new block
+        for hit in computed:
+            self.pool.touch(hit)
         for blocks, block_ids, hit, num_needed in zip(groups, ids, computed, needed,
                                                       strict=True):
-            self.pool.touch(hit)
             new_blocks = [*hit, *(self.pool.allocate(num_needed) if num_needed > 0 else ())]
             blocks.extend(new_blocks)
             block_ids.extend(b.block_id for b in new_blocks)

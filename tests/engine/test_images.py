@@ -194,11 +194,11 @@ def test_greedy_tokens_alone_batched_chunked_preempted(vlm_dir: Path, reference:
         assert got == expected[rid], rid
     for budget in (5, 64):  # chunks that end before, inside and after images
         assert run(make_engine(vlm_dir, max_num_batched_tokens=budget)) == expected, budget
-    # (without the prefix cache: a text-only Gemma 3 prompt preempted and recomputed over its
-    # own cached blocks at block size 8 loses a token at HEAD too, images or not; see the
-    # issue's note)
+    # preempted and readmitted over its own cached blocks in both KV layer groups (windowed
+    # and full): the text prompt lost a token here before each group's hits were held ahead
+    # of any group's new blocks (kv_cache.py allocate_slots)
     small = make_engine(vlm_dir, num_blocks=36, block_size=8, max_num_batched_tokens=8,
-                        max_model_len=64, enable_prefix_caching=False)
+                        max_model_len=64)
     assert run(small) == expected
     assert small.stats.num_preemptions > 0
 
