@@ -35,11 +35,13 @@ def make_engine(model: str | Path | None, *, num_blocks: int | None = None,
                 max_num_seqs: int = SchedulerConfig.max_num_seqs,
                 max_model_len: int | None = None, enable_prefix_caching: bool = True,
                 block_size: int = CacheConfig.block_size,
-                quantization: str = "none", kv_cache_dtype: str = "auto") -> EngineCore:
+                quantization: str = "none", kv_cache_dtype: str = "auto",
+                mmproj: Path | None = None) -> EngineCore:
     """An engine on the CPU in float32; exact weights ("none") unless asked otherwise, since
     most tests compare it with transformers."""
     return build_engine_core(EngineConfig(
-        model=ModelConfig(model=None if model is None else str(model), device="cpu",
+        model=ModelConfig(model=None if model is None else str(model),
+                          mmproj=None if mmproj is None else str(mmproj), device="cpu",
                           dtype="float32", max_model_len=max_model_len,
                           quantization=quantization),
         cache=CacheConfig(block_size=block_size, num_blocks=num_blocks,

@@ -203,6 +203,40 @@ def test_greedy_tokens_alone_batched_chunked_preempted(vlm_dir: Path, reference:
     assert small.stats.num_preemptions > 0
 
 
+def test_the_same_model_as_gguf_and_mmproj(vlm_dir: Path, processor: Gemma3ImageProcessor,
+                                           tmp_path: Path) -> None:
+    """The text half as llama.cpp's gemma3 GGUF (float32) and the tower as its mmproj: the
+    API side renders the same ids, the engine gives the same tokens."""
+    from vision_checkpoints import write_gemma3_mmproj, write_gemma3_text_gguf
+
+    from nanoserve.model.frontend import load_frontend
+
+    text = write_gemma3_text_gguf(tmp_path / "tiny-gemma3.gguf", vlm_dir)
+    mmproj = write_gemma3_mmproj(tmp_path / "mmproj-tiny-gemma3.gguf", vlm_dir)
+    frontends = [load_frontend(str(vlm_dir)), load_frontend(str(text), str(mmproj))]
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Hi"},
+                                             {"type": "image"}]}]
+    rendered = []
+    for frontend in frontends:
+        assert frontend.image_processor is not None
+        prompt = frontend.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                        add_generation_prompt=True)
+        rendered.append(frontend.tokenizer.encode(
+            frontend.image_processor.expand_prompt(prompt), add_special_tokens=False))
+    assert rendered[0] == rendered[1] and rendered[0].count(IMAGE_ID) == 2 * TOKENS_PER_IMAGE
+    ids = rendered[0]
+    inputs = image_inputs(processor, ids, [picture(8), picture(9)], [8, 9])
+    outputs = []
+    for engine in (make_engine(vlm_dir), make_engine(text, mmproj=mmproj)):
+        engine.add_request("r", ids, GREEDY, images=inputs)
+        tokens: list[int] = []
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens += out.new_token_ids
+        outputs.append(tokens)
+    assert outputs[0] == outputs[1] and len(outputs[0]) == NUM_NEW
+
+
 def test_prefix_cache_keys_on_the_pixels(vlm_dir: Path, processor: Gemma3ImageProcessor
                                          ) -> None:
     engine = make_engine(vlm_dir, block_size=4)

@@ -50,6 +50,36 @@ def finish(writer: gguf.GGUFWriter) -> None:
     writer.close()
 
 
+# -- Gemma 3 (`gemma3`), as llama.cpp's converter writes it: norms as 1 + w, q and k rows as
+# they are (no permute), the head tied to the embedding
+_GEMMA3_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+                 "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+                 "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+                 "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+                 "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
+                 "post_attention_layernorm": "post_attention_norm",
+                 "pre_feedforward_layernorm": "ffn_norm",
+                 "post_feedforward_layernorm": "post_ffw_norm"}
+
+
+def add_gemma3_tensors(writer: gguf.GGUFWriter, state: dict[str, torch.Tensor],
+                       qtype_of: Any = None) -> None:
+    """A Gemma 3 text model's tensors (transformers' names, `model.layers.N...`) into
+    `writer`; `qtype_of(gguf_name)` the block type of each 2-D weight (None: float32)."""
+    for name, tensor in state.items():
+        if name == "lm_head.weight":
+            continue  # tied
+        w = tensor.float().numpy()
+        if name.endswith("norm.weight"):
+            w = w + 1.0
+        gguf_name, _ = tensor_name(name, _GEMMA3_NAMES)
+        qtype = qtype_of(gguf_name) if qtype_of is not None and w.ndim == 2 else None
+        if qtype is None:
+            writer.add_tensor(gguf_name, w)
+        else:
+            writer.add_tensor(gguf_name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+
+
 # -- Qwen3.5 (`qwen35` / `qwen35moe`), as llama.cpp's converter writes it -------------------------
 # (conversion/qwen.py: Qwen3_5TextModel / Qwen3_5MoeTextModel over _LinearAttentionVReorderBase,
 # Qwen3NextModel, _QwenMtpMixin and Qwen2MoeModel; tensor names from gguf-py's tensor map)

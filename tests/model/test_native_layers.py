@@ -215,7 +215,7 @@ def write_gemma3_gguf(hf_dir: Path, out: Path) -> Path:
     rows as they are (no permute), Q8_0 blocks (Q5_0 for attn_v and ffn_down, a file's mixed
     types: q, k and v then load as two row parts, a ConcatWeight)."""
     import gguf
-    from gguf_writing import add_shape, finish, tensor_name
+    from gguf_writing import add_gemma3_tensors, add_shape, finish
 
     from nanoserve.bench.random_gguf import add_default_tokenizer
     from nanoserve.model.gguf_file import GGUFFile
@@ -228,26 +228,9 @@ def write_gemma3_gguf(hf_dir: Path, out: Path) -> Path:
     add_shape(writer, cfg, cfg.rope_parameters["full_attention"]["rope_theta"], cfg.head_dim)
     writer.add_sliding_window(cfg.sliding_window)
     add_default_tokenizer(writer, meta, chat_template=False)
-    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-             "input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
-             "pre_feedforward_layernorm": "ffn_norm",
-             "post_feedforward_layernorm": "post_ffw_norm"}
-    for name, tensor in model.state_dict().items():
-        if name == "lm_head.weight":
-            continue  # tied
-        w = tensor.float().numpy()
-        if name.endswith("norm.weight"):
-            w = w + 1.0
-        gguf_name, _ = tensor_name(name, names)
-        qtype = (GGMLQuantizationType.Q5_0 if gguf_name.split(".")[-2] in ("attn_v", "ffn_down")
-                 else GGMLQuantizationType.Q8_0)
-        if w.ndim == 2:
-            writer.add_tensor(gguf_name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
-        else:
-            writer.add_tensor(gguf_name, w)
+    add_gemma3_tensors(writer, model.state_dict(), lambda name: (
+        GGMLQuantizationType.Q5_0 if name.split(".")[-2] in ("attn_v", "ffn_down")
+        else GGMLQuantizationType.Q8_0))
     finish(writer)
     return out
 

@@ -19,7 +19,7 @@ import gguf
 import numpy as np
 import torch
 from conftest import _spread_norm_weights
-from gguf_writing import finish
+from gguf_writing import add_gemma3_tensors, add_shape, finish
 from tokenizers import AddedToken
 
 BOI_ID, EOI_ID, IMAGE_ID = 49152, 49153, 49154
@@ -178,5 +178,30 @@ def write_gemma3_mmproj(path: Path, model_dir: Path) -> Path:
         assert gguf_name is not None, name
         is_f16 = "input_projection" in name or (data.ndim >= 2 and ".embeddings." not in name)
         writer.add_tensor(gguf_name, data.numpy().astype(np.float16 if is_f16 else np.float32))
+    finish(writer)
+    return path
+
+
+def write_gemma3_text_gguf(path: Path, model_dir: Path) -> Path:
+    """The text half of `model_dir` (write_tiny_gemma3_vlm's) as llama.cpp's gemma3 GGUF, its
+    tensors in float32 (so it runs exactly as the directory does), the default model's
+    tokenizer with the five added special tokens and Google's chat template."""
+    import transformers
+
+    from nanoserve.bench.gguf_tokenizer import add_default_tokenizer
+    from nanoserve.model.gguf_file import GGUFFile
+    from nanoserve.model.model_path import default_model_path
+    from nanoserve.model.weights import text_weight_name
+
+    cfg = transformers.AutoConfig.from_pretrained(model_dir).text_config
+    writer = gguf.GGUFWriter(str(path), "gemma3")
+    add_shape(writer, cfg, cfg.rope_parameters["full_attention"]["rope_theta"], cfg.head_dim)
+    writer.add_sliding_window(cfg.sliding_window)
+    add_default_tokenizer(writer, GGUFFile(default_model_path()).metadata,
+                          chat_template=GEMMA3_CHAT_TEMPLATE, vocab_size=NUM_TEXT_ROWS,
+                          added_tokens=ADDED_TOKENS)
+    state = {text_weight_name(name): tensor for name, tensor in _state_dict(model_dir).items()}
+    add_gemma3_tensors(writer, {name: tensor for name, tensor in state.items()
+                                if name is not None})
     finish(writer)
     return path
