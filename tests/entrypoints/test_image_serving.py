@@ -23,6 +23,7 @@ import ollama
 import openai
 import pytest
 from helpers import make_engine
+from image_files import png_header
 from PIL import Image
 from server_harness import RunningServer
 
@@ -211,8 +212,21 @@ def test_bad_images_are_400s_and_the_server_serves_on(server: RunningServer) -> 
     truncated = data_url(encoded(picture(6), "PNG")[:200], "PNG")
     with pytest.raises(openai.BadRequestError, match="decoded"):
         openai_chat(server, truncated)
+    huge = data_url(png_header(20_000, 20_000), "PNG")  # refused from its header
+    with pytest.raises(openai.BadRequestError, match="pixels"):
+        openai_chat(server, huge)
+    text = "data:text/plain;base64," + base64.b64encode(b"hello").decode()
+    with pytest.raises(openai.BadRequestError, match="media type"):
+        openai_chat(server, text)
+    claude = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0)
+    with pytest.raises(anthropic.BadRequestError, match="could not be decoded"):
+        claude.messages.create(model=model_id(server), max_tokens=1, messages=[
+            {"role": "user", "content": [{"type": "image", "source": {
+                "type": "base64", "media_type": "image/png",
+                "data": base64.b64encode(b"not a png").decode()}}]}])
     assert openai_chat(server, data_url(encoded(picture(7), "PNG"), "PNG")).choices
     assert httpx.get(server.url + "/health").status_code == 200
+    assert server.metric("nanoserve:num_requests_running") == 0  # nothing left behind
 
 
 def test_the_prefix_cache_and_the_disk_key_on_the_pixels(server: RunningServer,
