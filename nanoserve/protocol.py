@@ -98,7 +98,10 @@ class ImageInput(msgspec.Struct, array_like=True):
     offset: int  # the prompt index of its first placeholder token
     length: int  # its placeholder tokens, one feature row of the vision tower each
     content_hash: bytes  # 16 bytes of the decoded image: the prefix cache's and encoder's key
-    pixels: np.ndarray  # uint8 [S, S, 3], resized (normalized where the tower runs)
+    pixels: np.ndarray  # uint8 [H, W, 3], resized (normalized where the tower runs)
+    # (t, h, w) in patches, as transformers' image_grid_thw: where the model's RoPE is
+    # multimodal (Qwen3.5), its placeholders' 3-D positions; (1, 1, 1) where it is not
+    grid: tuple[int, int, int] = (1, 1, 1)
 
     @property
     def end(self) -> int:
@@ -266,6 +269,10 @@ class StepInput(msgspec.Struct, tag=True, array_like=True):
     # position + 1, or its image's end (empty: a causal step)
     images: list[StepImage] = []
     key_ends: np.ndarray = msgspec.field(default_factory=lambda: np.zeros(0, np.int32))
+    # multimodal RoPE (Qwen3.5): each token's (t, h, w) position [3, T] int64 where a request
+    # of the step has images (engine/rope_positions.py); [3, 0]: the positions above
+    rope_positions: np.ndarray = msgspec.field(
+        default_factory=lambda: np.zeros((3, 0), np.int64))
 
     @property
     def num_requests(self) -> int:

@@ -37,6 +37,7 @@ from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.engine.prefill_pacer import PrefillPacer, tokens_per_unit_of_context
 from nanoserve.engine.prompt_progress import prompt_progress
 from nanoserve.engine.request import Request, RequestStatus
+from nanoserve.engine.rope_positions import prompt_rope_positions
 from nanoserve.engine.scheduler import ScheduledRequest, Scheduler
 from nanoserve.engine.state_plan import plan_states, state_snapshots_for
 from nanoserve.engine.step_input import build_step_input
@@ -189,6 +190,9 @@ class EngineCore:
         if images:
             self._check_images(images, len(prompt_token_ids))
             request.images = list(images)
+            if self.model_info.arch.mrope_section:  # Qwen3.5: its tokens' 3-D positions
+                request.rope_positions, request.rope_delta = prompt_rope_positions(
+                    prompt_token_ids, images)
         if prefill_leader is not None:
             request.prefill_leader = self.scheduler.requests.get(prefill_leader)
         vocab = self.model_info.arch.vocab_size

@@ -67,14 +67,23 @@ class ImageEncoder:
             elif key not in missing:
                 missing[key] = image.pixels
         if missing:
-            pixels = torch.from_numpy(np.stack([self.normalize(p) for p in missing.values()]))
-            with torch.inference_mode():
-                out = self.tower(pixels.to(self.device, self.dtype))  # [N, rows, hidden]
+            out = self._encode(list(missing.values()))
             self.num_encoded += len(missing)
             for key, features in zip(missing, out, strict=True):
                 found[key] = features
                 self._keep(key, features)
         return found
+
+    @torch.inference_mode()
+    def _encode(self, images: list[np.ndarray]) -> list[torch.Tensor]:
+        """Each image's feature rows [rows, hidden]: Gemma 3's fixed-size images in one
+        batch; Qwen3.5's (patches and a grid each, attended apart) one by one."""
+        normalized = [self.normalize(pixels) for pixels in images]
+        if isinstance(normalized[0], tuple):  # (patches [P, C * T * p * p], grid (t, h, w))
+            return [self.tower(torch.from_numpy(patches).to(self.device, self.dtype), [grid])
+                    for patches, grid in normalized]
+        batch = torch.from_numpy(np.stack(normalized)).to(self.device, self.dtype)
+        return list(self.tower(batch))  # [N, rows, hidden]
 
     def _keep(self, key: bytes, features: torch.Tensor) -> None:
         """Cache `features`, evicting the least recently used past the byte budget."""

@@ -158,6 +158,8 @@ class ModelRunner:
             if self.image_encoder is None:
                 raise ValueError("a step with images for a model without a vision tower")
             extra["images"] = self.image_encoder.step_rows(step.images)
+        if step.rope_positions.shape[1]:
+            extra["rope_positions"] = self._tensor(step.rope_positions)
         hidden = self.plan.forward(self._tensor(step.token_ids), self._tensor(step.positions),
                                    self.kv_caches, self.attention, meta, **extra)  # [T, hidden]
         prompt_logits = [

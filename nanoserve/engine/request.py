@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import enum
 
+import numpy as np
+
 from nanoserve.pooling_params import PoolingParams
 from nanoserve.protocol import ImageInput, TokenLogprobs
 from nanoserve.sampling_params import SamplingParams
@@ -80,6 +82,10 @@ class Request:
         self.pooling_method = pooling_method if is_embed else "last"
         # the prompt's images, in order: their placeholder tokens' spans and pixels
         self.images: list[ImageInput] = []
+        # multimodal RoPE (Qwen3.5, a prompt with images): its prompt's (t, h, w) positions
+        # [3, P] and the shift of every later token's (engine/rope_positions.py)
+        self.rope_positions: np.ndarray | None = None
+        self.rope_delta = 0
 
     @property
     def num_tokens(self) -> int:

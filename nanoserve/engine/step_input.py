@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from nanoserve.engine.block_table import BlockTable
+from nanoserve.engine.rope_positions import step_rope_positions
 from nanoserve.engine.scheduler import ScheduledRequest
 from nanoserve.protocol import (
     NewSequence,
@@ -73,6 +74,11 @@ def build_step_input(scheduled: list[ScheduledRequest], block_table: BlockTable,
     images = step_images(scheduled, first_row)
     key_ends = (image_key_ends(scheduled, first_row, all_positions) if images and images_both_ways
                 else np.zeros(0, np.int32))
+    rope_positions = (step_rope_positions(
+        [(first_row[i], s.start, s.request.rope_positions, s.request.rope_delta,
+          s.num_new_tokens) for i, s in enumerate(scheduled)], len(all_positions))
+        if any(s.request.rope_positions is not None for s in scheduled)
+        else np.zeros((3, 0), np.int64))
     return StepInput(
         token_ids=np.asarray(token_ids, dtype=np.int64), positions=all_positions,
         cache_index=cache_index, query_start_loc=query_start_loc,
@@ -87,7 +93,8 @@ def build_step_input(scheduled: list[ScheduledRequest], block_table: BlockTable,
         new_sequences=new_sequences, released_slots=released_slots,
         pooling=_pooling_rows(scheduled, first_row),
         group_block_tables=[t for _, t in groups], group_cache_index=[c for c, _ in groups],
-        seq_slots=slots.tolist(), images=images, key_ends=key_ends)
+        seq_slots=slots.tolist(), images=images, key_ends=key_ends,
+        rope_positions=rope_positions)
 
 
 def step_images(scheduled: Sequence[ScheduledRequest], first_row: list[int]

@@ -91,6 +91,10 @@ class ArchConfig:
     linear: LinearAttentionConfig | None = None
     has_attn_output_gate: bool = False
     partial_rotary_factor: float = 1.0
+    # multimodal RoPE (Qwen3.5): the rotary pairs of each of the (t, h, w) position axes,
+    # interleaved (pair j turns with axis j % 3 within its sections) or in runs; () for 1-D
+    mrope_section: tuple[int, ...] = ()
+    mrope_interleaved: bool = False
 
     @property
     def num_queries_per_kv(self) -> int:

@@ -26,6 +26,7 @@ from nanoserve.model.hybrid_layers import HybridStates
 from nanoserve.model.kv_groups import kv_layer_groups
 from nanoserve.model.layer_ops import EXACT_OPS, OpTable, fused_table
 from nanoserve.model.llama import BoundDecoderLayer, CausalLM
+from nanoserve.model.rope import StepRotary, mrope_axes
 from nanoserve.profiling import scope
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
@@ -42,28 +43,37 @@ class ForwardPlan:
         self._bound_layers: dict[tuple[bool, bool], tuple[OpTable, list[BoundDecoderLayer]]] = {}
         # (the caches and the backend it was built for, the stack)
         self._layer_stack: tuple[tuple[object, object], Any] | None = None
+        self._axes: torch.Tensor | None = None  # multimodal RoPE's axis per column
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: KVCaches,
                 attention: AttentionBackend[Any], meta: AttentionMetadata,
                 group_metas: list[AttentionMetadata] | None = None,
                 states: HybridStates | None = None,
-                images: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                images: tuple[torch.Tensor, torch.Tensor] | None = None,
+                rope_positions: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> final hidden states [num_tokens, hidden_size].
         `meta` is `attention`'s own, from `attention.build_metadata` for this step (and
         `group_metas` the same for KV layer groups 1.., model/kv_groups.py); `states` a
         hybrid model's DeltaNet states for this step; `images` the rows whose embeddings
         are image features (`CausalLM.embed`). A step with images runs the layer loop: its
         placeholders may attend past themselves (StepInput.key_ends), which the native stack
-        does not take."""
+        does not take. `rope_positions` [3, T]: each token's (t, h, w) position where the
+        model's RoPE is multimodal and the step holds an image or follows one (Qwen3.5); the
+        step's rows then stand in for the table, read at rows 0..T-1."""
         model = self.model
         assert model.rotary is not None, "weights not loaded: use nanoserve.model.loader"
         table, layers = self._bind_layers()
-        cos, sin = table.rope_tables(model.rotary, positions)
+        if rope_positions is not None:  # multimodal RoPE: this step's rows as the table
+            rotary = StepRotary(*model.rotary.rows_3d(rope_positions, self._mrope_axes()))
+            positions = torch.arange(len(positions), device=positions.device)
+            cos, sin = table.rope_tables(rotary, positions)
+        else:
+            cos, sin = table.rope_tables(model.rotary, positions)
         rope_local = (table.rope_tables(model.rotary_local, positions)
                       if model.rotary_local is not None and model.features.has_local_rope
                       else None)
         stack = (self._native_stack(kv_caches, attention)
-                 if table.is_fused and images is None else None)
+                 if table.is_fused and images is None and rope_positions is None else None)
         if stack is not None:
             hidden = model.embed(input_ids)
             # a scope for `bench step`: a few tokens run as one native region the profiler
@@ -73,6 +83,11 @@ class ForwardPlan:
                                                  rope_local, group_metas)
         return model.forward(input_ids, positions, kv_caches, attention, meta, table, layers,
                              cos, sin, rope_local, group_metas, states, images)
+
+    def _mrope_axes(self) -> torch.Tensor:
+        if self._axes is None:
+            self._axes = mrope_axes(self.model.arch).to(self.model.norm.device)
+        return self._axes
 
     def _bind_layers(self) -> tuple[OpTable, list[BoundDecoderLayer]]:
         """This forward's op table and the layers bound to it (bound at its first use)."""

@@ -14,6 +14,7 @@ from nanoserve.model.gguf_file import GGUFFile
 from nanoserve.model.model_path import resolve_model_path
 from nanoserve.model.tokenizer import load_tokenizer_from_dir, load_tokenizer_from_gguf
 from nanoserve.model.vision.gemma3_images import Gemma3ImageProcessor
+from nanoserve.model.vision.qwen35_images import Qwen35ImageProcessor
 
 # GGUF's recommended-sampling keys -> generation_config.json names
 _GGUF_SAMPLING_KEYS = {
@@ -31,7 +32,7 @@ class FrontendModel:
     tokenizer: Any
     generation_config: dict[str, Any]
     path: Path
-    image_processor: Gemma3ImageProcessor | None = None
+    image_processor: ImageProcessor | None = None
 
 
 def load_frontend(model: str | None, mmproj: str | None = None) -> FrontendModel:
@@ -49,14 +50,23 @@ def load_frontend(model: str | None, mmproj: str | None = None) -> FrontendModel
                          load_image_processor(path, tokenizer, mmproj_path))
 
 
+ImageProcessor = Gemma3ImageProcessor | Qwen35ImageProcessor
+
+
 def load_image_processor(path: Path, tokenizer: Any,
-                         mmproj: Path | None = None) -> Gemma3ImageProcessor | None:
-    """The model's image processor: from `mmproj` (llama.cpp's projector GGUF) where given,
-    else from a checkpoint directory's config; None for a model that reads text only."""
+                         mmproj: Path | None = None) -> ImageProcessor | None:
+    """The model's image processor (Gemma 3's or Qwen3.5's): from `mmproj` (llama.cpp's
+    projector GGUF) where given, else from a checkpoint directory's config; None for a model
+    that reads text only."""
+    kinds: tuple[type[Gemma3ImageProcessor] | type[Qwen35ImageProcessor], ...] = (
+        Gemma3ImageProcessor, Qwen35ImageProcessor)
     if mmproj is not None:
-        return Gemma3ImageProcessor.from_mmproj(GGUFFile(mmproj).metadata, tokenizer)
+        metadata = GGUFFile(mmproj).metadata
+        return next((p for kind in kinds
+                     if (p := kind.from_mmproj(metadata, tokenizer)) is not None), None)
     if path.is_dir():
-        return Gemma3ImageProcessor.from_hf_dir(path, tokenizer)
+        return next((p for kind in kinds
+                     if (p := kind.from_hf_dir(path, tokenizer)) is not None), None)
     return None
 
 

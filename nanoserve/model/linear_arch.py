@@ -117,10 +117,14 @@ def hybrid_from_hf(cfg: dict[str, Any]) -> dict[str, Any]:
     """The ArchConfig fields of a Qwen3.5 text config: its layer kinds, DeltaNet shape, gated
     attention and partial rotary (mRoPE's text positions are plain RoPE: every section gets
     the same position)."""
-    params = cfg.get("rope_parameters") or {}
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     factor = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25))
     return {"layer_types": hybrid_layer_types(cfg), "linear": linear_from_hf(cfg),
-            "has_attn_output_gate": True, "partial_rotary_factor": float(factor)}
+            "has_attn_output_gate": True, "partial_rotary_factor": float(factor),
+            # (transformers' Qwen3_5TextRotaryEmbedding: these sections, always interleaved,
+            # where the config names none)
+            "mrope_section": tuple(int(n) for n in params.get("mrope_section") or (11, 11, 10)),
+            "mrope_interleaved": True}
 
 
 def hybrid_from_gguf(get: Any, default_head_dim: int) -> dict[str, Any]:
@@ -129,6 +133,9 @@ def hybrid_from_gguf(get: Any, default_head_dim: int) -> dict[str, Any]:
     as in Hugging Face's q_proj (llama.cpp's qwen35.cpp views each head's 2 * D rows as the
     query, then the gate)."""
     head_dim = int(get("attention.key_length") or default_head_dim)
+    # llama.cpp's sections (four, the last unused by qwen35) turn interleaved (IMROPE)
+    sections = tuple(int(n) for n in get("rope.dimension_sections") or () if n)
     return {"layer_types": gguf_hybrid_layer_types(get), "linear": linear_from_gguf(get),
             "has_attn_output_gate": True,
-            "partial_rotary_factor": int(get("rope.dimension_count") or head_dim) / head_dim}
+            "partial_rotary_factor": int(get("rope.dimension_count") or head_dim) / head_dim,
+            "mrope_section": sections, "mrope_interleaved": bool(sections)}

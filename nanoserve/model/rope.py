@@ -103,6 +103,16 @@ class RotaryEmbedding:
         self.cos_table = (angles.cos() * scale).to(device=device, dtype=dtype)
         self.sin_table = (angles.sin() * scale).to(device=device, dtype=dtype)
 
+    def rows_3d(self, positions_3d: torch.Tensor, axes: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Multimodal RoPE's cos and sin rows [T, head_dim]: column c of a token's row is the
+        table's at the position of its axis `axes[c]` (0 t, 1 h, 2 w) in `positions_3d`
+        [3, T] (transformers' apply_interleaved_mrope, as rows of this table)."""
+        index = axes[None, None, :].expand(1, positions_3d.shape[1], -1)
+        cos = self.cos_table[positions_3d].gather(0, index)[0]  # [T, head_dim]
+        sin = self.sin_table[positions_3d].gather(0, index)[0]
+        return cos, sin
+
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin for each token, shaped [num_tokens, 1, head_dim] to broadcast over heads."""
         cos = self.cos_table.index_select(0, positions).unsqueeze(1)
@@ -110,8 +120,36 @@ class RotaryEmbedding:
         return cos, sin
 
 
+class StepRotary(RotaryEmbedding):
+    """One step's own cos/sin rows [T, head_dim] standing in for a RotaryEmbedding's table
+    (multimodal RoPE: token i reads row i, whichever op table runs)."""
+
+    def __init__(self, cos_rows: torch.Tensor, sin_rows: torch.Tensor) -> None:
+        self.cos_table, self.sin_table = cos_rows, sin_rows
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate pairs (i, i + head_dim/2) of `x` [num_tokens, num_heads, head_dim] (the HF layout)."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+def mrope_axes(arch: ArchConfig) -> torch.Tensor:
+    """The position axis (0 t, 1 h, 2 w) of each column of a RoPE table row [head_dim]: with
+    `mrope_interleaved` pair j turns with h where j % 3 == 1 and j < 3 * sections[1], with w
+    where j % 3 == 2 and j < 3 * sections[2], else with t (Qwen3-VL, Qwen3.5); otherwise the
+    sections run one after another (Qwen2-VL). Pairs past the sections (partial rotary's
+    still dims) take t."""
+    half = arch.head_dim // 2
+    axes = torch.zeros(half, dtype=torch.int64)
+    sections = arch.mrope_section
+    if arch.mrope_interleaved:
+        for axis in (1, 2):
+            axes[axis : 3 * sections[axis] : 3] = axis
+    else:
+        start = 0
+        for axis, length in enumerate(sections[:3]):
+            axes[start : start + length] = axis
+            start += length
+    return torch.cat((axes, axes))

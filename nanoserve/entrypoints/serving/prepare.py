@@ -9,7 +9,11 @@ from dataclasses import replace
 
 from nanoserve.entrypoints.serving.chat_input import ChatInput
 from nanoserve.entrypoints.serving.chat_prompt import render_prompt
-from nanoserve.entrypoints.serving.image_prompt import place_images
+from nanoserve.entrypoints.serving.image_prompt import (
+    expand_images,
+    image_token_counts,
+    place_images,
+)
 from nanoserve.entrypoints.serving.images import collect_images
 from nanoserve.entrypoints.serving.reasoning_options import (
     grammar_after_reasoning,
@@ -42,11 +46,12 @@ async def prepare_chat(ctx: ServerContext, chat: ChatInput, admit: bool = True,
     images = await collect_images(ctx, chat)
     if raw_prompt is None:
         prompt = render_prompt(ctx, chat)
+        counts = image_token_counts(ctx.image_processor, images) if images else []
         if images:  # each image's marker becomes its placeholder tokens, as transformers'
-            prompt = ctx.image_processor.expand_prompt(prompt)
+            prompt = expand_images(ctx.image_processor, prompt, counts)
         ids = ctx.tokenizer.encode(prompt, add_special_tokens=False)
         if images:
-            ids = await place_images(ctx.image_processor, images, ids)
+            ids = await place_images(ctx.image_processor, images, ids, counts)
     else:
         prompt, ids = raw_prompt, ctx.tokenizer.encode(raw_prompt, add_special_tokens=True)
     fields = chat.sampling

@@ -11,6 +11,7 @@ float32. Imports numpy and Pillow only: the API process must stay free of torch.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -142,9 +143,14 @@ class Gemma3ImageProcessor:
         soft_tokens = self.image_token * self.tokens_per_image
         return f"\n\n{self.boi_token}{soft_tokens}{self.eoi_token}\n\n"
 
-    def expand_prompt(self, text: str) -> str:
+    def num_tokens(self, height: int, width: int) -> int:
+        """The placeholder tokens an image becomes: `tokens_per_image`, whatever its size."""
+        return self.tokens_per_image
+
+    def expand_prompt(self, text: str, token_counts: Sequence[int] = ()) -> str:
         """`text` (a rendered prompt) with each `boi_token` replaced by `image_sequence`, as
-        transformers' Gemma3Processor does without pan-and-scan."""
+        transformers' Gemma3Processor does without pan-and-scan (`token_counts`, each
+        image's `num_tokens`, are all `tokens_per_image`)."""
         return text.replace(self.boi_token, self.image_sequence)
 
 

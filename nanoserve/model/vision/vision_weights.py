@@ -18,6 +18,8 @@ from typing import Any
 import torch
 
 from nanoserve.model.gguf_file import GGUFFile
+from nanoserve.model.vision.qwen35_vit import Qwen35VisionTower
+from nanoserve.model.vision.qwen35_weights import load_qwen35_vision
 from nanoserve.model.vision.siglip import (
     EncoderLayerWeights,
     Gemma3VisionTower,
@@ -51,11 +53,15 @@ _GGUF_LAYER_NAMES = {
 
 
 def load_vision_tower(path: Path, mmproj: Path | None, dtype: torch.dtype,
-                      device: torch.device) -> Gemma3VisionTower | None:
+                      device: torch.device) -> Gemma3VisionTower | Qwen35VisionTower | None:
     """The vision tower of the model at `path` (a Hugging Face directory, or a text GGUF file,
     which holds none) or of `mmproj` (llama.cpp's mmproj GGUF), which wins when given; None
     where there is no tower this module builds (a text-only model). Weights in `dtype` on
-    `device`; a missing or misshapen tensor is a ValueError naming the file and tensor."""
+    `device`; a missing or misshapen tensor is a ValueError naming the file and tensor.
+    Qwen3.5's tower is built by `qwen35_weights.py`."""
+    qwen35 = load_qwen35_vision(path, mmproj, dtype, device)
+    if qwen35 is not None:
+        return qwen35
     if mmproj is not None:
         gguf = GGUFFile(mmproj)
         clip_arch = mmproj_arch(gguf.metadata, mmproj)
