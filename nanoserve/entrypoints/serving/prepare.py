@@ -9,6 +9,7 @@ from dataclasses import replace
 
 from nanoserve.entrypoints.serving.chat_input import ChatInput
 from nanoserve.entrypoints.serving.chat_prompt import render_prompt
+from nanoserve.entrypoints.serving.errors import bad_request
 from nanoserve.entrypoints.serving.image_prompt import (
     expand_images,
     image_token_counts,
@@ -52,6 +53,10 @@ async def prepare_chat(ctx: ServerContext, chat: ChatInput, admit: bool = True,
         ids = ctx.tokenizer.encode(prompt, add_special_tokens=False)
         if images:
             ids = await place_images(ctx.image_processor, images, ids, counts)
+    elif images:  # a raw prompt has no image markers: never drop the images in silence
+        raise bad_request("images need the model's chat template, which places them in the "
+                          "prompt; this prompt goes to the model as it is (raw, or a model "
+                          "without a chat template)", images[0].where)
     else:
         prompt, ids = raw_prompt, ctx.tokenizer.encode(raw_prompt, add_special_tokens=True)
     fields = chat.sampling
