@@ -152,7 +152,7 @@ def load_model(model: str | None, device: torch.device, dtype: torch.dtype,
         local = replace(arch, rope_theta=arch.rope_local_theta, rope_scaling=RopeScaling())
         net.rotary_local = RotaryEmbedding(inverse_frequencies(local), positions, dtype, device)
     mmproj_path = None if mmproj is None else Path(mmproj)
-    net.vision = load_vision_tower(path, mmproj_path, dtype, device)
+    net.vision = load_vision_tower(path, mmproj_path, dtype, device, mode)
     if net.vision is not None:
         processor = load_image_processor(path, tokenizer, mmproj_path)
         assert processor is not None, "a vision tower comes with its processor"

@@ -8,7 +8,15 @@ blocks (LayerNorm, attention with a 2-D rotary embedding of each patch's row and
 attention across images or frames, LayerNorm, MLP with GELU-tanh) -> the merger: LayerNorm,
 each 2 x 2 window of patches concatenated (consecutive rows, by the patch order), fc1, exact
 GELU, fc2 into the text model's width. Weights come from `qwen35_weights.py`, placed on their
-device and dtype there; the module holds them as plain tensors.
+device and dtype there; the matmul weights are whatever `linear()` multiplies by (float32
+tensors, or bfloat16 / Q8_0 weights in a quantized mode: `tower_matmul.py`).
+
+Speed: a Qwen3.5-2B-size tower on a 1024 x 1024 image (4,096 patches, 24 blocks) spends ~45%
+of its float32 time in the matmuls and ~40% in attention (2-core AMX Xeon). Every matmul here
+(the patch embedding too) has a multiple of 32 inputs, so the int8 kernels run them all and
+save ~22%; bfloat16 on AMX (matmuls and attention) takes 2.9x less time at a cosine of
+0.99997 to float32, so a quantized mode runs the tower that way where the CPU has AMX-BF16
+(`tower_matmul.py`; figures: docs/benchmarks.md, "Vision towers on the int8 kernels").
 """
 
 from __future__ import annotations
@@ -20,6 +28,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from nanoserve.model.linear import MatmulWeight, linear
 
 
 @dataclass(frozen=True)
@@ -64,15 +74,15 @@ class VisionBlockWeights:
 
     norm1_weight: torch.Tensor
     norm1_bias: torch.Tensor
-    qkv_weight: torch.Tensor  # [3 * hidden, hidden]
+    qkv_weight: torch.Tensor | MatmulWeight  # [3 * hidden, hidden]
     qkv_bias: torch.Tensor
-    out_weight: torch.Tensor  # [hidden, hidden]
+    out_weight: torch.Tensor | MatmulWeight  # [hidden, hidden]
     out_bias: torch.Tensor
     norm2_weight: torch.Tensor
     norm2_bias: torch.Tensor
-    fc1_weight: torch.Tensor  # [intermediate, hidden]
+    fc1_weight: torch.Tensor | MatmulWeight  # [intermediate, hidden]
     fc1_bias: torch.Tensor
-    fc2_weight: torch.Tensor  # [hidden, intermediate]
+    fc2_weight: torch.Tensor | MatmulWeight  # [hidden, intermediate]
     fc2_bias: torch.Tensor
 
 
@@ -80,15 +90,15 @@ class VisionBlockWeights:
 class Qwen35TowerWeights:
     """Every tensor of the tower, already on the device and in the dtype it runs in."""
 
-    patch_weight: torch.Tensor  # [hidden, patch_dim]: the Conv3D kernel, flattened
+    patch_weight: torch.Tensor | MatmulWeight  # [hidden, patch_dim]: the Conv3D kernel, flattened
     patch_bias: torch.Tensor
     position_embedding: torch.Tensor  # [num_position_embeddings, hidden]
     blocks: tuple[VisionBlockWeights, ...]
     merger_norm_weight: torch.Tensor  # [hidden]
     merger_norm_bias: torch.Tensor
-    merger_fc1_weight: torch.Tensor  # [merged_hidden, merged_hidden]
+    merger_fc1_weight: torch.Tensor | MatmulWeight  # [merged_hidden, merged_hidden]
     merger_fc1_bias: torch.Tensor
-    merger_fc2_weight: torch.Tensor  # [out_hidden, merged_hidden]
+    merger_fc2_weight: torch.Tensor | MatmulWeight  # [out_hidden, merged_hidden]
     merger_fc2_bias: torch.Tensor
 
 
@@ -96,20 +106,23 @@ class Qwen35VisionTower(nn.Module):
     """Images to Qwen3.5's image tokens: pixel_values float32 [P, patch_dim] (the images'
     `normalize`d rows, concatenated) and each image's grid (t, h, w) in patches, with
     P = sum(t * h * w) -> [sum(t * h * w / merge^2), out_hidden] in the weights' dtype, the
-    images' tokens in order. Each frame of each image attends only to itself."""
+    images' tokens in order. Each frame of each image attends only to itself, in
+    `attention_dtype`."""
 
-    def __init__(self, arch: Qwen35VisionArch, weights: Qwen35TowerWeights) -> None:
+    def __init__(self, arch: Qwen35VisionArch, weights: Qwen35TowerWeights,
+                 attention_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.arch = arch
         self.weights = weights
+        self.attention_dtype = attention_dtype or weights.patch_bias.dtype
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.weights.patch_weight.dtype
+        return self.weights.patch_bias.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.weights.patch_weight.device
+        return self.weights.patch_bias.device
 
     def num_tokens(self, grid_thw: tuple[int, int, int]) -> int:
         """The image tokens one image of this grid becomes."""
@@ -125,7 +138,7 @@ class Qwen35VisionTower(nn.Module):
             raise ValueError(f"pixel_values of shape {tuple(pixel_values.shape)} do not match "
                              f"the grids {grids}: expected ({num_patches}, {arch.patch_dim})")
         pixels = pixel_values.to(device=self.device, dtype=self.dtype)
-        x = F.linear(pixels, w.patch_weight, w.patch_bias)  # [P, hidden]
+        x = linear(pixels, w.patch_weight, w.patch_bias)  # [P, hidden]
         x = x + torch.cat([self._positions(h, w_).repeat(t, 1) for t, h, w_ in grids])
         cos, sin = self._rotary(grids)  # [P, head_dim] float32
         # attention segments: one per frame of each image (transformers' cu_seqlens)
@@ -135,8 +148,8 @@ class Qwen35VisionTower(nn.Module):
         x = F.layer_norm(x, (arch.hidden_size,), w.merger_norm_weight, w.merger_norm_bias,
                          arch.layer_norm_eps)
         x = x.reshape(-1, arch.merged_hidden_size)  # a merge window's patches are consecutive
-        x = F.gelu(F.linear(x, w.merger_fc1_weight, w.merger_fc1_bias))
-        return F.linear(x, w.merger_fc2_weight, w.merger_fc2_bias)
+        x = F.gelu(linear(x, w.merger_fc1_weight, w.merger_fc1_bias))
+        return linear(x, w.merger_fc2_weight, w.merger_fc2_bias)
 
     def _positions(self, h: int, w: int) -> torch.Tensor:
         """[h * w, hidden]: the learned grid resampled to h x w patches (bilinear, corners
@@ -174,7 +187,7 @@ class Qwen35VisionTower(nn.Module):
         arch = self.arch
         num_patches, hidden = x.shape
         h = F.layer_norm(x, (hidden,), block.norm1_weight, block.norm1_bias, arch.layer_norm_eps)
-        qkv = F.linear(h, block.qkv_weight, block.qkv_bias)
+        qkv = linear(h, block.qkv_weight, block.qkv_bias).to(self.attention_dtype)
         q, k, v = qkv.view(num_patches, 3, arch.num_heads, arch.head_dim).unbind(1)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)  # [P, heads, head_dim]
         outputs = [
@@ -183,11 +196,11 @@ class Qwen35VisionTower(nn.Module):
             )[0].transpose(0, 1)
             for qs, ks, vs in zip(q.split(segments), k.split(segments), v.split(segments),
                                   strict=True)]
-        attended = torch.cat(outputs).reshape(num_patches, hidden)
-        x = x + F.linear(attended, block.out_weight, block.out_bias)
+        attended = torch.cat(outputs).reshape(num_patches, hidden).to(x.dtype)
+        x = x + linear(attended, block.out_weight, block.out_bias)
         h = F.layer_norm(x, (hidden,), block.norm2_weight, block.norm2_bias, arch.layer_norm_eps)
-        h = F.gelu(F.linear(h, block.fc1_weight, block.fc1_bias), approximate="tanh")
-        return x + F.linear(h, block.fc2_weight, block.fc2_bias)
+        h = F.gelu(linear(h, block.fc1_weight, block.fc1_bias), approximate="tanh")
+        return x + linear(h, block.fc2_weight, block.fc2_bias)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,7 @@ from nanoserve.model.vision.qwen35_vit import (
     Qwen35VisionTower,
     VisionBlockWeights,
 )
+from nanoserve.model.vision.tower_matmul import attention_dtype, tower_form, tower_matmul
 
 MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")
 MMPROJ_PROJECTOR = "qwen3vl_merger"
@@ -47,26 +48,31 @@ _GGUF_BLOCK_NAMES = {"attn_qkv": "attn.qkv", "attn_out": "attn.proj", "ln1": "no
 
 
 def load_qwen35_vision(path: Path, mmproj: Path | None, dtype: torch.dtype,
-                       device: torch.device) -> Qwen35VisionTower | None:
+                       device: torch.device, quantization: str = "none"
+                       ) -> Qwen35VisionTower | None:
     """Qwen3.5's tower of `mmproj` (llama.cpp's GGUF with projector type qwen3vl_merger),
     which wins when given, or of the Hugging Face directory `path` (config.json model_type
     "qwen3_5"/"qwen3_5_moe" with a vision_config); None where neither is one (another
-    model's tower or a text-only model). Weights in `dtype` on `device`; a missing or
-    misshapen tensor is a ValueError naming the file and tensor."""
+    model's tower or a text-only model). Weights in `dtype` on `device`, the matmul weights
+    in the form the text model's resolved `quantization` mode gives (`tower_matmul.py`); a
+    missing or misshapen tensor is a ValueError naming the file and tensor."""
     if mmproj is not None:
         gguf = GGUFFile(mmproj)
         if not is_qwen35_mmproj(gguf.metadata):
             return None
         arch = mmproj_arch(gguf.metadata, mmproj)
         tensors = dict(_read_mmproj(gguf))
-        return Qwen35VisionTower(arch, tower_weights(arch, tensors, str(mmproj), dtype, device))
-    if not path.is_dir():
+        source = str(mmproj)
+    elif path.is_dir():
+        hf_arch = vision_arch_of(json.loads((path / "config.json").read_text()))
+        if hf_arch is None:
+            return None
+        arch, tensors, source = hf_arch, dict(_read_hf_vision_tensors(path)), str(path)
+    else:
         return None
-    hf_arch = vision_arch_of(json.loads((path / "config.json").read_text()))
-    if hf_arch is None:
-        return None
-    tensors = dict(_read_hf_vision_tensors(path))
-    return Qwen35VisionTower(hf_arch, tower_weights(hf_arch, tensors, str(path), dtype, device))
+    form = tower_form(quantization, device)
+    return Qwen35VisionTower(arch, tower_weights(arch, tensors, source, dtype, device, form),
+                             attention_dtype(form, dtype))
 
 
 def is_qwen35_mmproj(metadata: dict[str, Any]) -> bool:
@@ -163,9 +169,11 @@ def _read_mmproj(gguf: GGUFFile) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def tower_weights(arch: Qwen35VisionArch, tensors: dict[str, torch.Tensor], source: str,
-                  dtype: torch.dtype, device: torch.device) -> Qwen35TowerWeights:
+                  dtype: torch.dtype, device: torch.device, form: str = "float32"
+                  ) -> Qwen35TowerWeights:
     """`tensors` (transformers' names, `visual.` dropped) checked against `arch`'s shapes and
-    placed on `device` in `dtype`; the Conv3D kernel flattened to [hidden, patch_dim]."""
+    placed on `device` in `dtype`; the Conv3D kernel flattened to [hidden, patch_dim]; the
+    matmul weights in `form` (tower_matmul.py)."""
     hidden, inner, merged = arch.hidden_size, arch.intermediate_size, arch.merged_hidden_size
 
     def take(name: str, *shape: int) -> torch.Tensor:
@@ -183,27 +191,28 @@ def tower_weights(arch: Qwen35VisionArch, tensors: dict[str, torch.Tensor], sour
         return VisionBlockWeights(
             norm1_weight=take(f"{prefix}norm1.weight", hidden),
             norm1_bias=take(f"{prefix}norm1.bias", hidden),
-            qkv_weight=take(f"{prefix}attn.qkv.weight", 3 * hidden, hidden),
+            qkv_weight=tower_matmul(take(f"{prefix}attn.qkv.weight", 3 * hidden, hidden), form),
             qkv_bias=take(f"{prefix}attn.qkv.bias", 3 * hidden),
-            out_weight=take(f"{prefix}attn.proj.weight", hidden, hidden),
+            out_weight=tower_matmul(take(f"{prefix}attn.proj.weight", hidden, hidden), form),
             out_bias=take(f"{prefix}attn.proj.bias", hidden),
             norm2_weight=take(f"{prefix}norm2.weight", hidden),
             norm2_bias=take(f"{prefix}norm2.bias", hidden),
-            fc1_weight=take(f"{prefix}mlp.linear_fc1.weight", inner, hidden),
+            fc1_weight=tower_matmul(take(f"{prefix}mlp.linear_fc1.weight", inner, hidden), form),
             fc1_bias=take(f"{prefix}mlp.linear_fc1.bias", inner),
-            fc2_weight=take(f"{prefix}mlp.linear_fc2.weight", hidden, inner),
+            fc2_weight=tower_matmul(take(f"{prefix}mlp.linear_fc2.weight", hidden, inner), form),
             fc2_bias=take(f"{prefix}mlp.linear_fc2.bias", hidden))
 
     patch, frames = arch.patch_size, arch.temporal_patch_size
     kernel = take("patch_embed.proj.weight", hidden, arch.in_channels, frames, patch, patch)
     return Qwen35TowerWeights(
-        patch_weight=kernel.reshape(hidden, arch.patch_dim),
+        patch_weight=tower_matmul(kernel.reshape(hidden, arch.patch_dim).contiguous(), form),
         patch_bias=take("patch_embed.proj.bias", hidden),
         position_embedding=take("pos_embed.weight", arch.num_position_embeddings, hidden),
         blocks=tuple(block(i) for i in range(arch.num_layers)),
         merger_norm_weight=take("merger.norm.weight", hidden),
         merger_norm_bias=take("merger.norm.bias", hidden),
-        merger_fc1_weight=take("merger.linear_fc1.weight", merged, merged),
+        merger_fc1_weight=tower_matmul(take("merger.linear_fc1.weight", merged, merged), form),
         merger_fc1_bias=take("merger.linear_fc1.bias", merged),
-        merger_fc2_weight=take("merger.linear_fc2.weight", arch.out_hidden_size, merged),
+        merger_fc2_weight=tower_matmul(
+            take("merger.linear_fc2.weight", arch.out_hidden_size, merged), form),
         merger_fc2_bias=take("merger.linear_fc2.bias", arch.out_hidden_size))

@@ -6,8 +6,17 @@ SigLIP: a patch-embedding convolution (stride = kernel = patch), a learned posit
 pre-norm encoder layers (LayerNorm, multi-head attention with biases, LayerNorm, MLP with
 GELU-tanh), a final LayerNorm. Projector: average-pool the patch grid down to
 sqrt(tokens_per_image)^2 cells, Gemma's RMSNorm (x * (1 + w), in float32), then
-x @ W [vision_hidden, text_hidden]. Weights come from `vision_weights.py`, placed on their
-device and dtype there; the module holds them as plain tensors.
+x @ W [vision_hidden, text_hidden] (held transposed, as every matmul weight here). Weights
+come from `vision_weights.py`, placed on their device and dtype there; the matmul weights are
+whatever `linear()` multiplies by (float32 tensors, or bfloat16 / Q8_0 weights in a quantized
+mode: `tower_matmul.py`).
+
+Speed: a SigLIP-So400m image (4,096 patches, 27 layers) spends ~45% of its float32 time in
+the matmuls and ~40% in attention (2-core AMX Xeon). The int8 kernels save only ~11% of the
+whole (attention and SigLIP's fc2, whose 4304 inputs are no Q8_0 multiple, stay float32);
+bfloat16 on AMX (matmuls and attention) takes 2.3x less time at a cosine of 0.99996 to
+float32, so a quantized mode runs the tower that way where the CPU has AMX-BF16
+(`tower_matmul.py`; figures: docs/benchmarks.md, "Vision towers on the int8 kernels").
 """
 
 from __future__ import annotations
@@ -18,6 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from nanoserve.model.linear import MatmulWeight, linear
 
 
 @dataclass(frozen=True)
@@ -57,15 +68,15 @@ class EncoderLayerWeights:
 
     norm1_weight: torch.Tensor
     norm1_bias: torch.Tensor
-    qkv_weight: torch.Tensor  # [3 * hidden, hidden]
+    qkv_weight: torch.Tensor | MatmulWeight  # [3 * hidden, hidden]
     qkv_bias: torch.Tensor
-    out_weight: torch.Tensor
+    out_weight: torch.Tensor | MatmulWeight
     out_bias: torch.Tensor
     norm2_weight: torch.Tensor
     norm2_bias: torch.Tensor
-    fc1_weight: torch.Tensor  # [intermediate, hidden]
+    fc1_weight: torch.Tensor | MatmulWeight  # [intermediate, hidden]
     fc1_bias: torch.Tensor
-    fc2_weight: torch.Tensor  # [hidden, intermediate]
+    fc2_weight: torch.Tensor | MatmulWeight  # [hidden, intermediate]
     fc2_bias: torch.Tensor
 
 
@@ -81,18 +92,20 @@ class TowerWeights:
     post_norm_weight: torch.Tensor
     post_norm_bias: torch.Tensor
     soft_emb_norm_scale: torch.Tensor  # 1 + w of Gemma's RMSNorm, float32 [hidden]
-    input_projection: torch.Tensor  # [hidden, text_hidden]
+    input_projection: torch.Tensor | MatmulWeight  # [text_hidden, hidden]
 
 
 class Gemma3VisionTower(nn.Module):
     """Images to Gemma 3's soft tokens: [N, 3, S, S] float32 pixels (`normalize`d) ->
     [N, tokens_per_image, text_hidden] in the weights' dtype. Each image is attended to on
-    its own (the batch dimension is independent)."""
+    its own (the batch dimension is independent); attention runs in `attention_dtype`."""
 
-    def __init__(self, arch: SiglipArch, weights: TowerWeights) -> None:
+    def __init__(self, arch: SiglipArch, weights: TowerWeights,
+                 attention_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.arch = arch
         self.weights = weights
+        self.attention_dtype = attention_dtype or weights.patch_weight.dtype
 
     @property
     def dtype(self) -> torch.dtype:
@@ -117,16 +130,16 @@ class Gemma3VisionTower(nn.Module):
         arch = self.arch
         num_images, num_patches, hidden = x.shape
         h = F.layer_norm(x, (hidden,), layer.norm1_weight, layer.norm1_bias, arch.layer_norm_eps)
-        qkv = F.linear(h, layer.qkv_weight, layer.qkv_bias)
+        qkv = linear(h, layer.qkv_weight, layer.qkv_bias).to(self.attention_dtype)
         # [3, N, heads, patches, head_dim]
         qkv = qkv.view(num_images, num_patches, 3, arch.num_heads, arch.head_dim).permute(
             2, 0, 3, 1, 4)
         attended = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2])  # scale 1/sqrt(d)
         attended = attended.transpose(1, 2).reshape(num_images, num_patches, hidden)
-        x = x + F.linear(attended, layer.out_weight, layer.out_bias)
+        x = x + linear(attended.to(x.dtype), layer.out_weight, layer.out_bias)
         h = F.layer_norm(x, (hidden,), layer.norm2_weight, layer.norm2_bias, arch.layer_norm_eps)
-        h = F.gelu(F.linear(h, layer.fc1_weight, layer.fc1_bias), approximate="tanh")
-        return x + F.linear(h, layer.fc2_weight, layer.fc2_bias)
+        h = F.gelu(linear(h, layer.fc1_weight, layer.fc1_bias), approximate="tanh")
+        return x + linear(h, layer.fc2_weight, layer.fc2_bias)
 
     def _project(self, x: torch.Tensor) -> torch.Tensor:
         """[N, patches, hidden] -> [N, tokens_per_image, text_hidden]."""
@@ -141,4 +154,4 @@ class Gemma3VisionTower(nn.Module):
         normed = as_float * torch.rsqrt(as_float.pow(2).mean(-1, keepdim=True)
                                         + arch.soft_emb_norm_eps)
         normed = (normed * w.soft_emb_norm_scale).to(pooled.dtype)
-        return normed @ w.input_projection
+        return linear(normed, w.input_projection)

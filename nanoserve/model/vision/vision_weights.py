@@ -26,6 +26,7 @@ from nanoserve.model.vision.siglip import (
     SiglipArch,
     TowerWeights,
 )
+from nanoserve.model.vision.tower_matmul import attention_dtype, tower_form, tower_matmul
 
 # transformers' defaults for what a config.json saved with `use_diff` leaves out
 # (SiglipVisionConfig, Gemma3TextConfig.hidden_size, Gemma3Config.mm_tokens_per_image)
@@ -53,27 +54,32 @@ _GGUF_LAYER_NAMES = {
 
 
 def load_vision_tower(path: Path, mmproj: Path | None, dtype: torch.dtype,
-                      device: torch.device) -> Gemma3VisionTower | Qwen35VisionTower | None:
+                      device: torch.device, quantization: str = "none"
+                      ) -> Gemma3VisionTower | Qwen35VisionTower | None:
     """The vision tower of the model at `path` (a Hugging Face directory, or a text GGUF file,
     which holds none) or of `mmproj` (llama.cpp's mmproj GGUF), which wins when given; None
     where there is no tower this module builds (a text-only model). Weights in `dtype` on
-    `device`; a missing or misshapen tensor is a ValueError naming the file and tensor.
-    Qwen3.5's tower is built by `qwen35_weights.py`."""
-    qwen35 = load_qwen35_vision(path, mmproj, dtype, device)
+    `device`, the matmul weights in the form the text model's resolved `quantization` mode
+    gives (`tower_matmul.tower_form`); a missing or misshapen tensor is a ValueError naming
+    the file and tensor. Qwen3.5's tower is built by `qwen35_weights.py`."""
+    qwen35 = load_qwen35_vision(path, mmproj, dtype, device, quantization)
     if qwen35 is not None:
         return qwen35
+    form = tower_form(quantization, device)
     if mmproj is not None:
         gguf = GGUFFile(mmproj)
-        clip_arch = mmproj_arch(gguf.metadata, mmproj)
-        return Gemma3VisionTower(clip_arch, tower_weights(
-            clip_arch, dict(_read_mmproj(gguf)), str(mmproj), dtype, device))
-    if not path.is_dir():
+        arch = mmproj_arch(gguf.metadata, mmproj)
+        tensors = dict(_read_mmproj(gguf))
+        source = str(mmproj)
+    elif path.is_dir():
+        hf_arch = vision_arch_of(json.loads((path / "config.json").read_text()))
+        if hf_arch is None:
+            return None
+        arch, tensors, source = hf_arch, dict(_read_hf_vision_tensors(path)), str(path)
+    else:
         return None
-    arch = vision_arch_of(json.loads((path / "config.json").read_text()))
-    if arch is None:
-        return None
-    return Gemma3VisionTower(arch, tower_weights(
-        arch, dict(_read_hf_vision_tensors(path)), str(path), dtype, device))
+    return Gemma3VisionTower(arch, tower_weights(arch, tensors, source, dtype, device, form),
+                             attention_dtype(form, dtype))
 
 
 def vision_arch_of(config: dict[str, Any]) -> SiglipArch | None:
@@ -179,9 +185,11 @@ def _mmproj_short_name(gguf_name: str) -> str | None:
 
 
 def tower_weights(arch: SiglipArch, tensors: dict[str, torch.Tensor], source: str,
-                  dtype: torch.dtype, device: torch.device) -> TowerWeights:
+                  dtype: torch.dtype, device: torch.device, form: str = "float32"
+                  ) -> TowerWeights:
     """`tensors` (short names) checked against `arch`'s shapes and placed on `device` in
-    `dtype` (the norm scale in float32); q, k and v fused per layer."""
+    `dtype` (the norm scale in float32); q, k and v fused per layer; the matmul weights in
+    `form` (tower_matmul.py), the projector's transposed to [text_hidden, hidden]."""
     hidden, inner = arch.hidden_size, arch.intermediate_size
 
     def take(name: str, *shape: int, as_dtype: torch.dtype = dtype) -> torch.Tensor:
@@ -200,15 +208,17 @@ def tower_weights(arch: SiglipArch, tensors: dict[str, torch.Tensor], source: st
         return EncoderLayerWeights(
             norm1_weight=take(f"{prefix}layer_norm1.weight", hidden),
             norm1_bias=take(f"{prefix}layer_norm1.bias", hidden),
-            qkv_weight=torch.cat([take(f"{n}.weight", hidden, hidden) for n in qkv]),
+            qkv_weight=tower_matmul(
+                torch.cat([take(f"{n}.weight", hidden, hidden) for n in qkv]), form),
             qkv_bias=torch.cat([take(f"{n}.bias", hidden) for n in qkv]),
-            out_weight=take(f"{prefix}self_attn.out_proj.weight", hidden, hidden),
+            out_weight=tower_matmul(
+                take(f"{prefix}self_attn.out_proj.weight", hidden, hidden), form),
             out_bias=take(f"{prefix}self_attn.out_proj.bias", hidden),
             norm2_weight=take(f"{prefix}layer_norm2.weight", hidden),
             norm2_bias=take(f"{prefix}layer_norm2.bias", hidden),
-            fc1_weight=take(f"{prefix}mlp.fc1.weight", inner, hidden),
+            fc1_weight=tower_matmul(take(f"{prefix}mlp.fc1.weight", inner, hidden), form),
             fc1_bias=take(f"{prefix}mlp.fc1.bias", inner),
-            fc2_weight=take(f"{prefix}mlp.fc2.weight", hidden, inner),
+            fc2_weight=tower_matmul(take(f"{prefix}mlp.fc2.weight", hidden, inner), form),
             fc2_bias=take(f"{prefix}mlp.fc2.bias", hidden))
 
     patch = arch.patch_size
@@ -221,4 +231,5 @@ def tower_weights(arch: SiglipArch, tensors: dict[str, torch.Tensor], source: st
         post_norm_weight=take("post_layernorm.weight", hidden),
         post_norm_bias=take("post_layernorm.bias", hidden),
         soft_emb_norm_scale=take(NORM_SCALE, hidden, as_dtype=torch.float32),
-        input_projection=take("mm_input_projection_weight", hidden, arch.text_hidden_size))
+        input_projection=tower_matmul(take(
+            "mm_input_projection_weight", hidden, arch.text_hidden_size).t().contiguous(), form))
