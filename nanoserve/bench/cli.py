@@ -175,6 +175,13 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--llama-server-threads", type=int, default=None,
                    help="llama-server --threads (default: the number of CPUs)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    p.add_argument("--mmproj", default=None, metavar="FILE",
+                   help="llama.cpp's multimodal projector GGUF of --model, given to both "
+                        "self-started servers (nanoserve serve and llama-server --mmproj)")
+    p.add_argument("--image-size", default=None, metavar="WxH",
+                   help="send each request as a chat request with one random PNG of this "
+                        "size (its own per request: no cache helps) before its words, "
+                        "e.g. 640x480; needs --mmproj unless --url")
     p.add_argument("--long-prompt-beside", type=int, default=0, metavar="TOKENS",
                    help="after the levels, per level: its streams decoding, then one prompt of "
                         "about this many tokens among them; prints the streams' gaps between "

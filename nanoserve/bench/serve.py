@@ -10,6 +10,10 @@ model learned. At each concurrency level `--num-requests` requests run with at
 most that many in flight. Per level: output tokens/s over the wall time (first send to last
 completion), requests/s, time to first token, inter-token latency and end-to-end latency.
 
+With `--image-size WxH` each request is instead a streamed chat request with one random PNG of
+its own before the words (image_load.py), and `--mmproj` gives both self-started servers the
+vision tower (random_gemma3_vlm_gguf.py writes a pair of files both load).
+
 Without `--url` it starts `nanoserve serve` itself on a free port. With `--compare-llama-server`
 it builds llama.cpp's server (once, see llama_server.py), serves the same GGUF file with it, runs
 the same load, and prints the ratios.
@@ -27,10 +31,17 @@ import sys
 import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
 from nanoserve.bench.beside import OUTPUT_TOKENS, BesideStats, format_beside, run_beside
+from nanoserve.bench.image_load import (
+    CHAT_PATH,
+    image_bodies,
+    mmproj_tokens_per_image,
+    parse_image_size,
+)
 from nanoserve.bench.load_client import (
     ServerRun,
     completion_body,
@@ -61,16 +72,19 @@ async def bench_server(name: str, url: str, model: str | None, args: argparse.Na
     async with make_session(max(levels)) as session:
         model = (model or await served_model_name(session, url, headers) or args.model
                  or DEFAULT_MODEL_NAME)
-        warm = await send_request(session, url, completion_body(model, "Hello", 4), headers)
+        warm_bodies, path = level_bodies(model, args, ["Hello"], 4,
+                                          seed=args.seed * 1_000_003 + 999_999)
+        warm = await send_request(session, url, warm_bodies[0], headers, path)
         if warm.error is not None:
             print(f"{name}: warm-up request failed: {warm.error}", file=sys.stderr)
         results = []
         for concurrency in levels:
             count = requests_per_level(concurrency, args.num_requests)
             # Each level has its own prompts so no server finds a previous level's in its cache.
-            prompts = make_prompts(count, args.input_len, seed=args.seed * 1_000_003 + concurrency)
-            bodies = [completion_body(model, p, args.output_len) for p in prompts]
-            stats = summarize(await run_level(session, url, bodies, concurrency, headers),
+            seed = args.seed * 1_000_003 + concurrency
+            bodies, path = level_bodies(model, args, make_prompts(count, args.input_len, seed),
+                                        args.output_len, seed)
+            stats = summarize(await run_level(session, url, bodies, concurrency, headers, path),
                               concurrency)
             print(f"{name}: concurrency {concurrency}: {stats.requests} requests, "
                   f"{stats.failures} failed, {stats.tokens_per_s:.1f} tok/s", file=sys.stderr)
@@ -80,6 +94,17 @@ async def bench_server(name: str, url: str, model: str | None, args: argparse.Na
             more.append(format_beside(name, [await _beside(name, session, url, model, args,
                                                            level, headers) for level in levels]))
     return ServerRun(name, model, results, more)
+
+
+def level_bodies(model: str, args: argparse.Namespace, prompts: list[str], output_len: int,
+                 seed: int) -> tuple[list[dict[str, Any]], str]:
+    """The requests of `prompts` and the path they go to: completions, or with
+    `--image-size` chat requests with an image of their own each (seeded by `seed`, so both
+    servers get the same images)."""
+    if not args.image_size:
+        return [completion_body(model, p, output_len) for p in prompts], "/v1/completions"
+    size = parse_image_size(args.image_size)
+    return image_bodies(model, prompts, size, output_len, seed * 1_000), CHAT_PATH
 
 
 async def _beside(name: str, session: aiohttp.ClientSession, url: str, model: str,
@@ -214,6 +239,16 @@ def run_serve_bench(args: argparse.Namespace) -> int:
     Exit status 1 if any request failed, 2 if a server could not be built or started, else 0.
     """
     levels = parse_levels(args.concurrency)
+    if args.image_size:
+        try:
+            parse_image_size(args.image_size)  # a bad size fails before any server starts
+        except ValueError as e:
+            print(f"nanoserve bench serve: error: {e}", file=sys.stderr)
+            return 2
+        if not (args.mmproj or args.url):
+            print("nanoserve bench serve: error: --image-size needs --mmproj (the vision "
+                  "tower both servers load) or --url", file=sys.stderr)
+            return 2
     status = 0
     for one_length in per_input_length(args):
         status = max(status, _run_one_length(one_length, levels))
@@ -248,8 +283,10 @@ def _run_one_length(args: argparse.Namespace, levels: Sequence[int]) -> int:
         print(f"nanoserve bench serve: error: {e}", file=sys.stderr)
         return 2
 
-    print(f"\n{args.input_len}-token prompts (random words) -> {args.output_len} output tokens "
-          "each, streamed, greedy, EOS ignored; latencies in ms")
+    image = (f", after one random {args.image_size} PNG each (a chat request)"
+             if args.image_size else "")
+    print(f"\n{args.input_len}-token prompts (random words){image} -> {args.output_len} output "
+          "tokens each, streamed, greedy, EOS ignored; latencies in ms")
     for run in runs:
         print()
         print("\n".join(format_table(run)))
@@ -273,9 +310,10 @@ def _bench_llama_server(args: argparse.Namespace, levels: Sequence[int]) -> Serv
     # started after the server under test has been stopped (when it was ours), so neither
     # takes CPU from the other's measurement
     for level in levels:
-        slot_tokens = llama_slot_tokens(args.input_len, args.output_len)
+        slot_tokens = llama_slot_tokens(args.input_len + image_tokens(args), args.output_len)
         with llama_server(gguf, parallel=level, threads=threads, slot_tokens=slot_tokens,
-                          extra_args=training_context_override(gguf, slot_tokens)
+                          extra_args=[*training_context_override(gguf, slot_tokens),
+                                      *mmproj_args(args)]
                           ) as (url, setting):
             runs.append(asyncio.run(bench_server("llama-server", url, None, args, [level])))
             settings.append(setting)
@@ -293,7 +331,8 @@ def _bench_target(args: argparse.Namespace, levels: Sequence[int]) -> ServerRun:
     if args.url:
         # an explicit --model names what the server serves; else ask the server
         return asyncio.run(bench_server(args.url, args.url, args.model, args, levels))
-    with nanoserve_server(args.model, context_args(args.model, args)) as (url, _):
+    with nanoserve_server(args.model, [*context_args(args.model, args), *mmproj_args(args)]
+                          ) as (url, _):
         return asyncio.run(bench_server("nanoserve", url, None, args, levels))
 
 
@@ -302,7 +341,19 @@ def context_args(model: str | None, args: argparse.Namespace) -> list[str]:
     same context llama-server's slots get), else nothing: the server keeps its defaults."""
     from nanoserve.model.loader import load_arch
 
-    needed = llama_slot_tokens(args.input_len, args.output_len)
+    needed = llama_slot_tokens(args.input_len + image_tokens(args), args.output_len)
     if needed <= load_arch(model).max_position_embeddings:
         return []
     return ["--max-model-len", str(needed)]
+
+
+def mmproj_args(args: argparse.Namespace) -> list[str]:
+    """`--mmproj FILE` for a server the benchmark starts (both take the flag), else nothing."""
+    return ["--mmproj", str(args.mmproj)] if args.mmproj else []
+
+
+def image_tokens(args: argparse.Namespace) -> int:
+    """The soft tokens each request's image adds to its prompt (0 without `--image-size`)."""
+    if not (args.image_size and args.mmproj):
+        return 0
+    return mmproj_tokens_per_image(Path(args.mmproj))

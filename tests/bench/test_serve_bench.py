@@ -265,7 +265,8 @@ def test_several_input_lengths_each_get_prompts_and_a_context_of_their_own() -> 
     prefix of another's; a length whose requests may need more than the default model's 8,192
     positions gives the self-started server a --max-model-len (the context a llama-server slot
     gets: twice the request, since random words can tokenize longer)."""
-    args = argparse.Namespace(input_len="2000,6000,12000", output_len=128, seed=3, model=None)
+    args = argparse.Namespace(input_len="2000,6000,12000", output_len=128, seed=3, model=None,
+                              image_size=None, mmproj=None)
     runs = per_input_length(args)
     assert [(r.input_len, r.seed) for r in runs] == [(2000, 3), (6000, 3 + 7919),
                                                       (12000, 3 + 2 * 7919)]
