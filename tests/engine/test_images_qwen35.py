@@ -105,3 +105,35 @@ def test_the_same_from_its_mmproj(vlm_dir: Path, prompt: Any, tmp_path: Path) ->
     mmproj = write_qwen35_mmproj(tmp_path / "mmproj-tiny-qwen35.gguf", vlm_dir)
     engine = make_engine(vlm_dir, mmproj=mmproj)
     assert generate(engine, ids, image_inputs(vlm_dir, ids))[0] == expected
+
+
+def test_batched_and_preempted(vlm_dir: Path, prompt: Any) -> None:
+    """The image prompt beside a text prompt and a second copy of itself with its images in
+    another order of arrival: each its own positions and delta in one step's rows; then in a
+    cache so small that requests are preempted and recompute."""
+    import transformers
+
+    ids, _, expected = prompt
+    images = image_inputs(vlm_dir, ids)
+    text_ids = ids[:12]
+    reference = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(
+        vlm_dir, dtype=torch.float32).eval()
+    text_expected: list[int] = []
+    with torch.inference_mode():
+        for _ in range(NUM_NEW):
+            logits = reference(input_ids=torch.tensor([text_ids + text_expected])).logits
+            text_expected.append(int(logits[0, -1].argmax()))
+    for engine in (make_engine(vlm_dir, max_num_batched_tokens=images[0].length + 8),
+                   # room for one image prompt and a little: the second preempts
+                   make_engine(vlm_dir, num_blocks=len(ids) // 16 + 3, block_size=16,
+                               max_model_len=(len(ids) // 16 + 3) * 16,
+                               max_num_batched_tokens=images[0].length + 8)):
+        engine.add_request("text", text_ids, GREEDY)
+        engine.add_request("a", ids, GREEDY, images=images)
+        engine.add_request("b", ids, GREEDY, images=images)
+        out: dict[str, list[int]] = {"text": [], "a": [], "b": []}
+        while engine.has_unfinished():
+            for o in engine.step():
+                out[o.request_id] += o.new_token_ids
+        assert out == {"text": text_expected, "a": expected, "b": expected}
+    assert engine.stats.num_preemptions > 0
