@@ -42,6 +42,27 @@ def tensor_name(hf_name: str, short_names: dict[str, str]) -> tuple[str, str | N
     return f"blk.{layer}.{short_names[module]}.weight", module
 
 
+def mmproj_writer(path: Path, *, projection_dim: int, image_size: int, patch_size: int,
+                  hidden_size: int, intermediate_size: int, num_layers: int, num_heads: int,
+                  image_mean: Any, image_std: Any) -> gguf.GGUFWriter:
+    """A writer of llama.cpp's mmproj GGUF (`general.architecture` "clip", F16 matrices) with
+    the vision tower's keys every projector type carries; the caller adds its own."""
+    writer = gguf.GGUFWriter(str(path), "clip")
+    writer.add_type(gguf.GGUFType.MMPROJ)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    writer.add_clip_has_vision_encoder(True)
+    writer.add_vision_projection_dim(projection_dim)
+    writer.add_vision_image_size(image_size)
+    writer.add_vision_patch_size(patch_size)
+    writer.add_vision_embedding_length(hidden_size)
+    writer.add_vision_feed_forward_length(intermediate_size)
+    writer.add_vision_block_count(num_layers)
+    writer.add_vision_head_count(num_heads)
+    writer.add_vision_image_mean(image_mean)
+    writer.add_vision_image_std(image_std)
+    return writer
+
+
 def finish(writer: gguf.GGUFWriter) -> None:
     """Header, metadata and tensors to the file, then close it."""
     writer.write_header_to_file()

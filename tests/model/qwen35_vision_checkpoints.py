@@ -18,7 +18,7 @@ from typing import Any
 import gguf
 import numpy as np
 import torch
-from gguf_writing import finish
+from gguf_writing import finish, mmproj_writer
 from qwen35_checkpoints import tiny_qwen35_config
 from qwen35_tokenizer import write_qwen35_tokenizer
 
@@ -82,20 +82,13 @@ def write_qwen35_mmproj(path: Path, model_dir: Path) -> Path:
     config = json.loads((model_dir / "config.json").read_text())
     vision, text = config["vision_config"], config["text_config"]
     preprocessor = json.loads((model_dir / "preprocessor_config.json").read_text())
-    writer = gguf.GGUFWriter(str(path), "clip")
-    writer.add_type(gguf.GGUFType.MMPROJ)
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
-    writer.add_clip_has_vision_encoder(True)
-    writer.add_vision_projection_dim(text["hidden_size"])
-    writer.add_vision_image_size(int(vision["num_position_embeddings"] ** 0.5
-                                     * vision["patch_size"]))
-    writer.add_vision_patch_size(vision["patch_size"])
-    writer.add_vision_embedding_length(vision["hidden_size"])
-    writer.add_vision_feed_forward_length(vision["intermediate_size"])
-    writer.add_vision_block_count(vision["depth"])
-    writer.add_vision_head_count(vision["num_heads"])
-    writer.add_vision_image_mean(preprocessor["image_mean"])
-    writer.add_vision_image_std(preprocessor["image_std"])
+    writer = mmproj_writer(
+        path, projection_dim=text["hidden_size"],
+        image_size=int(vision["num_position_embeddings"] ** 0.5 * vision["patch_size"]),
+        patch_size=vision["patch_size"], hidden_size=vision["hidden_size"],
+        intermediate_size=vision["intermediate_size"], num_layers=vision["depth"],
+        num_heads=vision["num_heads"], image_mean=preprocessor["image_mean"],
+        image_std=preprocessor["image_std"])
     writer.add_clip_projector_type(gguf.VisionProjectorType.QWEN3VL)
     writer.add_vision_use_gelu(True)
     writer.add_vision_spatial_merge_size(vision["spatial_merge_size"])

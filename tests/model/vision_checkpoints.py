@@ -19,53 +19,23 @@ import gguf
 import numpy as np
 import torch
 from conftest import _spread_norm_weights
-from gguf_writing import add_gemma3_tensors, add_shape, finish
+from gguf_writing import add_gemma3_tensors, add_shape, finish, mmproj_writer
 from tokenizers import AddedToken
 
-BOI_ID, EOI_ID, IMAGE_ID = 49152, 49153, 49154
-NUM_TEXT_ROWS = 49160
-IMAGE_SIZE, PATCH_SIZE, TOKENS_PER_IMAGE = 64, 8, 4
-# CLIP's mean and std, not transformers' 0.5 default, so a test sees them read from the file
-IMAGE_MEAN = (0.48145466, 0.4578275, 0.40821073)
-IMAGE_STD = (0.26862954, 0.26130258, 0.27577711)
-ADDED_TOKENS = ("<start_of_image>", "<end_of_image>", "<image_soft_token>",
-                "<start_of_turn>", "<end_of_turn>")
+from nanoserve.bench.random_gemma3_vlm_gguf import (
+    GEMMA3_ADDED_TOKENS,
+    GEMMA3_CHAT_TEMPLATE,
+    IMAGE_MEAN,
+    IMAGE_STD,
+    NUM_TEXT_ROWS,
+)
 
-# Google's Gemma 3 chat template (roles alternate; a system message opens the first user
-# turn; `{"type": "image"}` parts render as <start_of_image>)
-GEMMA3_CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{%- if messages[0]['role'] == 'system' -%}"
-    "{%- if messages[0]['content'] is string -%}"
-    "{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}"
-    "{%- else -%}"
-    "{%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}"
-    "{%- endif -%}"
-    "{%- set loop_messages = messages[1:] -%}"
-    "{%- else -%}"
-    "{%- set first_user_prefix = '' -%}"
-    "{%- set loop_messages = messages -%}"
-    "{%- endif -%}"
-    "{%- for message in loop_messages -%}"
-    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
-    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
-    "{%- endif -%}"
-    "{%- if message['role'] == 'assistant' -%}{%- set role = 'model' -%}"
-    "{%- else -%}{%- set role = message['role'] -%}{%- endif -%}"
-    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}"
-    "{%- if message['content'] is string -%}"
-    "{{ message['content'] | trim }}"
-    "{%- elif message['content'] is iterable -%}"
-    "{%- for item in message['content'] -%}"
-    "{%- if item['type'] == 'image' -%}{{ '<start_of_image>' }}"
-    "{%- elif item['type'] == 'text' -%}{{ item['text'] | trim }}"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- else -%}{{ raise_exception('Invalid content type') }}"
-    "{%- endif -%}"
-    "{{ '<end_of_turn>\n' }}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}")
+BOI_ID, EOI_ID, IMAGE_ID = 49152, 49153, 49154
+IMAGE_SIZE, PATCH_SIZE, TOKENS_PER_IMAGE = 64, 8, 4
+# (the bench's random vision GGUFs share these: the text vocabulary's rows, the five added
+# tokens, Google's chat template, and CLIP's mean and std, not transformers' 0.5 default, so
+# a test sees them read from the file)
+ADDED_TOKENS = GEMMA3_ADDED_TOKENS
 
 
 def tiny_gemma3_vlm_config(num_vision_layers: int = 2) -> Any:
@@ -144,19 +114,12 @@ def write_gemma3_mmproj(path: Path, model_dir: Path) -> Path:
     config = json.loads((model_dir / "config.json").read_text())
     vision, text = config["vision_config"], config["text_config"]
     preprocessor = json.loads((model_dir / "preprocessor_config.json").read_text())
-    writer = gguf.GGUFWriter(str(path), "clip")
-    writer.add_type(gguf.GGUFType.MMPROJ)
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
-    writer.add_clip_has_vision_encoder(True)
-    writer.add_vision_projection_dim(text["hidden_size"])
-    writer.add_vision_image_size(vision["image_size"])
-    writer.add_vision_patch_size(vision["patch_size"])
-    writer.add_vision_embedding_length(vision["hidden_size"])
-    writer.add_vision_feed_forward_length(vision["intermediate_size"])
-    writer.add_vision_block_count(vision["num_hidden_layers"])
-    writer.add_vision_head_count(vision["num_attention_heads"])
-    writer.add_vision_image_mean(preprocessor["image_mean"])
-    writer.add_vision_image_std(preprocessor["image_std"])
+    writer = mmproj_writer(
+        path, projection_dim=text["hidden_size"], image_size=vision["image_size"],
+        patch_size=vision["patch_size"], hidden_size=vision["hidden_size"],
+        intermediate_size=vision["intermediate_size"], num_layers=vision["num_hidden_layers"],
+        num_heads=vision["num_attention_heads"], image_mean=preprocessor["image_mean"],
+        image_std=preprocessor["image_std"])
     writer.add_clip_projector_type(gguf.VisionProjectorType.GEMMA3)
     writer.add_vision_attention_layernorm_eps(vision["layer_norm_eps"])
     writer.add_vision_use_gelu(True)

@@ -19,6 +19,8 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
+from nanoserve.model.vision.processor_values import triple, vocabulary
+
 # transformers' defaults where a checkpoint leaves them out (a config.json saved with
 # `use_diff` omits values equal to them): Gemma3Config, SiglipVisionConfig and
 # Gemma3ImageProcessorPil (IMAGENET_STANDARD_MEAN / _STD)
@@ -68,8 +70,8 @@ class Gemma3ImageProcessor:
         preprocessor_file = path / "preprocessor_config.json"
         if preprocessor_file.exists():
             preprocessor = json.loads(preprocessor_file.read_text())
-            mean = _triple(preprocessor.get("image_mean") or mean)
-            std = _triple(preprocessor.get("image_std") or std)
+            mean = triple(preprocessor.get("image_mean") or mean)
+            std = triple(preprocessor.get("image_std") or std)
             size = preprocessor.get("size") or {}
             if size.get("height", image_size) != image_size or \
                     size.get("width", image_size) != image_size:
@@ -79,7 +81,7 @@ class Gemma3ImageProcessor:
         ids = (int(config.get("image_token_index", _DEFAULT_IMAGE_TOKEN_ID)),
                int(config.get("boi_token_index", _DEFAULT_BOI_TOKEN_ID)),
                int(config.get("eoi_token_index", _DEFAULT_EOI_TOKEN_ID)))
-        by_id = {token_id: text for text, token_id in _vocabulary(tokenizer).items()
+        by_id = {token_id: text for text, token_id in vocabulary(tokenizer).items()
                  if token_id in ids}
         missing = [token_id for token_id in ids if token_id not in by_id]
         if missing:
@@ -104,17 +106,17 @@ class Gemma3ImageProcessor:
         image_size = int(metadata["clip.vision.image_size"])
         patch_size = int(metadata["clip.vision.patch_size"])
         scale = int(metadata.get("clip.vision.projector.scale_factor", _DEFAULT_SCALE_FACTOR))
-        vocabulary = _vocabulary(tokenizer)
-        missing = [text for text in (IMAGE_TOKEN, BOI_TOKEN, EOI_TOKEN) if text not in vocabulary]
+        vocab = vocabulary(tokenizer)
+        missing = [text for text in (IMAGE_TOKEN, BOI_TOKEN, EOI_TOKEN) if text not in vocab]
         if missing:
             raise ValueError(f"the text model's tokenizer has no token {missing}: Gemma 3's image "
                              "tokens, which an mmproj of projector type gemma3 needs")
         return cls(image_size=image_size,
-                   image_mean=_triple(metadata.get("clip.vision.image_mean", _DEFAULT_MEAN)),
-                   image_std=_triple(metadata.get("clip.vision.image_std", _DEFAULT_STD)),
+                   image_mean=triple(metadata.get("clip.vision.image_mean", _DEFAULT_MEAN)),
+                   image_std=triple(metadata.get("clip.vision.image_std", _DEFAULT_STD)),
                    tokens_per_image=(image_size // patch_size // scale) ** 2,
-                   image_token_id=vocabulary[IMAGE_TOKEN], boi_token_id=vocabulary[BOI_TOKEN],
-                   eoi_token_id=vocabulary[EOI_TOKEN], image_token=IMAGE_TOKEN,
+                   image_token_id=vocab[IMAGE_TOKEN], boi_token_id=vocab[BOI_TOKEN],
+                   eoi_token_id=vocab[EOI_TOKEN], image_token=IMAGE_TOKEN,
                    boi_token=BOI_TOKEN, eoi_token=EOI_TOKEN)
 
     def resize(self, image: Image.Image) -> np.ndarray:
@@ -164,15 +166,3 @@ def to_rgb(image: Image.Image) -> Image.Image:
         return Image.alpha_composite(white, rgba).convert("RGB")
     return image.convert("RGB")
 
-
-def _vocabulary(tokenizer: Any) -> dict[str, int]:
-    """Token text -> id, added tokens included (a transformers tokenizer or the engine's)."""
-    return dict(tokenizer.get_vocab())
-
-
-def _triple(values: Any) -> tuple[float, float, float]:
-    """Three floats from a list of three (or one float for all three channels)."""
-    if isinstance(values, int | float):
-        return (float(values),) * 3
-    first, second, third = (float(value) for value in values)
-    return (first, second, third)

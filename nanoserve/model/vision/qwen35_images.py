@@ -34,6 +34,7 @@ import numpy as np
 from PIL import Image
 
 from nanoserve.model.vision.gemma3_images import to_rgb
+from nanoserve.model.vision.processor_values import triple, vocabulary
 
 MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")
 MMPROJ_PROJECTOR = "qwen3vl_merger"
@@ -105,7 +106,7 @@ class Qwen35ImageProcessor:
                              f"supported; Qwen3.5's is {TEMPORAL_PATCH_SIZE}")
         size = preprocessor.get("size") or {}
         ids = {name: int(config.get(name, default)) for name, default in _DEFAULT_IDS.items()}
-        id_to_text = {token_id: text for text, token_id in _vocabulary(tokenizer).items()}
+        id_to_text = {token_id: text for text, token_id in vocabulary(tokenizer).items()}
         expected = dict(zip(ids.values(), (IMAGE_TOKEN, VISION_START_TOKEN, VISION_END_TOKEN),
                             strict=True))
         wrong = {i: text for i, text in expected.items() if id_to_text.get(i) != text}
@@ -120,8 +121,8 @@ class Qwen35ImageProcessor:
                                     preprocessor.get("min_pixels", _DEFAULT_MIN_PIXELS))),
             max_pixels=int(size.get("longest_edge",
                                     preprocessor.get("max_pixels", _DEFAULT_MAX_PIXELS))),
-            image_mean=_triple(preprocessor.get("image_mean") or _DEFAULT_MEAN),
-            image_std=_triple(preprocessor.get("image_std") or _DEFAULT_STD),
+            image_mean=triple(preprocessor.get("image_mean") or _DEFAULT_MEAN),
+            image_std=triple(preprocessor.get("image_std") or _DEFAULT_STD),
             ids=ids, max_image_tokens=max_image_tokens)
 
     @classmethod
@@ -137,20 +138,20 @@ class Qwen35ImageProcessor:
         projector = metadata.get("clip.projector_type", metadata.get("clip.vision.projector_type"))
         if projector != MMPROJ_PROJECTOR:
             return None
-        vocabulary = _vocabulary(tokenizer)
+        vocab = vocabulary(tokenizer)
         texts = (IMAGE_TOKEN, VISION_START_TOKEN, VISION_END_TOKEN)
-        missing = [text for text in texts if text not in vocabulary]
+        missing = [text for text in texts if text not in vocab]
         if missing:
             raise ValueError(f"the text model's tokenizer has no token {missing}: Qwen3.5's image "
                              f"tokens, which an mmproj of projector type {MMPROJ_PROJECTOR} needs")
-        ids = dict(zip(_DEFAULT_IDS, (vocabulary[text] for text in texts), strict=True))
+        ids = dict(zip(_DEFAULT_IDS, (vocab[text] for text in texts), strict=True))
         return cls.of(
             patch_size=int(metadata["clip.vision.patch_size"]),
             merge_size=int(metadata.get("clip.vision.spatial_merge_size", _DEFAULT_MERGE_SIZE)),
             min_pixels=int(metadata.get("clip.vision.image_min_pixels", _DEFAULT_MIN_PIXELS)),
             max_pixels=int(metadata.get("clip.vision.image_max_pixels", _DEFAULT_MAX_PIXELS)),
-            image_mean=_triple(metadata.get("clip.vision.image_mean", _DEFAULT_MEAN)),
-            image_std=_triple(metadata.get("clip.vision.image_std", _DEFAULT_STD)),
+            image_mean=triple(metadata.get("clip.vision.image_mean", _DEFAULT_MEAN)),
+            image_std=triple(metadata.get("clip.vision.image_std", _DEFAULT_STD)),
             ids=ids, max_image_tokens=max_image_tokens)
 
     @classmethod
@@ -240,15 +241,3 @@ class Qwen35ImageProcessor:
             pieces.append(f"{VISION_START_TOKEN}{IMAGE_TOKEN * count}{VISION_END_TOKEN}{part}")
         return "".join(pieces)
 
-
-def _vocabulary(tokenizer: Any) -> dict[str, int]:
-    """Token text -> id, added tokens included (a transformers tokenizer or the engine's)."""
-    return dict(tokenizer.get_vocab())
-
-
-def _triple(values: Any) -> tuple[float, float, float]:
-    """Three floats from a list of three (or one float for all three channels)."""
-    if isinstance(values, int | float):
-        return (float(values),) * 3
-    first, second, third = (float(value) for value in values)
-    return (first, second, third)

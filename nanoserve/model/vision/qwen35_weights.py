@@ -24,6 +24,7 @@ from nanoserve.model.vision.qwen35_vit import (
     Qwen35VisionTower,
     VisionBlockWeights,
 )
+from nanoserve.model.vision.tensor_checks import checked_tensor
 from nanoserve.model.vision.tower_matmul import attention_dtype, tower_form, tower_matmul
 
 MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")
@@ -177,14 +178,8 @@ def tower_weights(arch: Qwen35VisionArch, tensors: dict[str, torch.Tensor], sour
     hidden, inner, merged = arch.hidden_size, arch.intermediate_size, arch.merged_hidden_size
 
     def take(name: str, *shape: int) -> torch.Tensor:
-        if name not in tensors:
-            raise ValueError(f"{source}: the vision tensor {name!r} is missing; expected a "
-                             "Qwen3.5 checkpoint with its vision tower and merger")
-        tensor = tensors[name]
-        if tuple(tensor.shape) != shape:
-            raise ValueError(f"{source}: the vision tensor {name!r} has shape "
-                             f"{tuple(tensor.shape)}, expected {shape} from the config")
-        return tensor.to(device=device, dtype=dtype).contiguous()
+        return checked_tensor(tensors, name, shape, source=source, device=device, dtype=dtype,
+                              expected="a Qwen3.5 checkpoint with its vision tower and merger")
 
     def block(i: int) -> VisionBlockWeights:
         prefix = f"blocks.{i}."

@@ -26,6 +26,7 @@ from nanoserve.model.vision.siglip import (
     SiglipArch,
     TowerWeights,
 )
+from nanoserve.model.vision.tensor_checks import checked_tensor
 from nanoserve.model.vision.tower_matmul import attention_dtype, tower_form, tower_matmul
 
 # transformers' defaults for what a config.json saved with `use_diff` leaves out
@@ -193,14 +194,9 @@ def tower_weights(arch: SiglipArch, tensors: dict[str, torch.Tensor], source: st
     hidden, inner = arch.hidden_size, arch.intermediate_size
 
     def take(name: str, *shape: int, as_dtype: torch.dtype = dtype) -> torch.Tensor:
-        if name not in tensors:
-            raise ValueError(f"{source}: the vision tensor {name!r} is missing; expected a "
-                             "Gemma 3 checkpoint with its SigLIP tower and projector")
-        tensor = tensors[name]
-        if tuple(tensor.shape) != shape:
-            raise ValueError(f"{source}: the vision tensor {name!r} has shape "
-                             f"{tuple(tensor.shape)}, expected {shape} from the config")
-        return tensor.to(device=device, dtype=as_dtype).contiguous()
+        return checked_tensor(tensors, name, shape, source=source, device=device,
+                              dtype=as_dtype, expected="a Gemma 3 checkpoint with its SigLIP "
+                              "tower and projector")
 
     def layer(i: int) -> EncoderLayerWeights:
         prefix = f"encoder.layers.{i}."
