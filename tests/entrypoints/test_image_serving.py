@@ -272,7 +272,9 @@ def test_a_models_dir_serves_a_gguf_with_its_projector(vlm_dir: Path, tmp_path: 
     write_gemma3_mmproj(folder / "mmproj-tiny-gemma3-F16.gguf", vlm_dir)
     router = RunningServer("--models-dir", str(tmp_path / "models"))
     try:
-        assert [m.id for m in router.client().models.list().data] == ["tiny-vision"]
+        (card,) = router.client().models.list().data
+        assert card.id == "tiny-vision"
+        assert card.input_modalities == ["text", "image"]  # type: ignore[attr-defined]
         data = encoded(picture(1), "PNG")
         answer = router.client().chat.completions.create(
             model="tiny-vision", max_tokens=NUM_NEW, temperature=0,

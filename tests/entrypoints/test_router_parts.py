@@ -7,7 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from nanoserve.entrypoints.router.catalog import chat_template_beside, find_models, mmproj_beside
+from nanoserve.entrypoints.router.catalog import (
+    chat_template_beside,
+    find_models,
+    input_modalities,
+    mmproj_beside,
+)
 from nanoserve.entrypoints.router.metrics_merge import merge_expositions
 from nanoserve.entrypoints.router.run import child_args
 from nanoserve.entrypoints.serving.model_names import ModelNames
@@ -43,6 +48,8 @@ def test_a_vision_models_projector_is_found_beside_it(tmp_path: Path) -> None:
     assert mmproj_beside(models["gemma-3-4b"]) == tmp_path / "gemma-3-4b" / "mmproj-F16.gguf"
     assert mmproj_beside(models["small"]) == tmp_path / "mmproj-small.gguf"
     assert mmproj_beside(models["text"]) is None
+    assert input_modalities(models["gemma-3-4b"]) == ["text", "image"]
+    assert input_modalities(models["text"]) == ["text"]
 
 
 def test_a_models_dir_that_is_missing_or_empty_is_an_error_naming_it(tmp_path: Path) -> None:

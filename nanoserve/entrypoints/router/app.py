@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, Response
 import nanoserve
 from nanoserve.engine.kv_disk import disk_usage_by_model
 from nanoserve.entrypoints.edge.middleware import add_edge_middleware
+from nanoserve.entrypoints.router.catalog import input_modalities
 from nanoserve.entrypoints.router.forward import (
     RouteError,
     auth_headers,
@@ -157,7 +158,7 @@ def model_card(pool: ModelPool, name: str) -> dict[str, Any]:
         status["kv_disk"] = {"files": files, "bytes": size}
     card: dict[str, Any] = {"id": name, "object": "model", "created": 0,
                             "owned_by": "nanoserve", "root": name, "path": str(entry.path),
-                            "status": status}
+                            "input_modalities": input_modalities(entry.path), "status": status}
     if entry.expires_at is not None and entry.state is ModelState.LOADED:
         card["expires_in"] = max(round(entry.expires_at - time.time(), 1), 0.0)
     return card

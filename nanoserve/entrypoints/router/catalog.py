@@ -14,6 +14,7 @@ server gets the projector as `--mmproj`; a projector file is never a model of it
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from nanoserve.model.gguf_split import parse_part_name
@@ -79,3 +80,22 @@ def _gguf_model_in(directory: Path) -> Path | None:
         if not _is_projector(entry) and (split is None or split.part == 1):
             models.append(entry)
     return models[0] if len(models) == 1 else None
+
+
+# the Hugging Face model types whose vision tower nanoserve runs (model/vision/)
+_VISION_MODEL_TYPES = ("gemma3", "qwen3_5", "qwen3_5_moe")
+
+
+def input_modalities(path: Path) -> list[str]:
+    """What a prompt to the model at `path` may hold, as /v1/models says it before the model
+    is loaded: images too for a GGUF with its projector beside it, or a checkpoint directory
+    of a vision model (its config names a vision_config)."""
+    if path.is_dir():
+        try:
+            config = json.loads((path / "config.json").read_text())
+        except (OSError, ValueError):
+            return ["text"]
+        sees = config.get("model_type") in _VISION_MODEL_TYPES and "vision_config" in config
+    else:
+        sees = mmproj_beside(path) is not None
+    return ["text", "image"] if sees else ["text"]
