@@ -99,5 +99,8 @@ def test_the_tune_command_prints_the_table(tiny_model_dir: Any, tmp_path: Path) 
         capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "| shape class | candidate | time | rate |" in done.stdout
-    assert "chosen" in done.stdout and "schedule: Q8_0 prefetch" in done.stdout
+    assert "chosen" in done.stdout
+    # (an AMX CPU's schedule opens with its tiles' threshold, then the prefetch)
+    (schedule,) = [line for line in done.stdout.splitlines() if line.startswith("schedule: ")]
+    assert "Q8_0 prefetch" in schedule
     assert "kernel tuning for this CPU (1/" in done.stderr

@@ -21,6 +21,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
+from nanoserve.kernel_tuning.schedule import WIDE_MIN_ROWS
 from nanoserve.model import weights
 from nanoserve.model.gguf_file import GGUFFile
 from nanoserve.model.quant_linear import (
@@ -223,9 +224,11 @@ def test_only_4_and_5_bit_weights_widen(native) -> None:
     with pytest.raises(RuntimeError, match="only 4- and 5-bit formats"):
         native.widen(weight.data, GGML_Q8_0, *shape)
     q4 = QuantizedWeight.from_gguf(make_raw(GGML_Q4_1, *shape), GGML_Q4_1, shape)
+    # (as many rows as the largest wide threshold a machine's tuned schedule may hold: the
+    # wide form is read, and checked, only from that many rows)
     with pytest.raises(RuntimeError, match=r"must be this packed weight's `widen` form"):
-        native.packed_matmul(torch.zeros(16, shape[1]), q4.data, GGML_Q4_1, *shape,
-                             q4.data)  # the packed bytes passed as if they were wide
+        native.packed_matmul(torch.zeros(WIDE_MIN_ROWS[-1], shape[1]), q4.data, GGML_Q4_1,
+                             *shape, q4.data)  # the packed bytes passed as if they were wide
 
 
 def test_loader_keeps_wide_forms_within_its_budget(native, monkeypatch) -> None:
