@@ -170,6 +170,28 @@ def test_every_api_shape_gives_the_engine_tokens(server: RunningServer, vlm_dir:
     assert chat.message.content == text_first
 
 
+def test_counts_hold_the_images_placeholders(server: RunningServer) -> None:
+    """Anthropic's count_tokens (what Claude Code sizes its context by) and /tokenize count
+    an image's placeholders, as the request's usage does."""
+    data = encoded(picture(2), "PNG")
+    claude = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0)
+    messages: Any = [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                     "data": base64.b64encode(data).decode()}},
+        {"type": "text", "text": QUESTION}]}]
+    counted = claude.messages.count_tokens(model=model_id(server), messages=messages)
+    answered = claude.messages.create(model=model_id(server), max_tokens=1, messages=messages)
+    assert counted.input_tokens == answered.usage.input_tokens
+    openai_messages = [{"role": "user", "content": [
+        {"type": "text", "text": QUESTION},
+        {"type": "image_url", "image_url": {"url": data_url(data, "PNG")}}]}]
+    tokenized = server.post("/tokenize", {"model": model_id(server),
+                                          "messages": openai_messages}).json()
+    rendered = server.post("/v1/chat/completions/render", {
+        "model": model_id(server), "messages": openai_messages}).json()["token_ids"]
+    assert tokenized["tokens"] == rendered and rendered.count(IMAGE_ID) == 4
+
+
 def test_an_image_inside_a_tool_result_reaches_the_model(server: RunningServer) -> None:
     """Claude Code's Read tool answers with a screenshot inside `tool_result`: the image's
     placeholders are in the prompt (its input tokens count them), not dropped."""

@@ -28,9 +28,8 @@ from nanoserve.entrypoints.anthropic.messages_request import messages_input
 from nanoserve.entrypoints.anthropic.messages_stream import message_events, with_error_events
 from nanoserve.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest
 from nanoserve.entrypoints.serving.chat_choice import choice_parsers
-from nanoserve.entrypoints.serving.chat_prompt import render_prompt
 from nanoserve.entrypoints.serving.disconnect import collect, until_disconnect
-from nanoserve.entrypoints.serving.prepare import prepare_chat
+from nanoserve.entrypoints.serving.prepare import chat_prompt_ids, prepare_chat
 from nanoserve.entrypoints.serving.server_context import ServerContext
 
 
@@ -64,5 +63,5 @@ async def count_tokens(ctx: ServerContext, req: CountTokensRequest, *,
     ctx.check_model(req.model)
     chat = messages_input(req, strip_billing=strip_billing,
                           has_reasoning_tokens=ctx.has_reasoning_tokens)
-    ids = ctx.tokenizer.encode(render_prompt(ctx, chat), add_special_tokens=False)
+    _, ids = await chat_prompt_ids(ctx, chat)  # (an image's placeholders counted)
     return {"input_tokens": len(ids)}

@@ -27,9 +27,9 @@ from nanoserve.entrypoints.openai.response_models import (
 from nanoserve.entrypoints.openai.router_endpoints import add_router_routes
 from nanoserve.entrypoints.openai.serving_chat import create_chat_completion
 from nanoserve.entrypoints.openai.serving_completion import create_completion
-from nanoserve.entrypoints.serving.chat_prompt import render_prompt
 from nanoserve.entrypoints.serving.errors import bad_request
 from nanoserve.entrypoints.serving.openapi import GENERATE_ERRORS, responses
+from nanoserve.entrypoints.serving.prepare import chat_prompt_ids
 from nanoserve.entrypoints.serving.server_context import ServerContext
 from nanoserve.entrypoints.serving.token_limits import check_prompt_ids
 
@@ -74,8 +74,7 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
                                          continue_final_message=req.continue_final_message,
                                          chat_template_kwargs=req.chat_template_kwargs,
                                          tools=req.tools)
-            ids = ctx.tokenizer.encode(render_prompt(ctx, chat_input(chat)),
-                                       add_special_tokens=False)
+            _, ids = await chat_prompt_ids(ctx, chat_input(chat))
         elif req.prompt is not None:
             ids = ctx.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         else:

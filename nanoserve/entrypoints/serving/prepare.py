@@ -44,21 +44,7 @@ async def prepare_chat(ctx: ServerContext, chat: ChatInput, admit: bool = True,
         ctx.check_capacity(n=chat.sampling.n)
     else:
         ctx.check_request_size(n=chat.sampling.n)
-    images = await collect_images(ctx, chat)
-    if raw_prompt is None:
-        prompt = render_prompt(ctx, chat)
-        counts = image_token_counts(ctx.image_processor, images) if images else []
-        if images:  # each image's marker becomes its placeholder tokens, as transformers'
-            prompt = expand_images(ctx.image_processor, prompt, counts)
-        ids = ctx.tokenizer.encode(prompt, add_special_tokens=False)
-        if images:
-            ids = await place_images(ctx.image_processor, images, ids, counts)
-    elif images:  # a raw prompt has no image markers: never drop the images in silence
-        raise bad_request("images need the model's chat template, which places them in the "
-                          "prompt; this prompt goes to the model as it is (raw, or a model "
-                          "without a chat template)", images[0].where)
-    else:
-        prompt, ids = raw_prompt, ctx.tokenizer.encode(raw_prompt, add_special_tokens=True)
+    prompt, ids = await chat_prompt_ids(ctx, chat, raw_prompt)
     fields = chat.sampling
     max_tokens = resolve_max_tokens(ctx, len(ids), fields.max_tokens,
                                     is_cap=fields.max_tokens_is_cap,
@@ -74,3 +60,25 @@ async def prepare_chat(ctx: ServerContext, chat: ChatInput, admit: bool = True,
                              # a forced list of calls, ended at an exact repeat
                              is_call_list=plan.structured is not None and plan.mode == "required")
     return prompt, ids, params, plan
+
+
+async def chat_prompt_ids(ctx: ServerContext, chat: ChatInput, raw_prompt: str | None = None
+                          ) -> tuple[str, list[int]]:
+    """The prompt and its ids, as the engine gets them: the chat template's (or `raw_prompt`
+    as it is), each image's marker expanded to its placeholders and the images tied to them
+    (a `PromptIds`); what `count_tokens` and `/tokenize` count too."""
+    images = await collect_images(ctx, chat)
+    if raw_prompt is not None:
+        if images:  # a raw prompt has no image markers: never drop the images in silence
+            raise bad_request("images need the model's chat template, which places them in "
+                              "the prompt; this prompt goes to the model as it is (raw, or a "
+                              "model without a chat template)", images[0].where)
+        return raw_prompt, ctx.tokenizer.encode(raw_prompt, add_special_tokens=True)
+    prompt = render_prompt(ctx, chat)
+    if not images:
+        return prompt, ctx.tokenizer.encode(prompt, add_special_tokens=False)
+    counts = image_token_counts(ctx.image_processor, images)
+    # each image's marker becomes its placeholder tokens, as transformers' processors do
+    prompt = expand_images(ctx.image_processor, prompt, counts)
+    ids = ctx.tokenizer.encode(prompt, add_special_tokens=False)
+    return prompt, await place_images(ctx.image_processor, images, ids, counts)
