@@ -17,11 +17,15 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
-from typing import Any
+from pathlib import Path
+from typing import Any, cast
 
 from nanoserve.engine.build import build_engine_core
 from nanoserve.engine_args import EngineArgs
 from nanoserve.entrypoints.model_by_name import with_local_model
+from nanoserve.entrypoints.offline_images import chat_with_images, has_image_parts
+from nanoserve.entrypoints.serving.image_prompt import PromptIds
+from nanoserve.model.frontend import load_image_processor
 from nanoserve.output.processor import OutputProcessor
 from nanoserve.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
 from nanoserve.pooling_params import PoolingParams
@@ -79,9 +83,11 @@ class LLM:
         request_id = str(next(self._request_ids))
         added: list[str] = []
         try:
+            images = token_ids.images if isinstance(token_ids, PromptIds) else ()
             for engine_id, sample_params, leader in processor.add_request(
                     request_id, text, token_ids, params):
-                self.engine.add_request(engine_id, token_ids, sample_params, leader)
+                self.engine.add_request(engine_id, list(token_ids), sample_params, leader,
+                                        images=images)
                 added.append(engine_id)
         except BaseException:
             processor.abort(request_id)
@@ -110,16 +116,33 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              *, use_tqdm: bool = True, add_generation_prompt: bool = True,
              chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation, then generate."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        encoded = []
+        """Apply the model's chat template to each conversation, then generate. A vision
+        model's conversation may hold OpenAI's `image_url` parts (data: URLs), as vLLM's."""
+        conversations = cast(list[Sequence[Message]], [messages] if messages and isinstance(
+            messages[0], dict) else messages)
+        encoded: list[tuple[str | None, list[int]]] = []
+        template_kwargs = {"add_generation_prompt": add_generation_prompt,
+                           **(chat_template_kwargs or {})}
         for conversation in conversations:
-            text = self.tokenizer.apply_chat_template(
-                list(conversation), tokenize=False, add_generation_prompt=add_generation_prompt,
-                **(chat_template_kwargs or {}))
+            if has_image_parts(conversation):  # OpenAI's image_url parts (data: URLs)
+                encoded.append(chat_with_images(conversation, self.tokenizer,
+                                                self._image_processor(), template_kwargs))
+                continue
+            text = self.tokenizer.apply_chat_template(list(conversation), tokenize=False,
+                                                      **template_kwargs)
             # the template already wrote any BOS it wants: add no special tokens again
             encoded.append((text, self.tokenizer.encode(text, add_special_tokens=False)))
         return self._run(encoded, sampling_params, use_tqdm)
+
+    def _image_processor(self) -> Any:
+        """The model's image processor (None for a model that reads text only)."""
+        if not hasattr(self, "_images"):
+            info = self.engine.model_info
+            mmproj = self.engine.config.model.mmproj
+            self._images = (load_image_processor(info.path, self.tokenizer,
+                                                 None if mmproj is None else Path(mmproj))
+                            if info.has_vision else None)
+        return self._images
 
     def stream(self, prompt: Prompt | Sequence[Message],
                sampling_params: SamplingParams | None = None) -> Iterator[str]:
