@@ -37,7 +37,7 @@ from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.engine.prefill_pacer import PrefillPacer, tokens_per_unit_of_context
 from nanoserve.engine.prompt_progress import prompt_progress
 from nanoserve.engine.request import Request, RequestStatus
-from nanoserve.engine.rope_positions import prompt_rope_positions
+from nanoserve.engine.request_images import attach_images
 from nanoserve.engine.scheduler import ScheduledRequest, Scheduler
 from nanoserve.engine.state_plan import plan_states, state_snapshots_for
 from nanoserve.engine.step_input import build_step_input
@@ -188,11 +188,8 @@ class EngineCore:
                           pooling_params, self.config.model.pooling)
         request.tenant = tenant
         if images:
-            self._check_images(images, len(prompt_token_ids))
-            request.images = list(images)
-            if self.model_info.arch.mrope_section:  # Qwen3.5: its tokens' 3-D positions
-                request.rope_positions, request.rope_delta = prompt_rope_positions(
-                    prompt_token_ids, images)
+            attach_images(request, images, self.model_info,
+                          self.config.scheduler.max_num_batched_tokens)
         if prefill_leader is not None:
             request.prefill_leader = self.scheduler.requests.get(prefill_leader)
         vocab = self.model_info.arch.vocab_size
@@ -212,24 +209,6 @@ class EngineCore:
         if request.grammar is not None and not request.grammar.is_ready:
             self.compiling[request_id] = request
         return request
-
-    def _check_images(self, images: Sequence[ImageInput], num_prompt_tokens: int) -> None:
-        """Refuse images this model cannot see, or that no step could compute whole."""
-        if not self.model_info.has_vision:
-            raise ValueError(f"At most 0 image(s) may be provided in one prompt. "
-                             f"{self.model_info.name} does not support image input")
-        budget = self.config.scheduler.max_num_batched_tokens
-        end = 0
-        for image in images:
-            if image.offset < end or image.end > num_prompt_tokens or image.length < 1:
-                raise ValueError(f"image placeholders [{image.offset}, {image.end}) overlap "
-                                 f"another image or lie outside the {num_prompt_tokens}-token "
-                                 "prompt")
-            if image.length > budget:
-                raise ValueError(f"an image of {image.length} tokens does not fit one step's "
-                                 f"token budget (--max-num-batched-tokens {budget}), and an "
-                                 "image is computed in one step")
-            end = image.end
 
     def _check_sampling(self, params: SamplingParams) -> None:
         """Refuse what the sampler cannot do, with the API's checks and words (the API server

@@ -31,7 +31,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from nanoserve.config import LOAD_BALANCE_METHODS
-from nanoserve.engine.kv_cache import BlockHash, chain_hashes, salt_root
+from nanoserve.engine.block_hashes import chain_hashes, salt_root
+from nanoserve.engine.state_cache import BlockHash
 from nanoserve.protocol import ImageInput
 
 ROUTING_POLICIES = LOAD_BALANCE_METHODS  # --load-balance-method
