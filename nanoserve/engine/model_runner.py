@@ -89,11 +89,14 @@ def kv_cache_num_blocks(budget: int | None, arch: ArchConfig, block_size: int,
 
 def kv_bytes_per_block(arch: ArchConfig, block_size: int, dtype: torch.dtype) -> int:
     """Bytes of one block's keys and values over a KV layer group's layers (every layer,
-    for a model of one group), in a cache of `dtype`."""
+    for a model of one group), in a cache of `dtype`; where groups' rows differ in shape
+    (Gemma 4) a block holds rows of each shape (model/kv_groups.py), and costs them all."""
     element_size = torch.empty((), dtype=dtype).element_size()
-    row = cache_row_elements(arch.head_dim, dtype)
-    num_layers = kv_layer_groups(arch).group_size
-    return 2 * num_layers * block_size * arch.num_kv_heads * row * element_size
+    groups = kv_layer_groups(arch)
+    return sum(2 * groups.group_size * block_size * num_kv_heads
+               * cache_row_elements(head_dim, dtype) * element_size
+               for num_kv_heads, head_dim in groups.distinct_shapes(
+                   (arch.num_kv_heads, arch.head_dim)))
 
 
 class ModelRunner:
@@ -115,15 +118,21 @@ class ModelRunner:
         self.device = device
         # Zero-filled, so masked-out (stale or padding) cache entries are always finite; and
         # touched now, at start-up: a first write to a page during a step costs a page fault.
-        shape = (arch.num_kv_heads, num_blocks, block_size,  # see model/attention/kv_rows.py
-                 cache_row_elements(arch.head_dim, dtype))
-        # a tensor pair per layer of a KV layer group, shared by the groups (each block
-        # belongs to one group at a time): layer l uses its slot's pair
+        # A tensor pair per layer of a KV layer group, shared by the groups (each block
+        # belongs to one group at a time), per row shape (Gemma 4's two): layer l uses its
+        # shape's pair of its slot (a KV-shared layer, its source layer's)
         self.kv_groups = kv_layer_groups(arch)
-        slots = [(_zeros(shape, dtype, device), _zeros(shape, dtype, device))
-                 for _ in range(self.kv_groups.group_size)]
-        self.kv_caches = [slots[j] for j in self.kv_groups.slot_of_layer]
-        self.kv_slot_pairs = slots
+        default_shape = (arch.num_kv_heads, arch.head_dim)
+        pairs = {(heads, dim): [
+            (_zeros(shape, dtype, device), _zeros(shape, dtype, device))
+            for _ in range(self.kv_groups.group_size)]
+            for heads, dim in self.kv_groups.distinct_shapes(default_shape)
+            # see model/attention/kv_rows.py
+            for shape in [(heads, num_blocks, block_size, cache_row_elements(dim, dtype))]}
+        self.kv_caches = [pairs[shape][j] for shape, j in zip(
+            self.kv_groups.shape_of_layer(default_shape), self.kv_groups.slot_of_layer,
+            strict=True)]
+        self.kv_slot_pairs = [pair for shape_pairs in pairs.values() for pair in shape_pairs]
         # the C++ kernel where it reads this cache in place, else gather + SDPA
         self.attention = select_attention_backend(device, dtype, block_size=block_size,
                                                   num_kv_heads=arch.num_kv_heads,
@@ -176,13 +185,13 @@ class ModelRunner:
     @property
     def kv_block_nbytes(self) -> int:
         """The bytes of one block: its rows in every cache tensor of a KV layer group."""
-        k = self.kv_slot_pairs[0][0]
-        return 2 * len(self.kv_slot_pairs) * k[:, 0].numel() * k.element_size()
+        return sum(2 * k[:, 0].numel() * k.element_size() for k, _ in self.kv_slot_pairs)
 
     def kv_block_layout(self) -> str:
-        """What the block bytes mean: the cache tensors' type and shape but the block count."""
+        """What the block bytes mean: the cache tensors' type and shapes but the block count."""
         k = self.kv_slot_pairs[0][0]
-        shape = (*k.shape[:1], *k.shape[2:])
+        shapes = sorted({(*t.shape[:1], *t.shape[2:]) for t, _ in self.kv_slot_pairs})
+        shape = shapes[0] if len(shapes) == 1 else shapes
         return f"{k.dtype} {shape} x {2 * len(self.kv_slot_pairs)} {self.kv_groups}"
 
     def read_kv_block(self, block_id: int) -> bytes:

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from nanoserve.model.gemma4_arch import Gemma4Layers, gemma4_from_gguf, gemma4_from_hf
 from nanoserve.model.linear_arch import (
     LINEAR,
     LinearAttentionConfig,
@@ -34,6 +35,8 @@ SUPPORTED_MODEL_TYPES = {
     "qwen3": "qwen3",
     "gemma3_text": "gemma3",
     "gemma3": "gemma3",  # a multimodal config whose text model runs alone (text_config)
+    "gemma4_text": "gemma4",  # Gemma 3's layer and more (gemma4_arch.py)
+    "gemma4": "gemma4",  # a multimodal config whose text model runs alone (text_config)
     # mixture of experts: the family's attention, the experts in `ArchConfig.moe`
     "qwen2_moe": "qwen2",
     "qwen3_moe": "qwen3",
@@ -45,7 +48,7 @@ SUPPORTED_MODEL_TYPES = {
     "qwen3_next": "qwen3_5",  # Qwen3-Next: the same layers, its projections fused by head
 }
 # a multimodal config -> its text model's type
-TEXT_MODEL_TYPES = {"gemma3": "gemma3_text", "qwen3_5": "qwen3_5_text",
+TEXT_MODEL_TYPES = {"gemma3": "gemma3_text", "gemma4": "gemma4_text", "qwen3_5": "qwen3_5_text",
                     "qwen3_5_moe": "qwen3_5_moe_text"}
 SLIDING, FULL = "sliding_attention", "full_attention"  # transformers' `layer_types` values
 # Gemma 3's layers without `layer_types`: five windowed, then one global, repeating
@@ -95,6 +98,15 @@ class ArchConfig:
     # interleaved (pair j turns with axis j % 3 within its sections) or in runs; () for 1-D
     mrope_section: tuple[int, ...] = ()
     mrope_interleaved: bool = False
+    # Gemma 4: per-layer head shapes, KV sharing, per-layer embeddings, ... (gemma4_arch.py);
+    # `head_dim` and `num_kv_heads` are then its windowed layers'
+    gemma4: Gemma4Layers | None = None
+
+    def layer_head_dim(self, layer: int) -> int:
+        return self.head_dim if self.gemma4 is None else self.gemma4.head_dims[layer]
+
+    def layer_kv_heads(self, layer: int) -> int:
+        return self.num_kv_heads if self.gemma4 is None else self.gemma4.kv_heads[layer]
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -188,6 +200,8 @@ class ArchConfig:
         window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
         if family == "gemma3":
             return _gemma3_from_hf(cfg, num_heads, head_dim, eos_ids)
+        if family == "gemma4":
+            return _gemma4_from_hf(cfg, eos_ids)
         hybrid = hybrid_from_hf(cfg) if family == "qwen3_5" else {}
         return cls(
             family=family,
@@ -222,6 +236,7 @@ class ArchConfig:
         `tensor_shapes` (the file's, by name) tell a MoE file's MoE layers (moe_arch.py)."""
         arch = meta.get("general.architecture", "")
         families = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3",
+                    "gemma4": "gemma4",
                     "qwen2moe": "qwen2", "qwen3moe": "qwen3",
                     "qwen35": "qwen3_5", "qwen35moe": "qwen3_5"}
         if arch not in families:
@@ -241,7 +256,7 @@ class ArchConfig:
         hybrid = hybrid_from_gguf(get, hidden // num_heads) if arch in ("qwen35", "qwen35moe") \
             else {}
         num_layers = gguf_num_layers(get)  # (a file's MTP blocks follow its decoder layers)
-        return cls(
+        fields: dict[str, Any] = dict(
             family=families[arch],
             vocab_size=int(vocab),
             hidden_size=hidden,
@@ -256,14 +271,17 @@ class ArchConfig:
             max_position_embeddings=get("context_length", 4096),
             tie_word_embeddings=not has_output_weight,
             has_qkv_bias=families[arch] == "qwen2",
-            has_qk_norm=families[arch] in ("qwen3", "gemma3", "qwen3_5"),
+            has_qk_norm=families[arch] in ("qwen3", "gemma3", "gemma4", "qwen3_5"),
             rope_scaling=scaling,
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=() if eos is None else (int(eos),),
             **gemma,
             **hybrid,
-            moe=moe_from_gguf(meta, num_layers, tensor_shapes),
+            moe=moe_from_gguf(meta, num_layers, tensor_shapes) if arch != "gemma4" else None,
         )
+        if arch == "gemma4":
+            fields.update(_gemma4_from_gguf(get, num_layers, tensor_shapes))
+        return cls(**fields)
 
 
 def _gemma3_from_hf(cfg: dict[str, Any], num_heads: int, head_dim: int,
@@ -301,6 +319,13 @@ def _gemma3_from_hf(cfg: dict[str, Any], num_heads: int, head_dim: int,
         query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar") or 256))
 
 
+def _gemma4_from_gguf(get: Any, num_layers: int,
+                      tensor_shapes: Mapping[str, tuple[int, ...]] | None) -> dict[str, Any]:
+    """The ArchConfig fields of llama.cpp's gemma4 keys (gemma4_arch.py) beyond the common."""
+    return {**_gemma3_from_gguf(get), "query_pre_attn_scalar": None,
+            **gemma4_from_gguf(get, num_layers, tensor_shapes)}
+
+
 def _gemma3_from_gguf(get: Any) -> dict[str, Any]:
     """The ArchConfig fields llama.cpp's gemma3 keys give, or its built-in values where the
     file has no key (a window on five layers of six, local RoPE base 10k, query scale by the
@@ -313,6 +338,30 @@ def _gemma3_from_gguf(get: Any) -> dict[str, Any]:
             "scales_embedding": True, "query_pre_attn_scalar": float(
                 get("attention.key_length") or get("embedding_length")
                 // get("attention.head_count"))}
+
+
+def _gemma4_from_hf(cfg: dict[str, Any], eos_ids: tuple[int, ...]) -> ArchConfig:
+    """Gemma 4's text model: Gemma 3's (plain-w norms, no query scale: its attention scale is
+    1) with the layer shapes of gemma4_arch.py."""
+    num_layers = cfg["num_hidden_layers"]
+    layer_types = tuple(cfg.get("layer_types") or gemma3_layer_types(num_layers,
+                                                                     GEMMA3_SLIDING_PATTERN))
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise UnsupportedModelError(f"unsupported Gemma 4 activation {act!r}; nanoserve runs "
+                                    "'gelu_pytorch_tanh'")
+    if cfg.get("attention_bias"):
+        raise UnsupportedModelError("Gemma 4 with attention biases is not supported")
+    return ArchConfig(
+        family="gemma4", vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"], num_layers=num_layers,
+        num_heads=cfg["num_attention_heads"], rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        max_position_embeddings=cfg.get("max_position_embeddings", 131072),
+        tie_word_embeddings=cfg.get("tie_word_embeddings", True), has_qkv_bias=False,
+        has_qk_norm=True, sliding_window=cfg.get("sliding_window", 512),
+        bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids, layer_types=layer_types,
+        has_sandwich_norms=True, hidden_act="gelu_tanh", scales_embedding=True,
+        **gemma4_from_hf(cfg, layer_types))
 
 
 def gemma3_layer_types(num_layers: int, pattern: int) -> list[str]:

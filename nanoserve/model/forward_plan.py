@@ -112,7 +112,7 @@ class ForwardPlan:
         # plain one of one rank. A MoE model's too: the stack's layers are dense MLPs; and a
         # hybrid's, whose DeltaNet layers it does not run.
         if (not self.use_native_layers or self.model.arch.moe is not None
-                or self.model.is_hybrid):
+                or self.model.is_hybrid or self.model.arch.gemma4 is not None):
             return None
         built = self._layer_stack
         if built is None or built[0][0] is not kv_caches or built[0][1] is not attention:

@@ -12,6 +12,12 @@ blocks for its global groups only, plus a window's worth per windowed group.
 Layer `l` reads and writes cache tensors `slot_of_layer[l]` (one of `group_size` pairs, shared
 by the groups: a block belongs to one group at a time) through group `group_of_layer[l]`'s
 block table.
+
+Gemma 4 adds two things. Its windowed and global layers have rows of different shapes (KV heads
+x head size): each shape has its own `group_size` tensor pairs over the same block ids, so a
+block costs every shape's rows (`KVGroups.shapes`; the runner counts a block's bytes so). And its
+KV-shared layers own no cache: they read their source layer's tensors through its group
+(`sources`), so they take no slot and no block.
 """
 
 from __future__ import annotations
@@ -34,6 +40,11 @@ class KVGroups:
     # the model's layers, where some have no KV (a hybrid's DeltaNet layers: they are given
     # group 0 and slot 0, and never read them); 0: every layer is in a group
     num_layers: int = 0
+    # per group, its rows' (KV heads, head size); () where every layer has the arch's
+    shapes: tuple[tuple[int, int], ...] = ()
+    # per layer, the layer whose cache it reads (itself, or a KV-shared layer's source);
+    # () where each layer reads its own
+    sources: tuple[int, ...] = ()
 
     @property
     def num_groups(self) -> int:
@@ -51,12 +62,26 @@ class KVGroups:
     @property
     def group_of_layer(self) -> list[int]:
         found = {layer: g for g, members in enumerate(self.layers) for layer in members}
-        return [found.get(layer, 0) for layer in range(self.num_layers or len(found))]
+        return [found.get(self._source(layer), 0)
+                for layer in range(self.num_layers or len(found))]
 
     @property
     def slot_of_layer(self) -> list[int]:
         found = {layer: j for members in self.layers for j, layer in enumerate(members)}
-        return [found.get(layer, 0) for layer in range(self.num_layers or len(found))]
+        return [found.get(self._source(layer), 0)
+                for layer in range(self.num_layers or len(found))]
+
+    def shape_of_layer(self, default: tuple[int, int]) -> list[tuple[int, int]]:
+        """Each layer's cache rows' (KV heads, head size); `default` where groups have one."""
+        groups = self.group_of_layer
+        return [self.shapes[g] if self.shapes else default for g in groups]
+
+    def distinct_shapes(self, default: tuple[int, int]) -> list[tuple[int, int]]:
+        """The shapes a block holds rows of, in group order, each once."""
+        return list(dict.fromkeys(self.shapes or (default,)))
+
+    def _source(self, layer: int) -> int:
+        return self.sources[layer] if self.sources else layer
 
 
 def kv_layer_groups(arch: ArchConfig) -> KVGroups:
@@ -65,11 +90,24 @@ def kv_layer_groups(arch: ArchConfig) -> KVGroups:
     if arch.linear is not None:  # a hybrid: its attention layers (all global) hold KV
         layers = arch.attention_layers
         return KVGroups((0,), (layers,), len(layers), arch.num_layers)
-    windows = [arch.layer_window(i) for i in range(arch.num_layers)]
+    if arch.gemma4 is not None:  # only the layers that own a cache, each with its shape
+        owners = arch.gemma4.kv_layers
+        groups = _grouped(owners, [arch.layer_window(i) for i in owners])
+        return KVGroups(
+            groups.windows, groups.layers, groups.group_size, arch.num_layers,
+            tuple((arch.layer_kv_heads(m[0]), arch.layer_head_dim(m[0])) for m in groups.layers),
+            arch.gemma4.kv_sources)
+    return _grouped(tuple(range(arch.num_layers)),
+                    [arch.layer_window(i) for i in range(arch.num_layers)])
+
+
+def _grouped(layers: tuple[int, ...], windows: list[int]) -> KVGroups:
+    """`layers` (with their `windows`) in groups of one kind (see kv_layer_groups)."""
     kinds = sorted(set(windows), reverse=True)  # windowed first
     if len(kinds) == 1:
-        return KVGroups((kinds[0],), (tuple(range(arch.num_layers)),), arch.num_layers)
-    by_kind = {w: [i for i, v in enumerate(windows) if v == w] for w in kinds}
+        return KVGroups((kinds[0],), (layers,), len(layers))
+    by_kind = {w: [layer for layer, v in zip(layers, windows, strict=True) if v == w]
+               for w in kinds}
     size = math.gcd(*(len(members) for members in by_kind.values()))
     groups = [(w, tuple(members[i : i + size])) for w, members in by_kind.items()
               for i in range(0, len(members), size)]

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -49,6 +49,9 @@ class StepContext:
     reads_new_kv: bool  # whether `attend` reads this step's k and v, not only the cache
     eps: float
     states: Any = None  # a hybrid model's DeltaNet states (hybrid_layers.py: HybridStates)
+    # what one layer leaves for later ones in this step, shared by the KV groups' contexts
+    # (Gemma 4: the per-layer inputs, a KV source layer's keys and values)
+    scratch: dict[Any, Any] = field(default_factory=dict)
 
 
 # (qkv [T, (H + 2 * Hkv) * D], step, k_cache, v_cache) -> q [T, H, D] and k, v [T, Hkv, D]

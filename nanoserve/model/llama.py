@@ -37,6 +37,7 @@ from torch import nn
 
 from nanoserve.model.arch import ArchConfig
 from nanoserve.model.attention import AttentionBackend, AttentionMetadata
+from nanoserve.model.gemma4_layers import Gemma4Layer, per_layer_inputs, softcap
 from nanoserve.model.hybrid_layers import DeltaNetLayer, HybridStates
 from nanoserve.model.layer_features import GELU_TANH, LayerFeatures
 from nanoserve.model.layer_ops import OpTable, StepContext
@@ -203,7 +204,15 @@ class CausalLM(nn.Module):
         # a hybrid's Gated DeltaNet layers among them (hybrid_layers.py)
         self.layers = nn.ModuleList(
             DeltaNetLayer(arch, i, features) if arch.is_linear(i)
+            else Gemma4Layer(arch, i) if arch.gemma4 is not None
             else DecoderLayer(arch, i, features) for i in range(arch.num_layers))
+        # Gemma 4's per-layer embeddings: a table [vocab, L * P] and the embedding's
+        # projection [L * P, hidden] with its norm (gemma4_layers.py)
+        ple = arch.gemma4.per_layer_input_size if arch.gemma4 is not None else 0
+        self.embed_tokens_per_layer = _param(num_rows, arch.num_layers * ple) if ple else None
+        self.per_layer_model_projection = (_param(arch.num_layers * ple, arch.hidden_size)
+                                           if ple else None)
+        self.per_layer_projection_norm = _param(ple) if ple else None
         self.norm = _param(arch.hidden_size)
         # Tied models reuse the embedding matrix: the loader points `lm_head` at the same tensor.
         self.lm_head = _param(num_rows, arch.hidden_size)
@@ -239,12 +248,15 @@ class CausalLM(nn.Module):
         groups 1.. (their own block tables and cache rows); `states` a hybrid model's
         DeltaNet states (their layers ignore their cache pair); `images` the rows whose
         embeddings are an image's features (`embed`)."""
+        scratch: dict[Any, Any] = {}  # one per step, shared by the groups' contexts
         steps = [StepContext(positions, cos, sin, attention.forward, m, m.cache_index,
-                             m.reads_new_kv, self.arch.rms_norm_eps, states)
+                             m.reads_new_kv, self.arch.rms_norm_eps, states, scratch)
                  for m in (meta, *(group_metas or ()))]  # per KV layer group
         local = steps if rope_local is None else [
             replace(step, cos=rope_local[0], sin=rope_local[1]) for step in steps]
         hidden = self.embed(input_ids, images)  # [T, hidden], fresh: updated in place
+        if self.embed_tokens_per_layer is not None:
+            scratch["per_layer_inputs"] = per_layer_inputs(self, input_ids, hidden)
         delta = None
         for layer, (k_cache, v_cache) in zip(layers, kv_caches, strict=True):
             # a forward given one metadata (a whole prompt at once, as tests and benchmarks
@@ -252,7 +264,8 @@ class CausalLM(nn.Module):
             group = layer.kv_group if layer.kv_group < len(steps) else 0
             step = (local if layer.is_local else steps)[group]
             delta = layer.forward(hidden, delta, step, k_cache, v_cache)
-        assert delta is not None, "a model has at least one layer"
+        if delta is None:  # (Gemma 4's layers finish the stream in place)
+            return table.rms_norm(hidden, self.norm, self.arch.rms_norm_eps)
         return table.add_rms_norm(hidden, delta, self.norm, self.arch.rms_norm_eps)
 
     def embed(self, input_ids: torch.Tensor,
@@ -293,6 +306,8 @@ class CausalLM(nn.Module):
         tensor parallelism each rank multiplies by its vocabulary rows of the head and rank 0
         gathers the slices (the other ranks get their own slice back: they sample nothing)."""
         logits = linear(hidden, self.lm_head).float()
+        if self.arch.gemma4 is not None:  # Gemma 4's final softcap
+            logits = softcap(logits, self.arch.gemma4.final_logit_softcap)
         return logits if self.group.world_size == 1 else self.group.gather_to_rank0(logits)
 
 

@@ -24,6 +24,7 @@ from nanoserve.model.frontend import (  # noqa: F401 (the loader's names for the
     load_frontend,
     load_image_processor,
 )
+from nanoserve.model.gemma4_arch import full_rotary_pairs
 from nanoserve.model.gguf_file import GGUFFile
 from nanoserve.model.llama import CausalLM
 from nanoserve.model.model_path import (  # noqa: F401 (the loader's names for them)
@@ -34,7 +35,12 @@ from nanoserve.model.model_path import (  # noqa: F401 (the loader's names for t
 )
 from nanoserve.model.parallel import TensorParallelGroup
 from nanoserve.model.quantization import resolve_mode
-from nanoserve.model.rope import RotaryEmbedding, attention_scaling, inverse_frequencies
+from nanoserve.model.rope import (
+    RotaryEmbedding,
+    attention_scaling,
+    inverse_frequencies,
+    proportional_frequencies,
+)
 from nanoserve.model.tokenizer import (
     load_engine_tokenizer_from_dir,
     load_engine_tokenizer_from_gguf,
@@ -146,8 +152,14 @@ def load_model(model: str | None, device: torch.device, dtype: torch.dtype,
     net = CausalLM(arch, group)
     load_into(net, tensors, dtype, device, mode)
     positions = max_positions or arch.max_position_embeddings
-    net.rotary = RotaryEmbedding(inverse_frequencies(arch, rope_factors), positions, dtype, device,
-                                 attention_scaling(arch))
+    if arch.gemma4 is None:
+        net.rotary = RotaryEmbedding(inverse_frequencies(arch, rope_factors), positions, dtype,
+                                     device, attention_scaling(arch))
+    else:  # Gemma 4's global layers: their own head size, proportional RoPE
+        full_dim = max(arch.gemma4.head_dims)
+        net.rotary = RotaryEmbedding(proportional_frequencies(
+            arch.rope_theta, full_dim, full_rotary_pairs(arch.gemma4, full_dim, rope_factors)),
+            positions, dtype, device)
     if arch.rope_local_theta is not None:  # Gemma's windowed layers: their own base, unscaled
         local = replace(arch, rope_theta=arch.rope_local_theta, rope_scaling=RopeScaling())
         net.rotary_local = RotaryEmbedding(inverse_frequencies(local), positions, dtype, device)
@@ -172,10 +184,13 @@ def _eos_token_ids(arch: ArchConfig, tokenizer: Any,
     ids += gen_eos if isinstance(gen_eos, list) else [] if gen_eos is None else [gen_eos]
     if tokenizer.eos_token_id is not None:
         ids.append(tokenizer.eos_token_id)
-    if arch.family == "gemma3":  # a chat turn ends with <end_of_turn> (Gemma's own
-        turn_end = tokenizer.get_vocab().get(GEMMA_END_OF_TURN)  # generation_config has it)
-        ids += [] if turn_end is None else [turn_end]
+    if arch.family in ("gemma3", "gemma4"):  # a chat turn ends with its end-of-turn token
+        vocab = tokenizer.get_vocab()  # (Gemma's own generation_config has it); Gemma 4's
+        ends = GEMMA_TURN_ENDS[arch.family]  # tool call ends the turn at <|tool_response>
+        ids += [vocab[token] for token in ends if token in vocab]
     return tuple(dict.fromkeys(ids))
 
 
 GEMMA_END_OF_TURN = "<end_of_turn>"
+GEMMA_TURN_ENDS = {"gemma3": (GEMMA_END_OF_TURN,),
+                   "gemma4": ("<turn|>", "<|tool_response>")}  # (llama.cpp's EOG tokens)

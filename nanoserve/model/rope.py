@@ -39,6 +39,15 @@ def inverse_frequencies(arch: ArchConfig, rope_factors: torch.Tensor | None = No
     return inv_freq
 
 
+def proportional_frequencies(theta: float, head_dim: int, num_turning: int) -> torch.Tensor:
+    """Gemma 4's "proportional" RoPE: the first `num_turning` pairs at theta^(-2i / head_dim)
+    (the exponent over the whole head), the others still (transformers'
+    `_compute_proportional_rope_parameters`)."""
+    exponents = torch.arange(0, 2 * num_turning, 2, dtype=torch.int64).to(torch.float) / head_dim
+    inv_freq = 1.0 / (theta**exponents)
+    return torch.cat((inv_freq, inv_freq.new_zeros(head_dim // 2 - num_turning)))
+
+
 def attention_scaling(arch: ArchConfig) -> float:
     """What cos and sin are multiplied by: YaRN's scale, else 1 (transformers'
     `attention_scaling`, the second value of its rope initializers)."""

@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 
 from nanoserve.model.arch import ArchConfig
+from nanoserve.model.gemma4_loading import MODEL_PLACES as GEMMA4_MODEL_PLACES
+from nanoserve.model.gemma4_loading import pop_gemma4_layer
 from nanoserve.model.gguf_file import GGUFFile
 from nanoserve.model.hybrid_weights import pop_delta_net, reorder_heads, split_gated_query
 from nanoserve.model.llama import CausalLM
@@ -241,8 +243,14 @@ def load_into(model: CausalLM, tensors: Iterator[tuple[str, ReadTensor]], dtype:
     head = state.pop("lm_head.weight", None)
     if head is not None and not arch.tie_word_embeddings:
         fused["lm_head"] = head
+    for name, place in GEMMA4_MODEL_PLACES.items():  # Gemma 4's per-layer embedding parts
+        if name in state:
+            fused[place] = state.pop(name)
     for i in range(arch.num_layers):
         p = f"model.layers.{i}."
+        if arch.gemma4 is not None:  # its own layer (gemma4_loading.py)
+            fused.update(pop_gemma4_layer(state, arch, i))
+            continue
         fused[f"layers.{i}.input_layernorm"] = state.pop(p + "input_layernorm.weight")
         if arch.is_linear(i):  # a hybrid's Gated DeltaNet layer (hybrid_weights.py)
             fused.update(pop_delta_net(state, p, f"layers.{i}.", arch))
@@ -313,7 +321,8 @@ def _set_weights(model: CausalLM, fused: dict[str, Loaded], dtype: torch.dtype,
                              f"model expects {want}")
         if name.endswith(_MATMUL_WEIGHTS):
             _set_weight(model, name, make_matmul_weight(value, quantization, dtype, device))
-        elif name == "embed_tokens" and isinstance(value, RawBlocks) and quantization == "gguf":
+        elif (name in ("embed_tokens", "embed_tokens_per_layer") and isinstance(value, RawBlocks)
+              and quantization == "gguf"):
             # looked up row by row (exact); the tied head multiplies with the same blocks
             _set_weight(model, name, QuantizedWeight.from_gguf(value.rows(), value.ggml_type,
                                                                value.shape))
@@ -338,7 +347,8 @@ def _keep_wide_forms(model: torch.nn.Module) -> None:
     embedding is looked up row by row, never multiplied (a tied head is `lm_head` too)."""
     targets = [(f"{name}.{attr}", weight) for name, layer in model.named_modules()
                for attr, weight in vars(layer).items()
-               if attr != "embed_tokens" and isinstance(weight, QuantizedWeight)
+               if attr not in ("embed_tokens", "embed_tokens_per_layer")
+               and isinstance(weight, QuantizedWeight)
                and weight.can_widen]
     extra = sum(weight.wide_extra_bytes for _, weight in targets)
     if extra > WIDE_FORMS_BUDGET:
@@ -348,7 +358,8 @@ def _keep_wide_forms(model: torch.nn.Module) -> None:
 
 
 _MATMUL_WEIGHTS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head",
-                   "attn_gate_proj", "in_proj", "ba_proj", "out_proj")
+                   "attn_gate_proj", "in_proj", "ba_proj", "out_proj", "ple_gate", "ple_proj",
+                   "per_layer_model_projection")
 
 
 def _set_weight(model: torch.nn.Module, dotted_name: str, value: object) -> None:
