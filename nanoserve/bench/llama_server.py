@@ -73,18 +73,31 @@ def ensure_llama_server(cache_dir: Path | None = None, jobs: int | None = None) 
     binary = binary_path(cache_dir)
     if binary.is_file():
         return binary
-    cache_dir.mkdir(parents=True, exist_ok=True)
+    source = llama_cpp_source(cache_dir)
     with _locked(cache_dir / ".build.lock"):
         if binary.is_file():  # another process built it while we waited for the lock
             return binary
-        source = cache_dir / "llama.cpp"
-        if not (source / "CMakeLists.txt").is_file():
-            _extract_vendored_source(_fetch_sdist(cache_dir), source)
         _build(source, jobs or os.cpu_count() or 1)
     if not binary.is_file():
         raise RuntimeError(f"the build finished but {binary} is missing")
     _log(f"built {binary}")
     return binary
+
+
+def llama_cpp_source(cache_dir: Path | None = None) -> Path:
+    """The llama.cpp source tree vendored in the sdist, extracted (not built) in the cache dir:
+    `<cache>/llama.cpp`, fetched and extracted first if missing (the tests read its vocabulary
+    files, templates and test vectors). Several processes may call it at once: the extraction
+    holds the build's lock, and a tree already there is returned without it."""
+    cache_dir = cache_dir or default_cache_dir()
+    source = cache_dir / "llama.cpp"
+    if (source / "models").is_dir():  # (extracted whole: it appears by a rename)
+        return source
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with _locked(cache_dir / ".build.lock"):
+        if not (source / "models").is_dir():  # another process may have extracted it
+            _extract_vendored_source(_fetch_sdist(cache_dir), source)
+    return source
 
 
 @contextlib.contextmanager

@@ -4,11 +4,12 @@ for the engine core, as the bare `tokenizers` pipeline (`EngineTokenizer`).
 A directory's `tokenizer.json` loads through transformers as usual. A GGUF file carries its
 vocabulary, merges and chat template as metadata; for byte-level BPE vocabularies (GPT-2 style,
 as in SmolLM2) we build the `tokenizers` pipeline from them directly, which takes a fraction of
-a second where transformers' own GGUF conversion takes about nine. Other GGUF vocabularies
-(sentencepiece, Llama 3's pre-tokenizer, ...) go through transformers' conversion, once per
-vocabulary: the result is kept in the user's cache (`converted_tokenizer_dir`), since Gemma 3's
-262k-token vocabulary took 19.5 s to convert and 4.7 s to load back (2 Zen 4 cores), in each of
-a server's two processes.
+a second where transformers' own GGUF conversion takes about nine; so for Gemma 4's, which
+transformers cannot convert (gemma4_tokenizer.py). Other GGUF vocabularies (sentencepiece,
+Llama 3's pre-tokenizer, ...) go through transformers' conversion, once per vocabulary: the
+result is kept in the user's cache (`converted_tokenizer_dir`), since Gemma 3's 262k-token
+vocabulary took 19.5 s to convert and 4.7 s to load back (2 Zen 4 cores), in each of a
+server's two processes.
 
 The engine core never turns ids into text: it reads the vocabulary (the reasoning markers, the
 grammar's token set) and the EOS id. Importing transformers and building its tokenizer object
@@ -31,6 +32,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from nanoserve.model.gemma4_tokenizer import gemma4_pipeline, gemma4_tokenizer, is_gemma4_vocabulary
 from nanoserve.model.gguf_file import GGUFFile
 from nanoserve.native import user_cache_dir
 
@@ -67,6 +69,8 @@ def load_tokenizer_from_gguf(gguf: GGUFFile) -> Any:
     meta = gguf.metadata
     if _has_fast_vocabulary(meta):
         return _byte_level_tokenizer(meta)
+    if is_gemma4_vocabulary(meta):  # transformers cannot convert it
+        return gemma4_tokenizer(meta)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(converted_tokenizer_dir(gguf)))
@@ -140,11 +144,14 @@ def load_engine_tokenizer_from_dir(path: Path) -> Any:
 
 
 def load_engine_tokenizer_from_gguf(gguf: GGUFFile) -> Any:
-    """The byte-level pipeline built from the file's vocabulary, or (other vocabularies)
-    transformers' conversion."""
-    if not _has_fast_vocabulary(gguf.metadata):
+    """The byte-level or Gemma 4 pipeline built from the file's vocabulary, or (other
+    vocabularies) transformers' conversion."""
+    if is_gemma4_vocabulary(gguf.metadata):
+        backend, special = gemma4_pipeline(gguf.metadata)
+    elif _has_fast_vocabulary(gguf.metadata):
+        backend, special = _byte_level_pipeline(gguf.metadata)
+    else:
         return load_engine_tokenizer_from_dir(converted_tokenizer_dir(gguf))
-    backend, special = _byte_level_pipeline(gguf.metadata)
     eos = special["eos_token"]
     return EngineTokenizer(backend, None if eos is None else backend.token_to_id(eos))
 
