@@ -28,17 +28,38 @@ Semantics (vLLM's `--reasoning-parser` names `qwen3` and `deepseek_r1`):
 - Held back while streaming: in the starting phase, leading whitespace plus anything that may
   still become `<think>`; inside reasoning, a tail that may still become `</think>`. Content is
   never held. A partial tag still held at `finish()` is ordinary text of the field it was in.
+
+`gemma4` (Gemma 4; llama.cpp's and vLLM's `gemma4` parsers) reads another syntax, whose tags are
+special tokens that ordinary text never holds, so it reads them anywhere:
+
+- A section is `<|channel>` … `<channel|>`; its `thought` label and the one "\\n" after it are
+  not reasoning (vLLM strips "thought\\n"; llama.cpp strips the label and any whitespace). With
+  thinking off the chat template ends the prompt in an empty section,
+  `<|channel>thought\\n<channel|>`, and the output is all content.
+- Every section in the output is reasoning, in order, not only one at the start: Gemma 4 writes
+  an extra empty `<|channel>thought\\n<channel|>` after its answer at times (llama.cpp PR
+  #21760). Empty extra `<|channel>` tokens at a section's start and a stray `<channel|>` in the
+  content are dropped; a `<|turn>model\\n` at the very start of the output (the model opening
+  the turn a template left closed) is dropped too, as llama.cpp does.
+- Content around the sections is kept verbatim; an output that ends inside a section is
+  reasoning up to there.
+- Held back while streaming: at the very start, a partial `<|turn>model\\n`; in the content, a
+  partial tag (so here content is held, for at most nine characters); at a section's start, a
+  partial `thought\\n` or `<|channel>`; inside, a partial `<channel|>`. At `finish()` a held
+  label alone is dropped and any other held text is text of the field it was in.
 """
 
 from __future__ import annotations
 
 from nanoserve.reasoning_section import END_TAG, START_TAG
 
-REASONING_PARSERS = ("qwen3", "deepseek_r1")
+REASONING_PARSERS = ("qwen3", "deepseek_r1", "gemma4")
 
 _OPENING = "opening"  # at the start of the output: whitespace and a `<think>` may come
 _REASONING = "reasoning"
 _CONTENT = "content"
+_TURN = "turn"  # gemma4: at the very start of the output, where `<|turn>model\n` may come
+_LABEL = "label"  # gemma4: after `<|channel>`, where its `thought` label may come
 
 
 class ReasoningParser:
@@ -102,6 +123,102 @@ class ReasoningParser:
         return reasoning or None, content or None
 
 
+class Gemma4ReasoningParser(ReasoningParser):
+    """Gemma 4's `<|channel>thought\\n…<channel|>` sections, anywhere in the output (see the
+    module); `starts_in_reasoning`: the prompt ended inside a section."""
+
+    start = "<|channel>"
+    end = "<channel|>"
+    label = "thought"
+    model_turn = "<|turn>model\n"
+
+    def __init__(self, starts_in_reasoning: bool) -> None:
+        super().__init__(starts_in_reasoning)
+        self._state = _REASONING if starts_in_reasoning else _TURN
+
+    def feed(self, delta: str) -> tuple[str, str]:
+        text, self._held = self._held + delta, ""
+        reasoning: list[str] = []
+        content: list[str] = []
+        while text:
+            if self._state == _TURN:
+                text = self._turn(text)
+            elif self._state == _CONTENT:
+                text = self._content(text, content)
+            elif self._state == _LABEL:
+                text = self._label(text)
+            else:
+                text = self._reasoning(text, reasoning)
+        return "".join(reasoning), "".join(content)
+
+    def finish(self) -> tuple[str, str]:
+        held, self._held = self._held, ""
+        if self._state in (_TURN, _CONTENT):
+            return "", held
+        if self._state == _LABEL and held == self.label:  # the label alone: not reasoning
+            return "", ""
+        return held, ""
+
+    def parse(self, text: str) -> tuple[str | None, str | None]:
+        parser = Gemma4ReasoningParser(self.starts_in_reasoning)
+        reasoning, content = parser.feed(text)
+        more_reasoning, more_content = parser.finish()
+        return reasoning + more_reasoning or None, content + more_content or None
+
+    def _turn(self, text: str) -> str:
+        """The very start of the output, where the model may open its own turn."""
+        if text.startswith(self.model_turn):
+            self._state = _CONTENT
+            return text[len(self.model_turn):]
+        if self.model_turn.startswith(text):
+            self._held = text
+            return ""
+        self._state = _CONTENT
+        return text
+
+    def _content(self, text: str, content: list[str]) -> str:
+        found = [(at, tag) for tag in (self.start, self.end) if (at := text.find(tag)) != -1]
+        if not found:
+            keep = len(text) - max(_partial_tag_length(text, self.start),
+                                   _partial_tag_length(text, self.end))
+            content.append(text[:keep])
+            self._held = text[keep:]
+            return ""
+        at, tag = min(found)
+        content.append(text[:at])
+        if tag == self.start:
+            self._state = _LABEL
+        return text[at + len(tag):]  # (a stray `<channel|>` is dropped)
+
+    def _label(self, text: str) -> str:
+        """A section's start: empty extra `<|channel>` tokens, then its label."""
+        if text.startswith(self.start):
+            return text[len(self.start):]
+        if text.startswith(self.label):
+            rest = text[len(self.label):]
+            if not rest:  # the label's newline may follow
+                self._held = text
+                return ""
+            self._state = _REASONING
+            return rest.removeprefix("\n")
+        if (self.label + "\n").startswith(text) or self.start.startswith(text):
+            self._held = text
+            return ""
+        self._state = _REASONING
+        return text
+
+    def _reasoning(self, text: str, reasoning: list[str]) -> str:
+        at = text.find(self.end)
+        if at != -1:
+            reasoning.append(text[:at])
+            self._state = _CONTENT
+            return text[at + len(self.end):]
+        keep = len(text) - _partial_tag_length(text, self.end)
+        reasoning.append(text[:keep])
+        self._held = text[keep:]
+        return ""
+
+
 def _partial_tag_length(text: str, tag: str) -> int:
     """The length of the longest proper prefix of `tag` that `text` ends with."""
     for length in range(min(len(tag) - 1, len(text)), 0, -1):
@@ -110,18 +227,25 @@ def _partial_tag_length(text: str, tag: str) -> int:
     return 0
 
 
+_PARSERS: dict[str, type[ReasoningParser]] = {
+    "qwen3": ReasoningParser, "deepseek_r1": ReasoningParser, "gemma4": Gemma4ReasoningParser}
+
+
 def make_reasoning_parser(name: str, prompt_ends_in_reasoning: bool) -> ReasoningParser:
-    """A fresh parser for one sample; `prompt_ends_in_reasoning` matters to `qwen3` only."""
-    if name == "qwen3":
-        return ReasoningParser(starts_in_reasoning=prompt_ends_in_reasoning)
-    if name == "deepseek_r1":
-        return ReasoningParser(starts_in_reasoning=True)
-    raise ValueError(f"unknown reasoning parser {name!r}; expected one of {REASONING_PARSERS}")
+    """A fresh parser for one sample; `prompt_ends_in_reasoning` matters to `qwen3` and
+    `gemma4` (`deepseek_r1` always starts inside)."""
+    if name not in _PARSERS:
+        raise ValueError(f"unknown reasoning parser {name!r}; expected one of "
+                         f"{REASONING_PARSERS}")
+    return _PARSERS[name](starts_in_reasoning=prompt_ends_in_reasoning or name == "deepseek_r1")
 
 
-def prompt_ends_in_reasoning(prompt_text: str) -> bool:
-    """True when the prompt's last `<think>` is not followed by a `</think>`: the chat template
-    opened the reasoning section (Qwen3 with enable_thinking ends the prompt in "<think>\\n";
-    with enable_thinking=False it writes "<think>\\n\\n</think>\\n\\n", which is not inside)."""
-    at = prompt_text.rfind(ReasoningParser.start)
-    return at != -1 and ReasoningParser.end not in prompt_text[at:]
+def prompt_ends_in_reasoning(prompt_text: str, parser: str = "qwen3") -> bool:
+    """True when the prompt's last opening tag (`parser`'s) is not followed by a closing one: the
+    chat template opened the reasoning section. Qwen3 with enable_thinking ends the prompt in
+    "<think>\\n"; with enable_thinking=False it writes "<think>\\n\\n</think>\\n\\n", which is
+    not inside. Gemma 4 with thinking on ends it in "<|turn>model\\n", with thinking off in
+    "<|channel>thought\\n<channel|>": neither is inside."""
+    tags = _PARSERS.get(parser, ReasoningParser)
+    at = prompt_text.rfind(tags.start)
+    return at != -1 and tags.end not in prompt_text[at:]

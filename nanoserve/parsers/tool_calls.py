@@ -38,6 +38,11 @@ Formats (vLLM's parser names):
   well-formed calls the same; for malformed ones it has heuristics of its own: a missing
   `</parameter>` also ends at the next `<parameter=` line, and its non-streamed parser takes a
   `<function=` outside any block where the text has no block at all, its streaming one not.)
+- `gemma4` (Gemma 4; in `gemma4_tool_calls.py`, which says the rules):
+  `<|tool_call>call:NAME{key:<|"|>text<|"|>,n:42,arr:[...],obj:{...}}<tool_call|>`, calls one
+  after another, text outside them content. The arguments are not JSON (bare keys, strings
+  between `<|"|>` tokens taken verbatim); they are made JSON text in `json.dumps`'s form as they
+  stream. A call cut off keeps what it had, closed.
 
 And two forms the server uses when a grammar forces the output (`tool_choice`):
 `required` — a JSON array of `{"name": ..., "parameters": {...}}`; a named function — the
@@ -55,6 +60,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from nanoserve.parsers.call_scanner import OPEN, CallObjectScanner
+from nanoserve.parsers.gemma4_tool_calls import Gemma4ToolParser
 from nanoserve.parsers.tool_call_events import (  # the shared parts, imported from here too
     Event,
     ToolCall,
@@ -69,7 +75,7 @@ from nanoserve.parsers.xml_tool_calls import Qwen3CoderToolParser
 __all__ = ["TOOL_CALL_PARSERS", "Event", "ToolCall", "ToolCallDelta", "ToolCallParser",
            "assemble", "make_tool_call_parser", "new_tool_call_id", "required_calls_parser"]
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "qwen3_coder")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "qwen3_coder", "gemma4")
 
 
 class _Call:
@@ -341,13 +347,15 @@ def make_tool_call_parser(name: str,
                           tools: Sequence[Mapping[str, Any]] | None = None) -> ToolCallParser:
     """A fresh parser for one sample, by its `--tool-call-parser` name. `tools`: the request's,
     in OpenAI's form (`{"type": "function", "function": {...}}`), where `qwen3_coder` finds the
-    types of its calls' arguments; the JSON formats need none."""
+    types of its calls' arguments; the JSON formats and `gemma4` (typed values) need none."""
     if name == "hermes":
         return HermesToolParser()
     if name == "llama3_json":
         return CallSequenceParser(tag="<|python_tag|>", separator=";")
     if name == "qwen3_coder":
         return Qwen3CoderToolParser(tools)
+    if name == "gemma4":
+        return Gemma4ToolParser()
     raise ValueError(f"unknown tool call parser {name!r}; expected one of {TOOL_CALL_PARSERS}")
 
 

@@ -3,8 +3,10 @@
 Agents send `tools` with `tool_choice="auto"` and never pass a server flag, so without
 `--tool-call-parser` the server picks the parser the template implies:
 
+- a template that writes `<|tool_call>` (Gemma 4) → `gemma4`;
 - a template that writes `<function=` and `<parameter=` tags (Qwen3-Coder, Qwen3.5/3.6) →
-  `qwen3_coder`, checked first since these templates write `<tool_call>` blocks around them;
+  `qwen3_coder`, checked before `hermes` since these templates write `<tool_call>` blocks around
+  them;
 - another template that writes `<tool_call>` (Hermes 2 Pro, Qwen 2.5/3, SmolLM3) → `hermes`;
 - a Llama 3.1+ template (`<|python_tag|>`, or `<|start_header_id|>` with tools) → `llama3_json`;
 - any other template → `hermes`, the documented default: it is the format most open models
@@ -39,6 +41,8 @@ def template_tool_format(template: str | None) -> TemplateToolFormat:
     """The tool format of a chat template's Jinja source (None: the model has no template)."""
     text = template or ""
     reads_tools = bool(_READS_TOOLS.search(text))
+    if "<|tool_call>" in text:
+        return TemplateToolFormat("gemma4", reads_tools, "the chat template writes <|tool_call>")
     if "<function=" in text and "<parameter=" in text:
         return TemplateToolFormat("qwen3_coder", reads_tools,
                                   "the chat template writes <function=...> and <parameter=...>")

@@ -17,7 +17,9 @@ from nanoserve.parsers.reasoning import (
 
 PIECES = ["<think>", "</think>", "\n", " ", "hello", "世界", "🦜", "<", "</", "think", ">",
           "<th", "ink>", "</thi", "nk>", "<think", "</think"]
-CONFIGS = [(name, inside) for name in REASONING_PARSERS for inside in (False, True)]
+# the `<think>` parsers (gemma4's tags and rules: test_gemma4_reasoning.py)
+CONFIGS = [(name, inside) for name in REASONING_PARSERS if name != "gemma4"
+           for inside in (False, True)]
 
 texts = st.lists(
     st.one_of(st.sampled_from(PIECES), st.text(alphabet="<>/thinkab \n世🦜", max_size=4)),

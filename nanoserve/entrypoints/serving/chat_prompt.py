@@ -10,6 +10,11 @@ from typing import Any
 
 from nanoserve.entrypoints.serving.chat_input import ChatInput, MessageInput, ToolInput
 from nanoserve.entrypoints.serving.errors import bad_request
+from nanoserve.entrypoints.serving.gemma4_template import (
+    generation_prompt,
+    template_messages,
+    template_text,
+)
 from nanoserve.entrypoints.serving.images import too_many_images
 from nanoserve.entrypoints.serving.server_context import ServerContext
 from nanoserve.entrypoints.serving.tool_prompt import describe_tools
@@ -45,13 +50,16 @@ def render_prompt(ctx: ServerContext, chat: ChatInput) -> str:
         messages = describe_tools(messages, shown)
     if ctx.chat_template is not None:
         kwargs["chat_template"] = ctx.chat_template
+    template = template_text(ctx.chat_template, ctx.tokenizer)
+    messages = template_messages(template, messages)  # Gemma 4's older templates' tool results
     try:
-        return str(ctx.tokenizer.apply_chat_template(
+        prompt = str(ctx.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=options.add_generation_prompt,
             continue_final_message=options.continue_final_message, **kwargs))
     except Exception as e:  # jinja errors, raise_exception() in templates
         raise bad_request(f"the chat template could not render these messages: {e}",
                           "messages") from None
+    return generation_prompt(template, prompt, options.add_generation_prompt)
 
 
 def message_dicts(messages: Sequence[MessageInput],

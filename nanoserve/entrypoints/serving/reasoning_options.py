@@ -2,9 +2,10 @@
 
 The effort clients send (chat completions' `reasoning_effort`, Responses' `reasoning.effort`,
 Ollama's `think` levels, all as `ChatInput.reasoning_effort`) becomes, on a server with a
-`--reasoning-parser` and a model with `<think>` tokens, a thinking-token budget (`EFFORT_BUDGETS`;
-the sampler then forces `</think>` there) and, for `none`, the template's `enable_thinking=False`
-where the template reads it, with a budget of 0 for the templates that cannot turn thinking off.
+`--reasoning-parser`, the template's `enable_thinking`: False for `none`, True for any other
+effort (Gemma 4's template thinks only when told to, Qwen3's unless told not to); and, on a model
+with `<think>` tokens, a thinking-token budget (`EFFORT_BUDGETS`; the sampler then forces
+`</think>` there), 0 for `none` for the templates that cannot turn thinking off.
 What the request gives itself wins: its `thinking_token_budget`, its `enable_thinking`. The
 effort also reaches the template as `reasoning_effort` (vLLM passes it so; gpt-oss's reads it).
 Without a reasoning parser the effort is checked and changes nothing: Codex and other clients
@@ -45,8 +46,7 @@ def with_reasoning_effort(ctx: ServerContext, chat: ChatInput) -> ChatInput:
     if ctx.reasoning_parser is None:
         return chat
     kwargs: dict[str, Any] = {"reasoning_effort": effort, **(chat.template.kwargs or {})}
-    if effort == "none":
-        kwargs.setdefault("enable_thinking", False)
+    kwargs.setdefault("enable_thinking", effort != "none")
     sampling = chat.sampling
     if sampling.thinking_token_budget is None and ctx.has_reasoning_tokens:
         sampling = replace(sampling, thinking_token_budget=EFFORT_BUDGETS[effort])
@@ -60,7 +60,7 @@ def reasoning_start(chat: ChatInput, prompt: str,
     OPENING (a first `<think>` opens it); None where nothing is split."""
     if reasoning_parser is None or not chat.include_reasoning:
         return None
-    if reasoning_parser == "deepseek_r1" or prompt_ends_in_reasoning(prompt):
+    if reasoning_parser == "deepseek_r1" or prompt_ends_in_reasoning(prompt, reasoning_parser):
         return INSIDE
     return OPENING
 
