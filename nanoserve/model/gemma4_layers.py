@@ -199,7 +199,10 @@ class BoundGemma4Layer:
         hidden_size = residual.shape[-1]
         routed = F.rms_norm(residual, (hidden_size,), None, eps) * moe.router_scale \
             * hidden_size ** -0.5
-        probs = torch.softmax(F.linear(routed, moe.router), dim=-1, dtype=torch.float)
+        # the router's logits row by row (a float matmul's bits may depend on its row count:
+        # then a token's experts and weights would depend on its batch)
+        logits = (routed.unsqueeze(1) * moe.router).sum(dim=-1)  # [T, E]
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float)
         weights, ids = torch.topk(probs, moe.top_k, dim=-1)
         weights = (weights / weights.sum(dim=-1, keepdim=True)) * moe.per_expert_scale[ids]
         x = table.rms_norm(residual, moe.pre_norm, eps)

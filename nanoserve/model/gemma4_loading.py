@@ -84,7 +84,13 @@ def _pop_experts(state: dict[str, Any], p: str, place: str) -> dict[str, Any]:
             out[f"{place}moe.experts.{e}.down_proj"] = down[e]
         return out
     prefix = p + "experts."
+    parts: dict[str, dict[str, Any]] = {}
     for name in [n for n in state if n.startswith(prefix)]:
         expert, _, part = name[len(prefix):].partition(".")
-        out[f"{place}moe.experts.{expert}.{part.removesuffix('.weight')}"] = state.pop(name)
+        parts.setdefault(expert, {})[part.removesuffix(".weight")] = state.pop(name)
+    for expert, held in parts.items():
+        if "gate_up_proj" not in held:  # the file's gate and up apart: fused here
+            held["gate_up_proj"] = fuse_rows([held.pop("gate_proj"), held.pop("up_proj")])
+        for part, value in held.items():
+            out[f"{place}moe.experts.{expert}.{part}"] = value
     return out

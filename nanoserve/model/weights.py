@@ -16,6 +16,7 @@ import torch
 from nanoserve.model.arch import ArchConfig
 from nanoserve.model.gemma4_loading import MODEL_PLACES as GEMMA4_MODEL_PLACES
 from nanoserve.model.gemma4_loading import pop_gemma4_layer
+from nanoserve.model.gemma4_weights import gemma4_hf_name
 from nanoserve.model.gguf_file import GGUFFile
 from nanoserve.model.hybrid_weights import pop_delta_net, reorder_heads, split_gated_query
 from nanoserve.model.llama import CausalLM
@@ -162,7 +163,11 @@ def read_gguf_tensors(gguf: GGUFFile, arch: ArchConfig, keep_blocks: bool = Fals
             continue  # read by the loader as RoPE scaling factors
         if _is_mtp_block(name, arch):
             continue  # a multi-token-prediction head (Qwen3.5's `nextn`), not run here
-        hf_name = gguf_to_hf_name(name, gguf_arch)
+        mapped = (gemma4_hf_name(name) if gguf_arch == "gemma4"
+                  else gguf_to_hf_name(name, gguf_arch))
+        if mapped is None:
+            continue
+        hf_name = mapped
         tensor = gguf.tensors[name]
         if len(tensor.shape) == 3:  # a MoE layer's experts, stacked: a weight per expert
             for expert_name, expert in split_gguf_experts(gguf, name, hf_name, keep_blocks):

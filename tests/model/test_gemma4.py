@@ -1,0 +1,149 @@
+"""Gemma 4 computes what transformers computes: tiny random checkpoints of each shape of the
+family (gemma4_checkpoints.py: E2B-like with per-layer embeddings, KV sharing and a double-wide
+MLP; 26B-A4B-like with K = V global layers and the MoE block; 31B-like dense with K = V), every
+norm, layer scalar and router scale away from 1, equal transformers in prefill logits and in
+greedy tokens alone, batched, chunked and preempted, with prompts far past the 4-token window;
+config.json in transformers', the hub's and the multimodal spelling reads the same; as GGUF
+files (Q8_0 and Q4_0, llama.cpp's layout) the int8 kernels give seeded outputs with logprobs
+bit for bit across chunks and batches; and the cache's blocks for a 16k context are counted,
+the KV-shared layers owning none."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import gguf
+import pytest
+import torch
+from gemma4_checkpoints import SPELLINGS, WRITERS
+from gemma4_gguf import write_gemma4_gguf
+from helpers import hf_model, make_engine
+from test_equivalence import assert_logits_match, assert_tokens_match
+
+from nanoserve.engine.core import EngineCore
+from nanoserve.engine.model_runner import kv_bytes_per_block
+from nanoserve.model.arch import ArchConfig
+from nanoserve.model.kv_groups import kv_layer_groups
+from nanoserve.sampling_params import SamplingParams
+
+VOCAB = 49152
+KINDS = tuple(WRITERS)
+
+
+@pytest.fixture(scope="module")
+def gemma4_dir(tmp_path_factory: pytest.TempPathFactory, default_tokenizer: Any) -> Any:
+    made: dict[tuple[Any, ...], Path] = {}
+
+    def make(kind: str, spelling: str = "transformers", **overrides: Any) -> Path:
+        key = (kind, spelling, *sorted(overrides.items()))
+        if key not in made:
+            path = tmp_path_factory.mktemp(f"gemma4-{kind}-{spelling}")
+            made[key] = WRITERS[kind](path, default_tokenizer, spelling=spelling, **overrides)
+        return made[key]
+
+    return make
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_spelling_reads_the_same_shape(kind: str, gemma4_dir: Any) -> None:
+    archs = [ArchConfig.from_hf_config(json.loads((gemma4_dir(kind, s) / "config.json")
+                                                  .read_text())) for s in SPELLINGS]
+    assert archs[0].family == "gemma4" and archs[0].gemma4 is not None
+    assert all(a == archs[0] for a in archs[1:])
+    layers = archs[0].gemma4
+    assert max(layers.head_dims) == 32 and min(layers.head_dims) == 16
+    if kind == "e2b":
+        assert layers.kv_sources == (0, 1, 2, 1, 1, 2) and layers.per_layer_input_size == 8
+        assert layers.intermediate_sizes == (128, 128, 128, 256, 256, 256)
+    if kind == "moe":
+        assert layers.k_eq_v == (False, False, True, False, False, True)
+        assert layers.kv_heads == (2, 2, 1, 2, 2, 1) and layers.num_experts == 4
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_prefill_logits_and_greedy_tokens_equal_transformers(kind: str,
+                                                             gemma4_dir: Any) -> None:
+    path = gemma4_dir(kind)
+    reference = hf_model(path)
+    assert_logits_match(make_engine(path), reference,
+                        [[5, 17, 300, 4000] * k for k in (1, 9, 40)])
+    assert_tokens_match(str(path), reference, VOCAB)
+
+
+def test_the_multimodal_spelling_runs_the_same_text_model(gemma4_dir: Any) -> None:
+    reference = hf_model(gemma4_dir("e2b"))
+    assert_logits_match(make_engine(gemma4_dir("e2b", "multimodal")), reference,
+                        [[5, 17, 300, 4000] * 9])
+
+
+def _seeded_run(engine: EngineCore, prompts: dict[str, list[int]]) -> dict[str, Any]:
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=7, max_tokens=12,
+                            ignore_eos=True, logprobs=3)
+    for rid, ids in prompts.items():
+        engine.add_request(rid, ids, params)
+    got: dict[str, list[Any]] = {rid: [] for rid in prompts}
+    while engine.has_unfinished():
+        for out in engine.step():
+            got[out.request_id].append((out.new_token_ids, out.new_logprobs))
+    return got
+
+
+@pytest.mark.parametrize(("kind", "qtype"), [("e2b", gguf.GGMLQuantizationType.Q8_0),
+                                             ("e2b", gguf.GGMLQuantizationType.Q4_0),
+                                             ("moe", gguf.GGMLQuantizationType.Q8_0)])
+def test_gguf_seeded_outputs_and_logprobs_equal_across_chunks_and_batches(
+        kind: str, qtype: gguf.GGMLQuantizationType, gemma4_dir: Any, tmp_path: Path) -> None:
+    """llama.cpp's layout through the int8 kernels (the fused op table): bit for bit alone,
+    batched and in chunks of 5, 32 and 512 tokens. (Per-layer inputs 32 wide: a projection
+    of 8 columns is no whole Q8_0 block, stored F16 and multiplied in float32, whose bits may
+    depend on the batch; the real E2B's are 256 wide.)"""
+    checkpoint = (gemma4_dir(kind, hidden_size_per_layer_input=32) if kind == "e2b"
+                  else gemma4_dir(kind))
+    path = write_gemma4_gguf(checkpoint, tmp_path / f"{kind}.gguf", qtype)
+    rng = random.Random(3)
+    prompts = {f"p{n}": [rng.randrange(3, VOCAB) for _ in range(n)] for n in (3, 37, 90)}
+    engine = make_engine(path, quantization="gguf")
+    alone = {rid: _seeded_run(engine, {rid: ids})[rid] for rid, ids in prompts.items()}
+    assert engine.runner.plan.use_fused_ops
+    for budget in (5, 32, 512):
+        together = _seeded_run(make_engine(path, max_num_batched_tokens=budget,
+                                           quantization="gguf"), prompts)
+        assert together == alone, f"chunks of {budget} changed a token or a logprob"
+
+
+def test_a_q8_0_file_stays_close_to_transformers(gemma4_dir: Any, tmp_path: Path) -> None:
+    """The GGUF reader puts every tensor where transformers has it: a Q8_0 file's logits
+    (dequantized, the exact path) near the float checkpoint's."""
+    path = write_gemma4_gguf(gemma4_dir("e2b"), tmp_path / "e2b.gguf",
+                             gguf.GGMLQuantizationType.F32)
+    assert_logits_match(make_engine(path), hf_model(gemma4_dir("e2b")),
+                        [[5, 17, 300, 4000] * 9])
+
+
+def test_the_cache_for_16k_tokens_is_counted_by_shape_and_sharing(gemma4_dir: Any) -> None:
+    """E2B-like: 3 of 6 layers own a cache (the KV-shared ones none); two windowed (rows of
+    2 heads x 16) and one global (2 x 32) in groups of one layer. A 16k context holds
+    1024 blocks of 16 for the global group and a window's worth (1 + 1 block) for each
+    windowed one; each block costs a row of each shape."""
+    arch = ArchConfig.from_hf_config(json.loads((gemma4_dir("e2b") / "config.json")
+                                                .read_text()))
+    groups = kv_layer_groups(arch)
+    assert groups.layers == ((0,), (1,), (2,)) and groups.windows == (4, 4, 0)
+    assert groups.shapes == ((2, 16), (2, 16), (2, 32))
+    assert groups.slot_of_layer == [0, 0, 0, 0, 0, 0]
+    assert groups.group_of_layer == [0, 1, 2, 1, 1, 2]
+    block_size, context = 16, 16384
+    blocks = context // block_size + 2 * (-(-4 // block_size) + 1)
+    assert blocks == 1028
+    assert groups.tokens_held(blocks, block_size) == context
+    per_block = kv_bytes_per_block(arch, block_size, torch.float32)
+    assert per_block == 2 * block_size * (2 * 16 + 2 * 32) * 4  # K and V, both shapes
+    engine = make_engine(gemma4_dir("e2b"), num_blocks=blocks)
+    runner = engine.runner
+    assert runner.kv_block_nbytes == per_block
+    shared = [runner.kv_caches[i] for i in (3, 4, 5)]
+    assert shared[0] is runner.kv_caches[1] and shared[2] is runner.kv_caches[2]
+    assert len(runner.kv_slot_pairs) == 2  # a pair per shape, one layer a group
