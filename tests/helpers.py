@@ -63,3 +63,17 @@ def run_to_completion(engine: EngineCore, prompts: dict[str, list[int]],
             if out.request_id in outputs:  # requests added beforehand are not collected
                 outputs[out.request_id].extend(out.new_token_ids)
     return outputs
+
+
+def seeded_logprob_run(engine: EngineCore, prompts: dict[str, list[int]]) -> dict[str, Any]:
+    """Each prompt's outputs as (new token ids, new logprobs) per step, sampled with a seed,
+    top-p and 3 logprobs: what a bit-for-bit comparison across chunks and batches compares."""
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=7, max_tokens=12,
+                            ignore_eos=True, logprobs=3)
+    for rid, ids in prompts.items():
+        engine.add_request(rid, ids, params)
+    got: dict[str, list[Any]] = {rid: [] for rid in prompts}
+    while engine.has_unfinished():
+        for out in engine.step():
+            got[out.request_id].append((out.new_token_ids, out.new_logprobs))
+    return got

@@ -20,14 +20,12 @@ import pytest
 import torch
 from gemma4_checkpoints import SPELLINGS, WRITERS
 from gemma4_gguf import write_gemma4_gguf
-from helpers import hf_model, make_engine
+from helpers import hf_model, make_engine, seeded_logprob_run
 from test_equivalence import assert_logits_match, assert_tokens_match
 
-from nanoserve.engine.core import EngineCore
 from nanoserve.engine.model_runner import kv_bytes_per_block
 from nanoserve.model.arch import ArchConfig
 from nanoserve.model.kv_groups import kv_layer_groups
-from nanoserve.sampling_params import SamplingParams
 
 VOCAB = 49152
 KINDS = tuple(WRITERS)
@@ -79,18 +77,6 @@ def test_the_multimodal_spelling_runs_the_same_text_model(gemma4_dir: Any) -> No
                         [[5, 17, 300, 4000] * 9])
 
 
-def _seeded_run(engine: EngineCore, prompts: dict[str, list[int]]) -> dict[str, Any]:
-    params = SamplingParams(temperature=0.9, top_p=0.95, seed=7, max_tokens=12,
-                            ignore_eos=True, logprobs=3)
-    for rid, ids in prompts.items():
-        engine.add_request(rid, ids, params)
-    got: dict[str, list[Any]] = {rid: [] for rid in prompts}
-    while engine.has_unfinished():
-        for out in engine.step():
-            got[out.request_id].append((out.new_token_ids, out.new_logprobs))
-    return got
-
-
 @pytest.mark.parametrize(("kind", "qtype"), [("e2b", gguf.GGMLQuantizationType.Q8_0),
                                              ("e2b", gguf.GGMLQuantizationType.Q4_0),
                                              ("moe", gguf.GGMLQuantizationType.Q8_0)])
@@ -106,10 +92,10 @@ def test_gguf_seeded_outputs_and_logprobs_equal_across_chunks_and_batches(
     rng = random.Random(3)
     prompts = {f"p{n}": [rng.randrange(3, VOCAB) for _ in range(n)] for n in (3, 37, 90)}
     engine = make_engine(path, quantization="gguf")
-    alone = {rid: _seeded_run(engine, {rid: ids})[rid] for rid, ids in prompts.items()}
+    alone = {rid: seeded_logprob_run(engine, {rid: ids})[rid] for rid, ids in prompts.items()}
     assert engine.runner.plan.use_fused_ops
     for budget in (5, 32, 512):
-        together = _seeded_run(make_engine(path, max_num_batched_tokens=budget,
+        together = seeded_logprob_run(make_engine(path, max_num_batched_tokens=budget,
                                            quantization="gguf"), prompts)
         assert together == alone, f"chunks of {budget} changed a token or a logprob"
 

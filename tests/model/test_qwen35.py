@@ -15,10 +15,9 @@ import pytest
 import torch
 from conftest import write_tiny_checkpoint
 from gguf_writing import write_qwen35_gguf
-from helpers import hf_greedy, hf_model, make_engine, run_to_completion
+from helpers import hf_greedy, hf_model, make_engine, run_to_completion, seeded_logprob_run
 from test_equivalence import prefill_logits
 
-from nanoserve.engine.core import EngineCore
 from nanoserve.sampling_params import SamplingParams
 
 VOCAB = 49152  # the default model's tokenizer
@@ -149,18 +148,6 @@ def test_greedy_tokens_match_transformers_alone_batched_chunked_preempted(
             assert together.stats.num_preemptions > 0, "the small cache should preempt"
 
 
-def _seeded_run(engine: EngineCore, prompts: dict[str, list[int]]) -> dict[str, Any]:
-    params = SamplingParams(temperature=0.9, top_p=0.95, seed=7, max_tokens=12,
-                            ignore_eos=True, logprobs=3)
-    for rid, ids in prompts.items():
-        engine.add_request(rid, ids, params)
-    got: dict[str, list[Any]] = {rid: [] for rid in prompts}
-    while engine.has_unfinished():
-        for out in engine.step():
-            got[out.request_id].append((out.new_token_ids, out.new_logprobs))
-    return got
-
-
 @pytest.mark.parametrize(("kind", "fmt", "quantization"),
                          [("wide", "safetensors", "int8"), ("dense", "q8_0", "gguf")])
 def test_seeded_outputs_and_logprobs_equal_across_chunks_and_batches(
@@ -170,10 +157,10 @@ def test_seeded_outputs_and_logprobs_equal_across_chunks_and_batches(
     held to transformers instead)."""
     path, _ = qwen35_source(kind, fmt)
     prompts = {f"p{n}": random_ids(n, seed=200 + n) for n in (3, 37, 90)}
-    alone = {rid: _seeded_run(make_engine(path, quantization=quantization), {rid: ids})[rid]
+    alone = {rid: seeded_logprob_run(make_engine(path, quantization=quantization), {rid: ids})[rid]
              for rid, ids in prompts.items()}
     for budget in (5, 32, 512):
-        together = _seeded_run(make_engine(path, max_num_batched_tokens=budget,
+        together = seeded_logprob_run(make_engine(path, max_num_batched_tokens=budget,
                                            quantization=quantization), prompts)
         assert together == alone, f"chunks of {budget} changed a token or a logprob"
 
