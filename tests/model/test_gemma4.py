@@ -5,8 +5,9 @@ norm, layer scalar and router scale away from 1, equal transformers in prefill l
 greedy tokens alone, batched, chunked and preempted, with prompts far past the 4-token window;
 config.json in transformers', the hub's and the multimodal spelling reads the same; as GGUF
 files (Q8_0 and Q4_0, llama.cpp's layout) the int8 kernels give seeded outputs with logprobs
-bit for bit across chunks and batches; and the cache's blocks for a 16k context are counted,
-the KV-shared layers owning none."""
+bit for bit across chunks and batches; the cache's blocks for a 16k context are counted, the
+KV-shared layers owning none; and a prefix hit, in RAM or from the disk tier, answers as a cold
+engine."""
 
 from __future__ import annotations
 
@@ -23,9 +24,13 @@ from gemma4_gguf import write_gemma4_gguf
 from helpers import hf_model, make_engine, seeded_logprob_run
 from test_equivalence import assert_logits_match, assert_tokens_match
 
+from nanoserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from nanoserve.engine.build import build_engine_core
+from nanoserve.engine.core import EngineCore
 from nanoserve.engine.model_runner import kv_bytes_per_block
 from nanoserve.model.arch import ArchConfig
 from nanoserve.model.kv_groups import kv_layer_groups
+from nanoserve.sampling_params import SamplingParams
 
 VOCAB = 49152
 KINDS = tuple(WRITERS)
@@ -133,3 +138,40 @@ def test_the_cache_for_16k_tokens_is_counted_by_shape_and_sharing(gemma4_dir: An
     shared = [runner.kv_caches[i] for i in (3, 4, 5)]
     assert shared[0] is runner.kv_caches[1] and shared[2] is runner.kv_caches[2]
     assert len(runner.kv_slot_pairs) == 2  # a pair per shape, one layer a group
+
+
+def _one_request(core: EngineCore, prompt: list[int]) -> tuple[list[Any], int]:
+    """(tokens and logprobs, cached tokens) of one greedy request."""
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
+    core.add_request("r", prompt, params)
+    got, cached = [], 0
+    while core.has_unfinished():
+        for out in core.step():
+            got.append((out.new_token_ids, out.new_logprobs))
+            cached = out.num_cached_tokens
+    return got, cached
+
+
+def test_a_prefix_hit_and_the_disk_tier_answer_as_a_cold_engine(gemma4_dir: Any,
+                                                                 tmp_path: Path) -> None:
+    """E2B-like, int8: a prompt's blocks (both row shapes; the shared layers' none) found
+    again in RAM, and after a restart on disk, give the cold engine's tokens and logprobs."""
+    def engine(prefix_caching: bool, disk: Path | None) -> EngineCore:
+        return build_engine_core(EngineConfig(
+            model=ModelConfig(model=str(gemma4_dir("e2b")), device="cpu", dtype="float32",
+                              quantization="int8"),
+            cache=CacheConfig(kv_cache_memory_bytes=64 << 20,
+                              enable_prefix_caching=prefix_caching,
+                              kv_cache_disk=None if disk is None else str(disk)),
+            scheduler=SchedulerConfig()))
+
+    prompt = [random.Random(0).randrange(3, VOCAB) for _ in range(200)]
+    full_blocks = (len(prompt) - 1) // 16 * 16
+    cold, _ = _one_request(engine(False, None), prompt)
+    first = engine(True, tmp_path)
+    assert _one_request(first, prompt) == (cold, 0)
+    assert _one_request(first, prompt) == (cold, full_blocks)  # a hit in RAM
+    first.shutdown()  # its blocks written to the disk tier
+    again = engine(True, tmp_path)
+    assert _one_request(again, prompt) == (cold, full_blocks)
+    assert again.stats.kv_disk_hits == full_blocks // 16 * 3  # a block per KV layer group
