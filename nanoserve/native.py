@@ -67,7 +67,9 @@ TIERS: tuple[str, ...] = tuple(TIER_COMPILE_FLAGS)
 # the tiers `auto` may choose, worst first (amx-emu runs only where NANOSERVE_CPU_ISA names it)
 AUTO_TIERS: tuple[str, ...] = ("avx2", "avx512", "amx")
 _AMX_TIERS = ("amx", "amx-emu")
-# the kernels with a module per tier (the quantized matmul's tiles: matmul_tiles.h)
+# the kernels with a module per tier (the quantized matmul's tiles: matmul_tiles.h). Not
+# gemma4_layers: it reaches the matmuls only through the dispatcher's packed_matmul, which the
+# process's tier registers, so its one avx2 build serves every tier.
 TIERED_KERNELS = frozenset({"quant_matmul", "decode_layers"})
 
 
@@ -361,9 +363,9 @@ def _checkout_key() -> str:
     return hashlib.sha256(where.encode()).hexdigest()[:10]
 
 
-# decode_layers calls the ops the first three register: it loads after them
+# decode_layers and gemma4_layers call the ops the first three register: they load after them
 KERNEL_NAMES: tuple[str, ...] = ("fused_ops", "paged_attention", "quant_matmul", "sampling",
-                                 "decode_layers", "delta_net")
+                                 "decode_layers", "gemma4_layers", "delta_net")
 
 
 def build_tiers() -> list[str]:

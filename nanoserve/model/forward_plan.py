@@ -8,7 +8,8 @@ its weights and one forward (the layer loop over layers bound to a table).
   on one model.
 - The stack: with the fused table, the attention backend may offer every layer as one native
   call that attends as it does (`AttentionBackend.layer_stack`; the paged CPU kernel's,
-  native_layers.py). `use_native_layers=False` (`--enforce-eager`) keeps the Python loop.
+  native_layers.py, and Gemma 4's, gemma4_native.py). `use_native_layers=False`
+  (`--enforce-eager`) keeps the Python loop.
 
 `bench step --compare-eager` toggles `use_native_layers`, and `--compare-compiled` swaps the
 stack (`swap_layer_stack`), on the runner's plan.
@@ -22,6 +23,7 @@ import torch
 
 from nanoserve.model.attention import AttentionBackend, AttentionMetadata
 from nanoserve.model.fused_ops import kernels
+from nanoserve.model.gemma4_layers import per_layer_inputs
 from nanoserve.model.hybrid_layers import HybridStates
 from nanoserve.model.kv_groups import kv_layer_groups
 from nanoserve.model.layer_ops import EXACT_OPS, OpTable, fused_table
@@ -76,11 +78,14 @@ class ForwardPlan:
                  if table.is_fused and images is None and rope_positions is None else None)
         if stack is not None:
             hidden = model.embed(input_ids)
+            # Gemma 4's per-layer inputs [T, L, P], from the embedding before any layer
+            ple = (per_layer_inputs(model, input_ids, hidden)
+                   if model.embed_tokens_per_layer is not None else None)
             # a scope for `bench step`: a few tokens run as one native region the profiler
             # cannot see into (csrc/team_forward.h)
             with scope("nanoserve.layers"):
                 return attention.run_layer_stack(stack, hidden, cos, sin, positions, meta,
-                                                 rope_local, group_metas)
+                                                 rope_local, group_metas, ple)
         return model.forward(input_ids, positions, kv_caches, attention, meta, table, layers,
                              cos, sin, rope_local, group_metas, states, images)
 
@@ -109,10 +114,11 @@ class ForwardPlan:
         """The layers as one native call over these caches (built at first use), or None."""
         # Under tensor parallelism the Python layer loop runs: the native stack chains every
         # layer in C++ with no all-reduce between them, so it is None for any group but the
-        # plain one of one rank. A MoE model's too: the stack's layers are dense MLPs; and a
-        # hybrid's, whose DeltaNet layers it does not run.
-        if (not self.use_native_layers or self.model.arch.moe is not None
-                or self.model.is_hybrid or self.model.arch.gemma4 is not None):
+        # plain one of one rank. A MoE model's too (Gemma 4's experts included): the stacks'
+        # layers are dense MLPs; and a hybrid's, whose DeltaNet layers it does not run.
+        arch = self.model.arch
+        if (not self.use_native_layers or arch.moe is not None or self.model.is_hybrid
+                or (arch.gemma4 is not None and arch.gemma4.has_moe)):
             return None
         built = self._layer_stack
         if built is None or built[0][0] is not kv_caches or built[0][1] is not attention:

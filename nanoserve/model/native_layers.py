@@ -10,8 +10,8 @@ gate and query scale, each layer's sliding window, RoPE table and KV layer group
 model's `LayerFeatures` (layer_features.py), as in the Python loop. It runs where the fused
 path would, with paged attention over the cache (`CpuPagedBackend`), one rank and packed
 quantized projections (q, k and v may be row parts of two types, as a GGUF file has them);
-elsewhere (a MoE model too), and under `--enforce-eager`, the Python
-loop runs.
+elsewhere (a MoE model too), and under `--enforce-eager`, the Python loop runs. Gemma 4's
+layers have a stack of their own (gemma4_native.py), built with the helpers here.
 
 Why: nine kernel calls a layer from Python cost ~3 ms of a ~9 ms batch-1 step; as one region
 that step went from 9.0-9.3 to 6.8-7.8 ms on 2 Zen 1 cores. The same loop under `torch.compile`
@@ -36,13 +36,13 @@ from nanoserve.model.parallel import TensorParallelGroup
 from nanoserve.model.quant_linear import QuantizedWeight
 from nanoserve.native import load_kernels
 
-# the kernels whose dispatcher ops the stack calls: loaded (registered) before it is built
-_KERNELS = ("quant_matmul", "fused_ops", "paged_attention")
+# the kernels whose dispatcher ops the stacks call: loaded (registered) before one is built
+STACK_KERNELS = ("quant_matmul", "fused_ops", "paged_attention")
 
 
 def native_module() -> ModuleType | None:
     """The compiled `decode_layers` extension, or None where it (or a kernel) cannot build."""
-    if any(load_kernels(name) is None for name in _KERNELS):
+    if any(load_kernels(name) is None for name in STACK_KERNELS):
         return None
     return load_kernels("decode_layers")
 
@@ -51,17 +51,17 @@ def native_module() -> ModuleType | None:
 PackedArgs = tuple[torch.Tensor, int, int, int, torch.Tensor | None]
 
 
-def _packed(weight: Any) -> PackedArgs | None:
+def packed_args(weight: Any) -> PackedArgs | None:
     """packed_matmul's weight arguments, or None for a weight the kernel does not hold."""
     if not (isinstance(weight, QuantizedWeight) and weight.is_packed):
         return None
     return weight.packed_args()
 
 
-def _packed_parts(weight: Any) -> list[PackedArgs] | None:
+def packed_parts(weight: Any) -> list[PackedArgs] | None:
     """A weight's row parts as packed_matmul's arguments (a ConcatWeight's several: a GGUF
     file's q, k and v in different types), or None where one is not packed."""
-    parts = [_packed(part) for part in getattr(weight, "parts", [weight])]
+    parts = [packed_args(part) for part in getattr(weight, "parts", [weight])]
     return None if any(p is None for p in parts) else parts  # type: ignore[return-value]
 
 
@@ -84,8 +84,8 @@ def build_layer_stack(model: StackedModel,
     kv_groups = kv_layer_groups(arch).group_of_layer
     for index, (layer, (k_cache, v_cache)) in enumerate(zip(model.decoder_layers, kv_caches,
                                                             strict=True)):
-        matmuls = [_packed_parts(layer.qkv_proj)] + [
-            _packed(w) for w in (layer.o_proj, layer.gate_up_proj, layer.down_proj)]
+        matmuls = [packed_parts(layer.qkv_proj)] + [
+            packed_args(w) for w in (layer.o_proj, layer.gate_up_proj, layer.down_proj)]
         if any(m is None for m in matmuls):
             return None
         stack.add_layer(layer.input_layernorm, layer.post_attention_layernorm, *matmuls,

@@ -78,10 +78,12 @@ class AttentionBackend(ABC, Generic[MetadataT]):
     def run_layer_stack(self, stack: Any, hidden: torch.Tensor, cos: torch.Tensor,
                         sin: torch.Tensor, positions: torch.Tensor, meta: MetadataT,
                         rope_local: tuple[torch.Tensor, torch.Tensor] | None = None,
-                        group_metas: list[MetadataT] | None = None) -> torch.Tensor:
+                        group_metas: list[MetadataT] | None = None,
+                        per_layer_inputs: torch.Tensor | None = None) -> torch.Tensor:
         """`stack` (from `layer_stack`) over this step: the final normed hidden states.
         `rope_local`: the windowed layers' own cos and sin (Gemma 3); `group_metas`: the
-        metadata of KV layer groups 1.. (model/kv_groups.py), as the layer loop takes them."""
+        metadata of KV layer groups 1.. (model/kv_groups.py), as the layer loop takes them;
+        `per_layer_inputs`: Gemma 4's [T, L, P] (gemma4_layers.py), where the model has them."""
         raise NotImplementedError(f"{type(self).__name__} has no layer stack")
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:

@@ -33,6 +33,7 @@ from torch.profiler import record_function
 
 from nanoserve.model.attention.base import AttentionBackend, AttentionMetadata
 from nanoserve.model.attention.kv_rows import write_kv_cache
+from nanoserve.model.gemma4_native import build_gemma4_stack
 from nanoserve.model.layer_weights import StackedModel
 from nanoserve.model.native_layers import build_layer_stack
 from nanoserve.native import load_kernels
@@ -77,21 +78,26 @@ class CpuPagedBackend(AttentionBackend[CpuPagedMetadata]):
 
     def layer_stack(self, model: StackedModel,
                     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> Any | None:
-        """The native layer stack (native_layers.py), which attends with this kernel."""
+        """The native layer stack (native_layers.py; Gemma 4's, gemma4_native.py), which
+        attends with this kernel."""
+        if model.arch.gemma4 is not None:
+            return build_gemma4_stack(model, kv_caches)
         return build_layer_stack(model, kv_caches)
 
     def run_layer_stack(self, stack: Any, hidden: torch.Tensor, cos: torch.Tensor,
                         sin: torch.Tensor, positions: torch.Tensor, meta: CpuPagedMetadata,
                         rope_local: tuple[torch.Tensor, torch.Tensor] | None = None,
-                        group_metas: list[CpuPagedMetadata] | None = None) -> torch.Tensor:
+                        group_metas: list[CpuPagedMetadata] | None = None,
+                        per_layer_inputs: torch.Tensor | None = None) -> torch.Tensor:
         args = (hidden, cos, sin, positions, meta.cache_index, meta.block_table,
                 meta.context_lens)
-        if rope_local is None and not group_metas:  # (the compiled stand-in takes these only)
-            return stack.forward(*args)
+        if rope_local is None and not group_metas and per_layer_inputs is None:
+            return stack.forward(*args)  # (the compiled stand-in takes these only)
         local_cos, local_sin = rope_local or (cos, sin)
         metas = group_metas or []
+        ple = () if per_layer_inputs is None else (per_layer_inputs,)  # (Gemma 4's stack)
         return stack.forward(*args, local_cos, local_sin, [m.cache_index for m in metas],
-                             [m.block_table for m in metas])
+                             [m.block_table for m in metas], *ple)
 
     def build_metadata(self, step: StepInput) -> CpuPagedMetadata:
         num_queries = np.diff(step.query_start_loc)  # [R], tokens per request
