@@ -73,7 +73,9 @@ def test_prefill_logits_and_greedy_tokens_equal_transformers(kind: str,
     reference = hf_model(path)
     assert_logits_match(make_engine(path), reference,
                         [[5, 17, 300, 4000] * k for k in (1, 9, 40)])
-    assert_tokens_match(str(path), reference, VOCAB)
+    # (the 31B-like's six KV groups, five windowed, each hold a window's worth per request:
+    # 48 blocks still force preemption and hold the 512-token context)
+    assert_tokens_match(str(path), reference, VOCAB, num_blocks=48 if kind == "dense" else 36)
 
 
 def test_the_multimodal_spelling_runs_the_same_text_model(gemma4_dir: Any) -> None:
