@@ -177,3 +177,51 @@ def test_a_prefix_hit_and_the_disk_tier_answer_as_a_cold_engine(gemma4_dir: Any,
     again = engine(True, tmp_path)
     assert _one_request(again, prompt) == (cold, full_blocks)
     assert again.stats.kv_disk_hits == full_blocks // 16 * 3  # a block per KV layer group
+
+
+def _write_k_quant_gguf(hf_dir: Path, out: Path) -> Path:
+    """The checkpoint's layout with every matrix as random K-quant blocks (Q4_K and Q6_K,
+    as a community Q4_K_M file mixes them; the embedding Q6_K): gguf has no K quantizer, so
+    the values are the blocks', not the checkpoint's."""
+    from gemma4_gguf import add_converted_tensor, converted_tensors, read_checkpoint
+    from gguf_writing import finish
+    from test_quant_kernels import make_raw
+
+    from nanoserve.bench.gguf_tokenizer import add_default_tokenizer
+    from nanoserve.bench.random_gemma4_gguf import add_gemma4_metadata, rope_freqs
+    from nanoserve.model.gguf_file import GGUFFile
+    from nanoserve.model.loader import default_model_path
+
+    q = gguf.GGMLQuantizationType
+    config, state = read_checkpoint(hf_dir)
+    writer = gguf.GGUFWriter(str(out), "gemma4")
+    add_gemma4_metadata(writer, config, gguf.LlamaFileType.MOSTLY_Q4_K_M)
+    add_default_tokenizer(writer, GGUFFile(default_model_path()).metadata,
+                          vocab_size=config["vocab_size"])
+    tensors = {"rope_freqs.weight": rope_freqs(config),
+               **converted_tensors(state, config["num_hidden_layers"], config["vocab_size"])}
+    for i, (name, value) in enumerate(tensors.items()):
+        if value.ndim != 2 or name.endswith("_norm.weight"):
+            add_converted_tensor(writer, name, value, q.F32)
+            continue
+        qtype = q.Q6_K if name == "token_embd.weight" or i % 3 == 0 else q.Q4_K
+        writer.add_tensor(name, make_raw(qtype, *value.shape, seed=i), raw_dtype=qtype)
+    finish(writer)
+    return out
+
+
+def test_k_quant_files_run_bit_for_bit_across_chunks_and_batches(gemma4_dir: Any,
+                                                                 tmp_path: Path) -> None:
+    """Q4_K and Q6_K blocks (a 31B-like model 256 wide, so every row is whole 256-blocks)
+    through the int8 kernels, seeded outputs with logprobs equal alone and in chunks."""
+    checkpoint = gemma4_dir("dense", hidden_size=256, head_dim=32, global_head_dim=64,
+                            intermediate_size=256)
+    path = _write_k_quant_gguf(checkpoint, tmp_path / "k-quants.gguf")
+    rng = random.Random(5)
+    prompts = {f"p{n}": [rng.randrange(3, VOCAB) for _ in range(n)] for n in (4, 41)}
+    engine = make_engine(path, quantization="gguf")
+    alone = {rid: seeded_logprob_run(engine, {rid: ids})[rid] for rid, ids in prompts.items()}
+    assert engine.runner.plan.use_fused_ops
+    together = seeded_logprob_run(make_engine(path, max_num_batched_tokens=16,
+                                              quantization="gguf"), prompts)
+    assert together == alone
