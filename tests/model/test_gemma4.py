@@ -75,7 +75,10 @@ def test_prefill_logits_and_greedy_tokens_equal_transformers(kind: str,
                         [[5, 17, 300, 4000] * k for k in (1, 9, 40)])
     # (the 31B-like's six KV groups, five windowed, each hold a window's worth per request:
     # 48 blocks still force preemption and hold the 512-token context)
-    assert_tokens_match(str(path), reference, VOCAB, num_blocks=48 if kind == "dense" else 36)
+    # (8 new tokens, as the default model's test: they cross block boundaries and read
+    # decode-written entries; the suite's time is the bound)
+    assert_tokens_match(str(path), reference, VOCAB, num_new=8,
+                        num_blocks=48 if kind == "dense" else 36)
 
 
 def test_the_multimodal_spelling_runs_the_same_text_model(gemma4_dir: Any) -> None:
@@ -90,7 +93,7 @@ def test_the_multimodal_spelling_runs_the_same_text_model(gemma4_dir: Any) -> No
 def test_gguf_seeded_outputs_and_logprobs_equal_across_chunks_and_batches(
         kind: str, qtype: gguf.GGMLQuantizationType, gemma4_dir: Any, tmp_path: Path) -> None:
     """llama.cpp's layout through the int8 kernels (the fused op table): bit for bit alone,
-    batched and in chunks of 5, 32 and 512 tokens. (Per-layer inputs 32 wide: a projection
+    batched and in chunks of 5 and 512 tokens. (Per-layer inputs 32 wide: a projection
     of 8 columns is no whole Q8_0 block, stored F16 and multiplied in float32, whose bits may
     depend on the batch; the real E2B's are 256 wide.)"""
     checkpoint = (gemma4_dir(kind, hidden_size_per_layer_input=32) if kind == "e2b"
@@ -101,7 +104,7 @@ def test_gguf_seeded_outputs_and_logprobs_equal_across_chunks_and_batches(
     engine = make_engine(path, quantization="gguf")
     alone = {rid: seeded_logprob_run(engine, {rid: ids})[rid] for rid, ids in prompts.items()}
     assert engine.runner.plan.use_fused_ops
-    for budget in (5, 32, 512):
+    for budget in (5, 512):
         together = seeded_logprob_run(make_engine(path, max_num_batched_tokens=budget,
                                            quantization="gguf"), prompts)
         assert together == alone, f"chunks of {budget} changed a token or a logprob"
