@@ -77,3 +77,16 @@ def seeded_logprob_run(engine: EngineCore, prompts: dict[str, list[int]]) -> dic
         for out in engine.step():
             got[out.request_id].append((out.new_token_ids, out.new_logprobs))
     return got
+
+
+def run_one_request(engine: EngineCore, prompt: list[int],
+                    params: SamplingParams) -> tuple[list[Any], int]:
+    """(each step's new token ids and logprobs, the tokens the prefix cache gave) of one
+    request: what a prefix-cache or disk-tier test compares with a cold engine's."""
+    engine.add_request("r", prompt, params)
+    got, cached = [], 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            got.append((out.new_token_ids, out.new_logprobs))
+            cached = out.num_cached_tokens
+    return got, cached

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import run_one_request
 
 from nanoserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from nanoserve.engine.build import build_engine_core
@@ -34,13 +35,7 @@ def engine(path: str, disk: Path | None, *, prefix_caching: bool = True,
 
 def run(core: EngineCore, prompt: list[int] = PROMPT) -> tuple[Any, int]:
     """(tokens and logprobs, cached tokens) of one request."""
-    core.add_request("r", prompt, PARAMS)
-    got, cached = [], 0
-    while core.has_unfinished():
-        for out in core.step():
-            got.append((out.new_token_ids, out.new_logprobs))
-            cached = out.num_cached_tokens
-    return got, cached
+    return run_one_request(core, prompt, PARAMS)
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ import pytest
 import torch
 from gemma4_checkpoints import SPELLINGS, WRITERS
 from gemma4_gguf import write_gemma4_gguf
-from helpers import hf_model, make_engine, seeded_logprob_run
+from helpers import hf_model, make_engine, run_one_request, seeded_logprob_run
 from test_equivalence import assert_logits_match, assert_tokens_match
 
 from nanoserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
@@ -147,14 +147,8 @@ def test_the_cache_for_16k_tokens_is_counted_by_shape_and_sharing(gemma4_dir: An
 
 def _one_request(core: EngineCore, prompt: list[int]) -> tuple[list[Any], int]:
     """(tokens and logprobs, cached tokens) of one greedy request."""
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
-    core.add_request("r", prompt, params)
-    got, cached = [], 0
-    while core.has_unfinished():
-        for out in core.step():
-            got.append((out.new_token_ids, out.new_logprobs))
-            cached = out.num_cached_tokens
-    return got, cached
+    return run_one_request(core, prompt, SamplingParams(temperature=0.0, max_tokens=6,
+                                                        ignore_eos=True, logprobs=2))
 
 
 def test_a_prefix_hit_and_the_disk_tier_answer_as_a_cold_engine(gemma4_dir: Any,
