@@ -3,6 +3,9 @@
 // a context is split, and split results merge by log-sum-exp. paged_attention.cpp hands items
 // to at::parallel_for; decode_layers.cpp's one-region forward hands each thread its share. One
 // definition for both, so the two give the same bits.
+// Attention sinks (gpt-oss: a learned logit per query head in the softmax's denominator, with
+// no value) join once per (query, head), where a row is normalized (`normalizer`: the unsplit
+// walk's end and merge_parts), never per tile or partition.
 #pragma once
 
 #include <immintrin.h>
@@ -38,7 +41,21 @@ struct Problem {
   // [B] where a row's window ends elsewhere than its context (an image's placeholder, which
   // attends its whole image but windows from its own position); null: at its context's end
   const int32_t* window_ends = nullptr;
+  const float* sinks = nullptr;  // [H] each query head's sink logit (gpt-oss); null: none
 };
+
+// The factor that turns a row's unnormalized acc (taken against its running max, sum its
+// weights) into its output: 1 / sum; with a sink logit, exp(max - top) / (sum * exp(max - top)
+// + exp(sink - top)), top = max(max, sink), the sink joining the denominator once. Both
+// normalizations call this with the same (max, sum) for a row, so a row's bits do not depend
+// on whether its context was split. A row with no keys (sum 0) gets 0 either way.
+inline float normalizer(float max, float sum, const float* sink) {
+  if (sink == nullptr) return sum > 0.0f ? 1.0f / sum : 0.0f;
+  if (sum == 0.0f) return 0.0f;  // (max is -inf: exp(max - top) would be NaN with sink -inf)
+  const float top = std::max(max, *sink);
+  const float keep = std::exp(max - top);
+  return keep / std::fma(sum, keep, std::exp(*sink - top));  // one rounding in every copy
+}
 
 // The first key row b attends: the whole context's first, or its sliding window's (the last
 // `window` keys, as transformers' sliding masks keep them).
@@ -178,8 +195,9 @@ void attend_heads(const Problem<T>& pb, int64_t first, int64_t last, Scratch<T>&
     const int64_t b = item / pb.num_kv_heads, kv_head = item % pb.num_kv_heads;
     float* acc = out + (b * pb.num_heads + kv_head * group + h0) * dim;
     attend_range(pb, b, kv_head, 0, pb.context_lens[b], sc, acc, max, sum, h0, h1);
+    const float* sinks = pb.sinks ? pb.sinks + kv_head * group + h0 : nullptr;
     for (int64_t g = 0; g < h1 - h0; ++g) {
-      const float inv = sum[g] > 0.0f ? 1.0f / sum[g] : 0.0f;
+      const float inv = normalizer(max[g], sum[g], sinks ? sinks + g : nullptr);
       for (int64_t d = 0; d < dim; ++d) acc[g * dim + d] *= inv;
     }
     unit += h1 - h0;
@@ -213,9 +231,12 @@ void attend_parts(const Problem<T>& pb, int64_t parts, int64_t first, int64_t la
 
 // The log-sum-exp merge of a split batch's partials for output rows [first, last) of
 // items * G (row = (item, g) = (request, query head): exactly out [B, H, D]'s rows in order).
+// Row r's sink logit is sinks[r % sink_heads] (sinks null: none): H for out's rows, G for one
+// KV head's rows from sinks + kv_head * G.
 inline void merge_parts(int64_t parts, int64_t group, int64_t dim, const float* part_acc,
                         const float* part_max, const float* part_sum, int64_t first,
-                        int64_t last, float* out) {
+                        int64_t last, float* out, const float* sinks = nullptr,
+                        int64_t sink_heads = 1) {
   for (int64_t row = first; row < last; ++row) {
     const int64_t item = row / group, g = row % group;
     float global_max = kNegInf;
@@ -232,7 +253,8 @@ inline void merge_parts(int64_t parts, int64_t group, int64_t dim, const float* 
       const float* a = part_acc + at * dim;
       for (int64_t d = 0; d < dim; ++d) o[d] = std::fma(w, a[d], o[d]);
     }
-    const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+    // one non-empty partition: (global_max, total, o) are exactly its (max, sum, acc)
+    const float inv = normalizer(global_max, total, sinks ? sinks + row % sink_heads : nullptr);
     for (int64_t d = 0; d < dim; ++d) o[d] *= inv;
   }
 }

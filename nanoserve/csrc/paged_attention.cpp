@@ -19,6 +19,10 @@
 // prompt token's, whatever chunk it was prefilled in: prefill queries come here too). A prefill
 // chunk's rows, which share their keys, are attended in blocks of rows (run_attend.h), each row
 // to the same bits (on an int8 cache too, where its scores are integers).
+// Attention sinks (gpt-oss; optional, `sinks` [H] float32 logits): each joins its query head's
+// softmax denominator once, with no value, where the row is normalized: at the end of an
+// unsplit walk or in the log-sum-exp merge (paged_attend.h's normalizer), never per partition,
+// so the contracts above hold with them; without them the bits are those of a kernel without.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/extension.h>
@@ -43,12 +47,12 @@ template <typename T>
 void attend_batch(const torch::Tensor& q, const torch::Tensor& k_cache,
                   const torch::Tensor& v_cache, const torch::Tensor& block_table,
                   const torch::Tensor& context_lens, double scale, int64_t window,
-                  torch::Tensor& out, const int32_t* window_ends) {
+                  torch::Tensor& out, const int32_t* window_ends, const float* sinks) {
   const Problem<T> pb{q.data_ptr<float>(), static_cast<const T*>(k_cache.data_ptr()),
                       static_cast<const T*>(v_cache.data_ptr()), block_table.data_ptr<int32_t>(),
                       context_lens.data_ptr<int32_t>(), q.size(1), k_cache.size(0), q.size(2),
                       k_cache.size(1), k_cache.size(2), block_table.size(1),
-                      static_cast<float>(scale), window, window_ends};
+                      static_cast<float>(scale), window, window_ends, sinks};
   float* out_ptr = out.data_ptr<float>();
   const int64_t batch = q.size(0), group = pb.num_heads / pb.num_kv_heads, dim = pb.dim;
   const int64_t items = batch * pb.num_kv_heads;
@@ -78,7 +82,7 @@ void attend_batch(const torch::Tensor& q, const torch::Tensor& k_cache,
   });
   at::parallel_for(0, items * group, 1, [&](int64_t first, int64_t last) {
     merge_parts(parts, group, dim, part_acc.data(), part_max.data(), part_sum.data(), first,
-                last, out_ptr);
+                last, out_ptr, pb.sinks, pb.num_heads);
   });
 }
 
@@ -87,11 +91,13 @@ void attend_batch(const torch::Tensor& q, const torch::Tensor& k_cache,
 // out [B, H, D] = softmax(q · K^T * scale) · V per request, over its context_lens[b] cached
 // tokens (the last `window` of them where window > 0: a sliding-window layer, the window
 // ending at window_ends[b] where given, else at the context's end), for a float32, float16
-// or int8 cache. Writes `out` and returns it.
+// or int8 cache; with `sinks` [H], head h's softmax denominator also holds exp(sinks[h]).
+// Writes `out` and returns it.
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                torch::Tensor block_table, torch::Tensor context_lens,
                                double scale, torch::Tensor out, int64_t window,
-                               std::optional<torch::Tensor> window_ends = std::nullopt) {
+                               std::optional<torch::Tensor> window_ends = std::nullopt,
+                               std::optional<torch::Tensor> sinks = std::nullopt) {
   check_inputs(q, k_cache, v_cache, block_table, context_lens, out, window);
   const int32_t* ends = nullptr;
   if (window_ends.has_value()) {
@@ -100,20 +106,31 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
                 "window_ends must be contiguous int32 [B]");
     ends = window_ends->data_ptr<int32_t>();
   }
+  const float* sink_logits = nullptr;
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->device().is_cpu() && sinks->scalar_type() == torch::kFloat32 &&
+                    sinks->is_contiguous() && sinks->numel() == q.size(1),
+                "sinks must be contiguous CPU float32 [H] (one logit per query head), got ",
+                sinks->scalar_type(), " of ", sinks->numel(), " elements for ", q.size(1),
+                " heads");
+    sink_logits = sinks->data_ptr<float>();
+  }
   if (k_cache.scalar_type() == torch::kFloat16)
-    attend_batch<Half>(q, k_cache, v_cache, block_table, context_lens, scale, window, out, ends);
+    attend_batch<Half>(q, k_cache, v_cache, block_table, context_lens, scale, window, out, ends,
+                       sink_logits);
   else if (k_cache.scalar_type() == torch::kChar)
     attend_batch<int8_t>(q, k_cache, v_cache, block_table, context_lens, scale, window, out,
-                         ends);
+                         ends, sink_logits);
   else
     attend_batch<float>(q, k_cache, v_cache, block_table, context_lens, scale, window, out,
-                        ends);
+                        ends, sink_logits);
   return out;
 }
 
 // The same call as a dispatcher op, for native code that chains the kernels (decode_layers.cpp)
 // and for torch.compile (bench/compiled.py). It returns nothing: functionalization, which
-// torch.compile runs, rejects a custom op whose output aliases an input (`out`).
+// torch.compile runs, rejects a custom op whose output aliases an input (`out`). It takes no
+// sinks: no model the native layer stacks run has them.
 TORCH_LIBRARY_FRAGMENT(nanoserve, m) {
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
         "Tensor context_lens, float scale, Tensor(a!) out, int window=0) -> ()");
@@ -131,8 +148,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, py::arg("q"), py::arg("k_cache"),
         py::arg("v_cache"), py::arg("block_table"), py::arg("context_lens"), py::arg("scale"),
         py::arg("out"), py::arg("window") = 0, py::arg("window_ends") = py::none(),
-        "Decode attention over a paged float32, float16 or int8 KV cache, read in place "
-        "(CPU, AVX2)");
+        py::arg("sinks") = py::none(),
+        "Decode attention over a paged float32, float16 or int8 KV cache, read in place, "
+        "with optional per-head attention sinks (CPU, AVX2)");
   m.def("get_schedule", [] { return schedule::flat(schedule::current()); },
         "this module's kernel schedule, flat (schedule.h)");
   m.def("set_schedule", &schedule::set_flat, "set this module's kernel schedule (flat)");

@@ -11,7 +11,8 @@
 //
 // Work items are (block, KV head), handed out largest first from a shared counter: a chunk's
 // later rows see more keys, and in-order halves of a first chunk's rows give one thread a
-// quarter of its keys. A block's partitions are merged where it ends, from its own partials.
+// quarter of its keys. A block's partitions are merged where it ends, from its own partials;
+// attention sinks join there, once per row, as they join a decode's (paged_attend.h).
 // Figures: docs/benchmarks.md, "Prefill attention as tiled matrix products".
 #pragma once
 
@@ -239,7 +240,8 @@ void attend_block(const Problem<T>& pb, const Block& blk, int64_t kv_head, Block
   // One non-empty partition merges to exactly what an unsplit walk normalizes (weight
   // exp(0) = 1), so this is the per-row path's result whether or not it split the batch.
   merge_parts(parts, group, dim, sc.part_acc.data(), sc.part_max.data(), sc.part_sum.data(), 0,
-              rows * group, sc.merged.data());
+              rows * group, sc.merged.data(),
+              pb.sinks ? pb.sinks + kv_head * group : nullptr, group);
   for (int64_t r = 0; r < rows; ++r)
     std::copy_n(sc.merged.data() + r * group * dim, group * dim,
                 out + ((blk.first + r) * pb.num_heads + kv_head * group) * dim);

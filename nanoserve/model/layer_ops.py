@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -30,8 +30,16 @@ from nanoserve.model.layer_weights import LayerWeights
 from nanoserve.model.linear import linear
 from nanoserve.model.rope import RotaryEmbedding, apply_rope
 
-# (q, k, v, k_cache, v_cache, meta, stored, window) -> [T, H * D]: an attention backend's forward
-Attend = Callable[..., torch.Tensor]
+
+class Attend(Protocol):
+    """An attention backend's forward (attention/base.py's `AttentionBackend.forward`, which
+    states the contract): q [T, H, D], k and v [T, Hkv, D] -> [T, H * D]; `sinks` [H] float32:
+    each query head's attention-sink logit (gpt-oss), joined once per query, or None."""
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: Any,
+                 stored: bool = False, window: int = 0, *,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True, slots=True)

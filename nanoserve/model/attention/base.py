@@ -10,6 +10,9 @@ inside the metadata. Backends (mini-sglang's `attention/base.py`, vLLM's `v1/att
   cpu_paged.py  the C++ kernel that reads the cache where it lies (CPU; float32, float16 and
                 int8 caches): every token of a step attended as a decode
   selector.py   which one runs, from the device and the cache's dtype
+
+Every backend takes attention sinks (gpt-oss): an optional logit per query head that joins
+that head's softmax denominator once per query, with no value vector.
 """
 
 from __future__ import annotations
@@ -59,14 +62,17 @@ class AttentionBackend(ABC, Generic[MetadataT]):
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: MetadataT,
-                stored: bool = False, window: int = 0) -> torch.Tensor:
+                stored: bool = False, window: int = 0, *,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Write this step's keys and values into the cache, then attend: q [T, H, D], k and v
         [T, Hkv, D], caches [Hkv, num_blocks, block_size, D] -> [T, H * D].
 
         `stored`: the caller wrote them already (both op tables do, in rope_store); k and v
         are then read only where `meta.reads_new_kv`, and may be None elsewhere. `window` > 0:
         each token attends only the last `window` keys up to its own (a sliding-window
-        layer: key j for the token at position p when p - window < j <= p)."""
+        layer: key j for the token at position p when p - window < j <= p). `sinks` [H]
+        float32: head h's softmax denominator also holds exp(sinks[h]), once per query
+        (transformers' eager gpt-oss attention); None: no sinks."""
 
     def layer_stack(self, model: StackedModel,
                     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> Any | None:

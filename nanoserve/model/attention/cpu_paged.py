@@ -6,7 +6,9 @@ row t % block_size of block `block_table[t // block_size]`), as sdpa.py's
 `gather_decode_attention` does (tests/model/test_paged_attention.py: within 1e-5 relative).
 Arithmetic is float32 over a float32, float16 or int8 cache (`--kv-cache-dtype`;
 engine/model_runner.py says when "auto" picks float16); each key and value row is loaded once
-for the query heads that share it (GQA).
+for the query heads that share it (GQA). Attention sinks (`sinks` [H] float32, gpt-oss) join
+each head's softmax denominator once, where the kernel normalizes a row (after its whole walk
+or its partitions' merge), so the bit-for-bit contracts below hold with them too.
 
 Every token of a step, a prefill chunk's too, is attended as a decode over the cache up to its
 own position, after the step's keys and values are written: a token's result is then the same
@@ -114,7 +116,8 @@ class CpuPagedBackend(AttentionBackend[CpuPagedMetadata]):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: CpuPagedMetadata,
-                stored: bool = False, window: int = 0) -> torch.Tensor:
+                stored: bool = False, window: int = 0, *,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         if not stored:
             assert k is not None and v is not None, "forward stores k and v unless stored"
             write_kv_cache(k, v, k_cache, v_cache, meta.cache_index)
@@ -124,8 +127,9 @@ class CpuPagedBackend(AttentionBackend[CpuPagedMetadata]):
         out = q_f32.new_empty(batch, num_heads, head_dim)
         args: tuple[Any, ...] = (q_f32, k_cache, v_cache, meta.block_table, meta.context_lens,
                                  1.0 / math.sqrt(head_dim), out, window)
-        if window and meta.window_ends is not None:  # (a step with images seen both ways)
-            args = (*args, meta.window_ends)
+        ends = meta.window_ends if window else None  # (a step with images seen both ways)
+        if ends is not None or sinks is not None:
+            args = (*args, ends, None if sinks is None else _sink_logits(sinks))
         if torch.autograd._profiler_enabled():  # lets `bench step` see the kernel (~40 ns)
             with record_function("nanoserve::decode_attention"):
                 self._kernel(*args)
@@ -134,20 +138,29 @@ class CpuPagedBackend(AttentionBackend[CpuPagedMetadata]):
         return out.view(batch, num_heads * head_dim).to(q.dtype)
 
 
+def _sink_logits(sinks: torch.Tensor) -> torch.Tensor:
+    """sinks as the kernel takes them: contiguous float32 [H] on the CPU (a no-op when they
+    are already)."""
+    return sinks.to(torch.float32).contiguous()
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_table: torch.Tensor, context_lens: torch.Tensor,
-                     window: int = 0) -> torch.Tensor:
+                     window: int = 0, *, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, H, D], caches [Hkv, num_blocks, block_size, D] (float32 or float16; int8 rows
     are D + 4 bytes), block_table [B, max_blocks] int32, context_lens [B] int32 -> [B, H * D]
-    in q's dtype, each row over its last `window` keys where window > 0: the kernel on its
+    in q's dtype, each row over its last `window` keys where window > 0, with head h's sink
+    logit sinks[h] in its softmax's denominator where `sinks` [H] is given: the kernel on its
     own (the backend's forward makes the same call)."""
     kernels = load_kernels("paged_attention")
     assert kernels is not None, "check can_read_cache_in_place before choosing this backend"
     batch, num_heads, head_dim = q.shape
     q_f32 = q.to(torch.float32).contiguous()  # the kernel computes in float32 (q is tiny)
     out = q_f32.new_empty(batch, num_heads, head_dim)
-    args = (q_f32, k_cache, v_cache, block_table, context_lens, 1.0 / math.sqrt(head_dim), out,
-            window)
+    args: tuple[Any, ...] = (q_f32, k_cache, v_cache, block_table, context_lens,
+                             1.0 / math.sqrt(head_dim), out, window)
+    if sinks is not None:
+        args = (*args, None, _sink_logits(sinks))  # (no window_ends)
     if torch.autograd._profiler_enabled():  # lets `bench step` see the kernel (~40 ns)
         with record_function("nanoserve::decode_attention"):
             kernels.decode_attention(*args)

@@ -13,6 +13,10 @@ What is gathered from a float16 cache is widened to the queries' dtype before SD
 chunk attending to itself uses its keys and values rounded to the cache's dtype the same way,
 so a prompt's result does not depend on how it was split into chunks or how much of it the
 prefix cache held.
+
+Attention sinks (gpt-oss: a logit per query head in the softmax's denominator, no value) ride
+in SDPA as one more key: a zero key row scores exactly 0, the float mask adds the head's sink
+logit on that column, and its zero value row adds nothing to the output (`_with_sink_key`).
 """
 
 from __future__ import annotations
@@ -101,7 +105,8 @@ class SdpaBackend(AttentionBackend[SdpaMetadata]):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: SdpaMetadata,
-                stored: bool = False, window: int = 0) -> torch.Tensor:
+                stored: bool = False, window: int = 0, *,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         num_tokens, num_heads, head_dim = q.shape  # q: [T, H, D]; k, v: [T, Hkv, D]
         # 1) store the new keys and values in their cache rows
         if not stored:
@@ -110,19 +115,19 @@ class SdpaBackend(AttentionBackend[SdpaMetadata]):
         decodes = meta.decodes
         if not meta.prefills:
             assert decodes is not None, "a step computes at least one token"
-            return gather_decode_attention(q, k_cache, v_cache, decodes, window)
+            return gather_decode_attention(q, k_cache, v_cache, decodes, window, sinks=sinks)
         out = q.new_empty(num_tokens, num_heads * head_dim)
         # 2) all decodes at once
         if decodes is not None:
             num_decodes = decodes.num_decodes
             out[:num_decodes] = gather_decode_attention(q[:num_decodes], k_cache, v_cache,
-                                                        decodes, window)
+                                                        decodes, window, sinks=sinks)
         # 3) each prefill chunk on its own
         assert k is not None and v is not None, "prefill chunks read this step's k and v"
         for chunk in meta.prefills:
             rows = slice(chunk.start, chunk.start + chunk.num_tokens)
             out[rows] = prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, chunk,
-                                          window)
+                                          window, sinks=sinks)
         return out
 
     def _gathered_decodes(self, table: np.ndarray, context_lens: np.ndarray
@@ -156,10 +161,31 @@ def _gather_blocks(cache: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return cache.view(-1, *cache.shape[2:]).index_select(0, rows)
 
 
+def _with_sink_key(keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor,
+                   sink_logits: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """keys and values [..., S, D] with a zero row appended, and the float mask [..., L, S + 1]
+    that SDPA then takes: 0 where `allowed` (bool, broadcast to [..., L, S]), -inf elsewhere,
+    and `sink_logits` (broadcast to [..., L, 1]) on the new key's column.
+
+    Why a key, not SDPA then a correction by the log-sum-exp: SDPA does not return the
+    log-sum-exp, and recomputing it takes a second pass over the scores. Here the zero key's
+    score is exactly 0, so its masked score is exactly the sink logit, and its zero value
+    weighs nothing: softmax([scores, sink]) · [V; 0], the eager reference's formula."""
+    zero = keys.new_zeros(*keys.shape[:-2], 1, keys.shape[-1])
+    bias = torch.zeros(allowed.shape, dtype=keys.dtype, device=keys.device)
+    bias.masked_fill_(~allowed, float("-inf"))
+    rows = torch.broadcast_shapes(bias.shape[:-1], sink_logits.shape[:-1])  # [..., L]
+    mask = torch.cat([bias.expand(*rows, bias.shape[-1]),
+                      sink_logits.to(keys.dtype).expand(*rows, 1)], dim=-1)
+    return torch.cat([keys, zero], dim=-2), torch.cat([values, zero], dim=-2), mask
+
+
 def gather_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            decodes: GatheredDecodes, window: int = 0) -> torch.Tensor:
+                            decodes: GatheredDecodes, window: int = 0, *,
+                            sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One query per request against its gathered blocks (its last `window` of them where
-    window > 0). q: [B, H, D] -> [B, H * D]."""
+    window > 0), head h's sink logit sinks[h] in its denominator where `sinks` [H] is given.
+    q: [B, H, D] -> [B, H * D]."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[0]
     num_keys = decodes.key_mask.shape[-1]
@@ -174,16 +200,20 @@ def gather_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     # Grouped-query attention without copying keys: the H / Hkv query heads that share a KV
     # head act as that head's queries. [Hkv, B, H / Hkv, D]
     grouped_q = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim).transpose(0, 1)
-    out = F.scaled_dot_product_attention(grouped_q, keys, values,
-                                         attn_mask=decodes.window_mask(window).transpose(0, 1))
+    mask = decodes.window_mask(window).transpose(0, 1)  # [1, B, 1, max_blocks * block_size]
+    if sinks is not None:  # head h = kv_head * G + g: [Hkv, 1, G, 1]
+        keys, values, mask = _with_sink_key(keys, values, mask,
+                                            sinks.view(num_kv_heads, 1, -1, 1))
+    out = F.scaled_dot_product_attention(grouped_q, keys, values, attn_mask=mask)
     return out.transpose(0, 1).reshape(batch, num_heads * head_dim)
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                      v_cache: torch.Tensor, chunk: PrefillChunk,
-                      window: int = 0) -> torch.Tensor:
+                      v_cache: torch.Tensor, chunk: PrefillChunk, window: int = 0, *,
+                      sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of one chunk (each token over its last `window` keys where window >
-    0). q: [n, H, D], k/v: [n, Hkv, D] -> [n, H * D]."""
+    0; head h's sink logit sinks[h] in its denominator where `sinks` [H] is given).
+    q: [n, H, D], k/v: [n, Hkv, D] -> [n, H * D]."""
     num_tokens, num_heads, head_dim = q.shape
     if chunk.block_ids is None:  # the chunk is the whole context
         if k_cache.dtype != k.dtype:
@@ -211,9 +241,14 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
         mask, is_causal = key_pos < ends, False
         if window:
             mask = mask & (key_pos > query_pos - window)
+    keys, values = keys.unsqueeze(0), values.unsqueeze(0)  # [1, Hkv, ctx, D]
+    if sinks is not None:
+        if mask is None:  # causal over the chunk itself, as a mask the sink's column can join
+            mask = torch.ones(num_tokens, num_tokens, dtype=torch.bool, device=q.device).tril()
+        keys, values, mask = _with_sink_key(keys, values, mask, sinks.view(1, -1, 1, 1))
+        is_causal = False
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0),  # [1, H, n, D]
-        keys.unsqueeze(0), values.unsqueeze(0),  # [1, Hkv, ctx, D]
-        attn_mask=mask, is_causal=is_causal, enable_gqa=True,
+        keys, values, attn_mask=mask, is_causal=is_causal, enable_gqa=True,
     )  # [1, H, n, D]
     return out[0].transpose(0, 1).reshape(num_tokens, num_heads * head_dim)
