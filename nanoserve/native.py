@@ -285,7 +285,9 @@ def _tier_refused(tier: str) -> str | None:
 _PROOF_TYPES = (("Q8_0", 8, 32, 34, (0,)), ("Q4_0", 2, 32, 18, (0,)),
                 ("Q4_1", 3, 32, 20, (0, 2)), ("Q5_0", 6, 32, 22, (0,)),
                 ("Q5_1", 7, 32, 24, (0, 2)), ("Q4_K", 12, 256, 144, (0, 2)),
-                ("Q5_K", 13, 256, 176, (0, 2)), ("Q6_K", 14, 256, 210, (208,)))
+                ("Q5_K", 13, 256, 176, (0, 2)), ("Q6_K", 14, 256, 210, (208,)),
+                ("MXFP4", 39, 32, 17, ()))
+_MXFP4 = 39  # its scale is one E8M0 byte at offset 0: random bytes up to 2^127 make inf
 
 
 def _tier_differs(module: ModuleType, reference: ModuleType) -> str | None:
@@ -299,6 +301,9 @@ def _tier_differs(module: ModuleType, reference: ModuleType) -> str | None:
         for offset in scale_offsets:
             scales = torch.rand(n, k // elems, generator=gen) * 0.01 + 1e-3
             raw[..., offset:offset + 2] = scales.half().unsqueeze(-1).view(torch.uint8)
+        if ggml_type == _MXFP4:
+            raw[..., 0] = torch.randint(118, 126, (n, k // elems), dtype=torch.uint8,
+                                        generator=gen)
         raw = raw.reshape(-1)
         for rows in (1, 5, 17):
             x = torch.randn(rows, k, generator=gen)

@@ -9,6 +9,7 @@
 //   U5F (Q5_0, Q5_K): U4F's, then 32 bytes of 5th bits                      224 bytes
 //   S8H (Q8_0):       f16 d[8], 256 int8                                    272 bytes
 //   S8F2 (Q6_K):      f32 d[8] for inputs 0-15, f32 d[8] for 16-31, 256 int8 320 bytes
+//   L4F (MXFP4):      f32 d[8] = 2^(e-128), 128 bytes of nibbles (codes)      160 bytes
 // Nibble byte t*32 + i*4 + c holds row i's input 4t+c (low) and 16+4t+c (high); int8 byte
 // t*32 + i*4 + c holds row i's input 4t+c; 5th-bit byte i*4 + c holds, in bit t (0-7), the
 // 5th bit of row i's input 4t+c (the kernel ORs it into the value vector of those inputs with
@@ -16,6 +17,12 @@
 // packed form equals dequantizing the file (tests check it bit for bit).
 // Q4_0 keeps its offset -8d as f32 (exact, and the f16 form would need an overflow check), and
 // Q5_0 its offset -16d likewise: d*q + (-16d) is d*(q-16) exactly.
+// L4F's nibbles are MXFP4 codes, not values: the kernel looks each up in kMxfp4Values (a byte
+// shuffle) and multiplies the signed int8 value as Q8_0's are. Why nibbles and a lookup, not
+// S8H's byte a value: a 20B gpt-oss must fit 24 GB, and one row streams the weights (160
+// bytes a block against 288); why an f32 scale, not the file's E8M0 byte: 2^(e-128) is exact
+// in f32 (e = 0 a subnormal) and then loads as U4F's scales do. The file's 16 nibble bytes are
+// already in the U4 order (byte j: input j low, j+16 high), so repacking copies them.
 //
 // Why the 5-bit types keep a nibble and a bit, not a byte a value (Q5_0 fits S8H exactly):
 // one row streams the weights from memory, and S8H reads 272 bytes a block against U5F's 224.
@@ -35,11 +42,14 @@
 namespace gguf_blocks {
 
 constexpr int GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q5_0 = 6, GGML_Q5_1 = 7, GGML_Q8_0 = 8;
-constexpr int GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14;
+constexpr int GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14, GGML_MXFP4 = 39;
 constexpr int QK = 32;     // inputs per kernel block
 constexpr int TILE_N = 8;  // output rows interleaved in one packed group
 
-enum class Layout { U4H, U4F, U5H, U5F, S8H, S8F2 };
+enum class Layout { U4H, U4F, U5H, U5F, S8H, S8F2, L4F };
+
+// MXFP4's values of its 16 codes: 2 * E2M1 (bit 3 the sign), times 2^(e-128) a block.
+constexpr int8_t kMxfp4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
 struct TypeInfo {
   int block_elems;  // inputs per GGUF block
@@ -57,10 +67,11 @@ inline TypeInfo type_info(int64_t ggml_type) {
     case GGML_Q5_0: return {32, 22, Layout::U5F};
     case GGML_Q5_1: return {32, 24, Layout::U5H};
     case GGML_Q5_K: return {256, 176, Layout::U5F};
+    case GGML_MXFP4: return {32, 17, Layout::L4F};
     default:
       TORCH_CHECK(false, "quant_matmul: ggml type ", ggml_type,
                   " is not supported (Q8_0=8, Q4_0=2, Q4_1=3, Q5_0=6, Q5_1=7, Q4_K=12, "
-                  "Q5_K=13, Q6_K=14)");
+                  "Q5_K=13, Q6_K=14, MXFP4=39)");
   }
 }
 
@@ -71,8 +82,15 @@ constexpr int64_t packed_block_bytes(Layout layout) {
     case Layout::U5H: return 192;
     case Layout::U5F: return 224;
     case Layout::S8H: return 272;
+    case Layout::L4F: return 160;
     default: return 320;
   }
+}
+
+// The kernel schedule's prefetch slot of a layout (schedule.h tunes one per layout): L4F
+// streams 160-byte blocks of nibbles as U4H does, and shares its slot.
+constexpr int schedule_slot(Layout layout) {
+  return layout == Layout::L4F ? int(Layout::U4H) : int(layout);
 }
 
 constexpr bool is_u4(Layout layout) { return layout == Layout::U4H || layout == Layout::U4F; }
@@ -86,7 +104,9 @@ constexpr bool has_f16_scales(Layout layout) {
 
 // A block's bytes before its quantized values: the scales (and offsets).
 constexpr int64_t qs_offset(Layout layout) {
-  return layout == Layout::U4H || layout == Layout::U5H ? 32 : layout == Layout::S8H ? 16 : 64;
+  return layout == Layout::U4H || layout == Layout::U5H || layout == Layout::L4F ? 32
+         : layout == Layout::S8H                                                 ? 16
+                                                                                 : 64;
 }
 
 // Where a 5-bit layout's 5th bits start: after the nibbles.
@@ -172,10 +192,28 @@ inline void decode_k_block(int64_t type, const uint8_t* row, int64_t b, Block32&
   }
 }
 
+// MXFP4's E8M0 scale halved, 2^(e-128), exactly (ggml's ggml_e8m0_to_fp32_half: e = 0 and 1
+// are subnormals).
+inline float e8m0_half(uint8_t e) {
+  const uint32_t bits = e < 2 ? uint32_t(0x00200000) << e : uint32_t(e - 1) << 23;
+  float d;
+  std::memcpy(&d, &bits, 4);
+  return d;
+}
+
 // Block b (of 32 inputs) of one weight row's raw GGUF bytes.
 inline void decode_block(int64_t type, const uint8_t* row, int64_t b, Block32& out) {
   out.m = 0.f;
   switch (type) {
+    case GGML_MXFP4: {  // uint8 e, 16 bytes of codes (inputs 0-15 low, 16-31 high)
+      const uint8_t* blk = row + b * 17;
+      out.d[0] = out.d[1] = e8m0_half(blk[0]);
+      for (int e = 0; e < 16; ++e) {
+        out.q[e] = kMxfp4Values[blk[1 + e] & 0xF];
+        out.q[e + 16] = kMxfp4Values[blk[1 + e] >> 4];
+      }
+      return;
+    }
     case GGML_Q8_0: {
       const uint8_t* blk = row + b * 34;
       std::memcpy(out.d_f16, blk, 2);
@@ -215,7 +253,8 @@ inline void decode_block(int64_t type, const uint8_t* row, int64_t b, Block32& o
 
 // ---- repacking ----------------------------------------------------------------------------------
 
-// Block b of one row into its slot i (0-7) of the packed group block at dst.
+// Block b of one row into its slot i (0-7) of the packed group block at dst (every layout but
+// L4F, whose blocks keep the file's codes: pack_mxfp4_block).
 inline void pack_block(Layout layout, const Block32& blk, int i, uint8_t* dst) {
   if (has_f16_scales(layout)) {
     std::memcpy(dst + 2 * i, blk.d_f16, 2);
@@ -243,9 +282,30 @@ inline void pack_block(Layout layout, const Block32& blk, int i, uint8_t* dst) {
   }
 }
 
-// Row i of a packed group block, dequantized: the exact inverse of pack_block.
+// Block b of an MXFP4 row into its slot i (0-7) of the L4F group block at dst: the scale, and
+// the file's code bytes as they are (byte 4t + c to t*32 + i*4 + c: already the U4 order).
+inline void pack_mxfp4_block(const uint8_t* row, int64_t b, int i, uint8_t* dst) {
+  const uint8_t* blk = row + b * 17;
+  const float d = e8m0_half(blk[0]);
+  std::memcpy(dst + 4 * i, &d, 4);
+  for (int t = 0; t < 4; ++t)
+    std::memcpy(dst + qs_offset(Layout::L4F) + t * 32 + i * 4, blk + 1 + 4 * t, 4);
+}
+
+// Row i of a packed group block, dequantized: the exact inverse of pack_block (and of
+// pack_mxfp4_block).
 inline void unpack_row(Layout layout, const uint8_t* blk, int i, float* out) {
   const uint8_t* qs = blk + qs_offset(layout);
+  if (layout == Layout::L4F) {
+    float d;
+    std::memcpy(&d, blk + 4 * i, 4);
+    for (int e = 0; e < 16; ++e) {
+      const uint8_t byte = qs[(e / 4) * 32 + i * 4 + e % 4];
+      out[e] = d * float(kMxfp4Values[byte & 0xF]);
+      out[e + 16] = d * float(kMxfp4Values[byte >> 4]);
+    }
+    return;
+  }
   float d0, d1, m = 0.f;
   if (has_f16_scales(layout)) {
     d0 = d1 = f16(blk + 2 * i);

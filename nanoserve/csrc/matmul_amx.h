@@ -10,7 +10,7 @@
 // 5-bit weight's wide form or Q8_0's packed bytes, is read as it is, a dot product of 8 outputs
 // per group: `is_direct`), C = rows x 16 int32, the exact integer sum of each
 // output's block: TDPBSUD for the unsigned 4- and 5-bit layouts (activations signed, weights
-// unsigned), TDPBSSD for Q8_0 and Q6_K, whose two 16-input halves keep their sums apart (two
+// unsigned), TDPBSSD for Q8_0, MXFP4 (its codes looked up into int8 B rows) and Q6_K, whose two 16-input halves keep their sums apart (two
 // dot products of K = 16). Each block's integer sums are the same as every other tier's, and the
 // float epilogue is matmul_pairs_avx512's to the operation (fma(dot, dw * da, acc), then the
 // offset term; Q6_K's halves lo then hi), so the outputs are the avx2 tier's bit for bit.
@@ -81,9 +81,10 @@ inline void b_tile(const uint8_t* ba, const uint8_t* bb, uint8_t* tile) {
   __m512i rows[8];
   if constexpr (is_unsigned(L)) {
     matmul_pairs_avx512::unpack_pair<L, Wide>(ba, bb, rows);
-  } else {  // signed bytes as they are packed: chunk t is inputs 4t..4t+3
-    for (int t = 0; t < 8; ++t) rows[t] = load_pair(ba + qs_offset(L) + 32 * t,
-                                                    bb + qs_offset(L) + 32 * t);
+  } else {  // signed bytes as they are packed (MXFP4's looked up): chunk t is inputs 4t..4t+3
+    for (int t = 0; t < 8; ++t)
+      rows[t] = matmul_pairs_avx512::signed_pair_chunk<L>(ba + qs_offset(L),
+                                                          bb + qs_offset(L), t);
   }
   for (int t = 0; t < 8; ++t) _mm512_store_si512(tile + 64 * t, rows[t]);
 }

@@ -71,6 +71,9 @@ inline void pair_scales(const uint8_t* a, const uint8_t* b, __m512& first, __m51
   } else if constexpr (L == Layout::S8H) {
     first = join(half(a), half(b));
     second = first;
+  } else if constexpr (L == Layout::L4F) {
+    first = join(full(a), full(b));
+    second = first;
   } else {
     first = join(full(a), full(b));
     second = join(full(a + 32), full(b + 32));
@@ -78,6 +81,22 @@ inline void pair_scales(const uint8_t* a, const uint8_t* b, __m512& first, __m51
 }
 
 inline __m512i bcast(const int8_t* a) { return _mm512_set1_epi32(load_i32(a)); }
+
+// matmul_tiles::signed_chunk for a pair of groups: their int8 values of inputs 4t..4t+3 (L4F's
+// codes looked up in kMxfp4Values, 16 bytes a 128-bit lane).
+template <Layout L>
+inline __m512i signed_pair_chunk(const uint8_t* qa, const uint8_t* qb, int t) {
+  if constexpr (L == Layout::L4F) {
+    const __m512i values = _mm512_broadcast_i32x4(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(kMxfp4Values)));
+    const __m512i raw = load_pair(qa + 32 * (t % 4), qb + 32 * (t % 4));
+    const __m512i codes = _mm512_and_si512(t < 4 ? raw : _mm512_srli_epi16(raw, 4),
+                                           _mm512_set1_epi8(0x0F));
+    return _mm512_shuffle_epi8(values, codes);
+  } else {
+    return load_pair(qa + 32 * t, qb + 32 * t);
+  }
+}
 
 // matmul_tiles::or_high_bits for a pair of groups: bit t of byte i*4 + c to bit 4 of wq[t]'s.
 inline void or_high_bits(const uint8_t* high_a, const uint8_t* high_b, __m512i* wq) {
@@ -139,7 +158,8 @@ void u4_pair(const uint8_t* wa, const uint8_t* wb, int64_t KB, const RowPtrs& ro
 }
 
 // w = d*q with signed q: vpdpbusd(|q|, a negated where q < 0), AVX2's maddubs(|q|, sign(a, q))
-// (where q is 0 the product is 0 either way). Q6_K keeps its two halves' sums apart.
+// (where q is 0 the product is 0 either way). Q6_K keeps its two halves' sums apart; MXFP4's
+// looked-up values go as Q8_0's.
 template <Layout L, int R, bool Stream>
 void s8_pair(const uint8_t* wa, const uint8_t* wb, int64_t KB, const RowPtrs& rows,
              const schedule::Prefetch& pf) {
@@ -154,7 +174,7 @@ void s8_pair(const uint8_t* wa, const uint8_t* wb, int64_t KB, const RowPtrs& ro
     __m512i sum[R][2];
     for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = _mm512_setzero_si512();
     for (int t = 0; t < 8; ++t) {
-      const __m512i q = load_pair(qa + 32 * t, qb + 32 * t);
+      const __m512i q = signed_pair_chunk<L>(qa, qb, t);
       const __m512i q_abs = _mm512_abs_epi8(q);
       const __mmask64 negative = _mm512_movepi8_mask(q);
       const int half = kPerHalf ? t / 4 : t % 2;  // Q8_0: two chains, summed below
@@ -194,7 +214,7 @@ template <Layout L, bool Wide, bool Stream>
 void matmul_groups(const uint8_t* packed, const int8_t* q, const float* d, const float* s,
                    int64_t M, int64_t N, int64_t K, float* y, int64_t g0, int64_t g1) {
   const int64_t KB = K / QK, group_bytes = KB * block_bytes<L, Wide>();
-  const schedule::Prefetch pf = schedule::weights(int(L), M);
+  const schedule::Prefetch pf = schedule::weights(schedule_slot(L), M);
   constexpr int64_t kGroupsPerChunk = 8;  // even: pairs never straddle a chunk
   alignas(64) float tail[TILE_M][PAIR_N];
   for (int64_t gc = g0; gc < g1; gc += kGroupsPerChunk) {

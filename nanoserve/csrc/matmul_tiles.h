@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "gguf_blocks.h"
 #include "schedule.h"
@@ -93,6 +94,9 @@ inline void load_scales(const uint8_t* blk, __m256& a, __m256& b) {
   } else if constexpr (L == Layout::S8H) {
     a = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
     b = a;
+  } else if constexpr (L == Layout::L4F) {
+    a = _mm256_loadu_ps(reinterpret_cast<const float*>(blk));
+    b = a;
   } else {
     a = _mm256_loadu_ps(reinterpret_cast<const float*>(blk));
     b = _mm256_loadu_ps(reinterpret_cast<const float*>(blk + 32));
@@ -153,22 +157,40 @@ void u4_group(const uint8_t* w, int64_t KB, const RowPtrs& rows,
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(rows.y[r], acc[r]);
 }
 
+// A signed block's int8 values of inputs 4t..4t+3, lane i row i's: S8H's and S8F2's bytes as
+// they are, L4F's codes (low nibbles of its byte row t, high ones of row t - 4) looked up in
+// kMxfp4Values, 16 bytes a 128-bit lane.
+template <Layout L>
+inline __m256i signed_chunk(const uint8_t* qs, int t) {
+  if constexpr (L == Layout::L4F) {
+    const __m256i values = _mm256_broadcastsi128_si256(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(kMxfp4Values)));
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * (t % 4)));
+    const __m256i codes = _mm256_and_si256(t < 4 ? raw : _mm256_srli_epi16(raw, 4),
+                                           _mm256_set1_epi8(0x0F));
+    return _mm256_shuffle_epi8(values, codes);
+  } else {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * t));
+  }
+}
+
 // w = d*q with signed q: the tier's sums of |q| times a with q's sign (AVX2: Q8_0 widens each
 // product pair to int32 at once, two could overflow int16; Q6_K's |q| <= 32 lets four sum in
-// int16, 4*2*32*127 = 32512).
+// int16, 4*2*32*127 = 32512; MXFP4's |q| <= 12 all eight, 8*2*12*127 = 24384).
 template <Layout L, int R, bool Stream>
 void s8_group(const uint8_t* w, int64_t KB, const RowPtrs& rows,
               const schedule::Prefetch& pf) {
   constexpr int64_t BPB = packed_block_bytes(L);
   constexpr bool kPerHalf = L == Layout::S8F2;
+  using Sums = std::conditional_t<L == Layout::L4F, tier::L4Sums, tier::S8Sums<kPerHalf>>;
   __m256 acc[R] = {};  // zeroed
   for (int64_t b = 0; b < KB; ++b) {
     const uint8_t* blk = w + b * BPB;
     prefetch_ahead<Stream, BPB>(blk, pf);
     const uint8_t* qs = blk + qs_offset(L);
-    tier::S8Sums<kPerHalf> sum[R];
+    Sums sum[R];
     for (int t = 0; t < 8; ++t) {
-      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * t));
+      const __m256i q = signed_chunk<L>(qs, t);
       const __m256i q_abs = _mm256_abs_epi8(q);
       for (int r = 0; r < R; ++r) {
         const __m256i a = _mm256_set1_epi32(load_i32(rows.q[r] + b * QK + 4 * t));
@@ -208,7 +230,7 @@ void matmul_groups(const uint8_t* packed, const int8_t* q, const float* d, const
   // the tier's own kernels for this range, where it has them (tier_avx512.h: the pairs, tiles)
   if (tier::other_kernel<L, Wide, Stream>(packed, q, d, s, M, N, K, y, g0, g1)) return;
   const int64_t KB = K / QK, group_bytes = KB * block_bytes<L, Wide>();
-  const schedule::Prefetch pf = schedule::weights(int(L), M);
+  const schedule::Prefetch pf = schedule::weights(schedule_slot(L), M);
   // a few groups stay in L1/L2 while every tile of activation rows passes over them
   constexpr int64_t kGroupsPerChunk = 8;
   alignas(32) float tail[TILE_M][TILE_N];

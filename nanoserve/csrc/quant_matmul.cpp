@@ -1,5 +1,5 @@
-// Matmuls straight from GGUF quantized weights (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K),
-// AVX2 + FMA + F16C;
+// Matmuls straight from GGUF quantized weights (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K,
+// MXFP4), AVX2 + FMA + F16C;
 // built a second time for the avx512 tier (native.py), whose tiles (matmul_pairs_avx512.h) give
 // the same bits from the same packed layout.
 //
@@ -10,6 +10,8 @@
 // 8 row scales times the activation scale. The activations are quantized once per call, per row
 // into int8 blocks of 32 with a scale d_a and a scaled sum s_a = d_a * sum(q_a) (Q8_1-like);
 // `w = d*q + m` formats (Q4_0, Q4_1, Q4_K and the 5-bit ones) add their offset term as m * s_a.
+// MXFP4 keeps its 4-bit codes and looks their int8 values up per block (a byte shuffle), then
+// multiplies them as Q8_0's.
 // Each unpacked weight block serves up to 4 activation rows (TILE_M); threads split the
 // output rows (at::parallel_for over 8-row groups).
 //
@@ -94,7 +96,12 @@ at::Tensor repack(const at::Tensor& raw, int64_t ggml_type, int64_t N, int64_t K
     for (int64_t g = g0; g < g1; ++g)
       for (int i = 0; i < TILE_N && g * TILE_N + i < N; ++i)
         for (int64_t b = 0; b < KB; ++b) {
-          decode_block(ggml_type, src + (g * TILE_N + i) * row_bytes, b, blk);
+          const uint8_t* row = src + (g * TILE_N + i) * row_bytes;
+          if (layout == Layout::L4F) {
+            pack_mxfp4_block(row, b, i, dst + (g * KB + b) * bpb);
+            continue;
+          }
+          decode_block(ggml_type, row, b, blk);
           pack_block(layout, blk, i, dst + (g * KB + b) * bpb);
         }
   });
@@ -164,6 +171,7 @@ at::Tensor packed_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t 
     case Layout::U5F: matmul_layout<Layout::U5F>(w, acts, M, N, K, yp); break;
     case Layout::S8H: matmul_layout<Layout::S8H>(w, acts, M, N, K, yp); break;
     case Layout::S8F2: matmul_layout<Layout::S8F2>(w, acts, M, N, K, yp); break;
+    case Layout::L4F: matmul_layout<Layout::L4F>(w, acts, M, N, K, yp); break;
   }
   return y;
 }

@@ -139,6 +139,7 @@ inline void matmul_share(const PackedMatmul& w, const Acts& a, int64_t M, float*
     case Layout::U5F: matmul_range<Layout::U5F>(w, a, M, y, g0, g1); break;
     case Layout::S8H: matmul_range<Layout::S8H>(w, a, M, y, g0, g1); break;
     case Layout::S8F2: matmul_range<Layout::S8F2>(w, a, M, y, g0, g1); break;
+    case Layout::L4F: matmul_range<Layout::L4F>(w, a, M, y, g0, g1); break;
   }
 }
 

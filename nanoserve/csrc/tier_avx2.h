@@ -4,7 +4,8 @@
 // `#if` of its own. Every tier's functions give the same exact int32 sums.
 //
 // `maddubs` sums its product pairs in int16: every caller keeps within it (gguf_blocks.h's
-// bounds: 8 pairs of 4-bit values, 4 of 5-bit or 6-bit ones, one pair of int8 ones).
+// bounds: 8 pairs of 4-bit values, 4 of 5-bit or 6-bit ones, one pair of int8 ones, 8 of
+// MXFP4's values, |q| <= 12).
 #pragma once
 
 #include <immintrin.h>
@@ -66,6 +67,19 @@ struct S8Sums {
     if constexpr (PerHalf) return _mm256_madd_epi16(part[half], _mm256_set1_epi16(1));
     return part[0];
   }
+};
+
+// An MXFP4 block's sums (|q| <= 12): all eight chunks' pairs in int16, 8*2*12*127 = 24384,
+// widened once.
+struct L4Sums {
+  __m256i part;
+
+  inline void add(int t, __m256i q_abs, __m256i signed_a) {
+    const __m256i p = _mm256_maddubs_epi16(q_abs, signed_a);
+    part = t == 0 ? p : _mm256_add_epi16(part, p);
+  }
+
+  inline __m256i sums(int) const { return _mm256_madd_epi16(part, _mm256_set1_epi16(1)); }
 };
 
 // A tier with other kernels for a range of groups runs them here (and says so); avx2 has none.

@@ -52,6 +52,9 @@ struct S8Sums {
   inline __m256i sums(int half) const { return part[PerHalf ? half : 0]; }
 };
 
+// MXFP4's block sums: Q8_0's (vpdpbusd needs no int16 bound)
+using L4Sums = S8Sums<false>;
+
 // Where the kernel is bound by arithmetic, the pairs; where it waits on memory (few rows), one
 // group at a time (matmul_tiles.h's loop, with vpdpbusd) unless the schedule runs the pairs
 // from fewer rows (pairs_min_rows): on a Zen 4 the pairs' two interleaved streams read DRAM at

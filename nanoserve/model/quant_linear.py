@@ -1,14 +1,16 @@
 """Weights kept in their GGUF block formats, multiplied without dequantizing them first.
 
-`QuantizedWeight.matmul(x)` computes x @ W.T for a weight W [N, K] stored as Q8_0, Q4_0, Q4_1,
-Q5_0, Q5_1, Q4_K, Q5_K or Q6_K blocks. The C++ kernel (`csrc/quant_matmul.cpp`, llama.cpp's
-scheme in our own code) repacks the blocks once, at load, into tiles of 8 output rows; each
-call quantizes every row of x into int8 blocks of 32 with one float scale (and the block's
-scaled sum, for the formats with an offset), multiplies them with AVX2 integer dot products and
-applies the two scales once per block. So the result is exactly W @ x8, where x8 is x rounded
-to 8 bits per block: it differs from dequantize-then-matmul by ~5e-3 of the output's norm.
-`rows(ids)` dequantizes single rows exactly (the token embedding, tied with lm_head). Without a
-C++ compiler the weight is dequantized once, at first use, and runs through the float32 path.
+`QuantizedWeight.matmul(x)` computes x @ W.T for a weight W [N, K] stored as Q8_0, Q4_0, Q4_1, Q5_0,
+Q5_1, Q4_K, Q5_K, Q6_K or MXFP4 blocks (MXFP4 keeps its 4-bit codes and the kernel looks their int8
+values up: gpt-oss's experts; safetensors MXFP4 converts with `mxfp4.py`). The C++ kernel
+(`csrc/quant_matmul.cpp`, llama.cpp's scheme in our own code) repacks the blocks once, at load, into
+tiles of 8 output rows; each call quantizes every row of x into int8 blocks of 32 with one float
+scale (and the block's scaled sum, for the formats with an offset), multiplies them with AVX2
+integer dot products and applies the two scales once per block. So the result is exactly W @ x8,
+where x8 is x rounded to 8 bits per block: it differs from dequantize-then-matmul by ~5e-3 of the
+output's norm. `rows(ids)` dequantizes single rows exactly (the token embedding, tied with lm_head).
+Without a C++ compiler the weight is dequantized once, at first use, and runs through the float32
+path.
 
 Why not dequantize to float32 at load (`linear.py`'s oneDNN path): at one row the kernel reads
 96 MB a step instead of 540 MB (3.3 ms against 25 ms for the default model's matmuls), and at
@@ -33,6 +35,7 @@ import torch
 
 from nanoserve.model.dequant import dequantize_fast
 from nanoserve.model.linear import linear, pack_weight
+from nanoserve.model.mxfp4 import GGML_MXFP4
 from nanoserve.native import load_kernels
 
 GGML_Q4_0, GGML_Q4_1, GGML_Q5_0, GGML_Q5_1, GGML_Q8_0 = 2, 3, 6, 7, 8
@@ -46,6 +49,7 @@ BLOCK_FORMATS: dict[int, tuple[int, int]] = {
     GGML_Q8_0: (32, 34), GGML_Q4_0: (32, 18), GGML_Q4_1: (32, 20),
     GGML_Q5_0: (32, 22), GGML_Q5_1: (32, 24),
     GGML_Q4_K: (256, 144), GGML_Q5_K: (256, 176), GGML_Q6_K: (256, 210),
+    GGML_MXFP4: (32, 17),  # rows of 17-byte blocks: no alignment
 }
 
 
@@ -59,7 +63,7 @@ def row_bytes(ggml_type: int, in_features: int) -> int:
     if ggml_type not in BLOCK_FORMATS:
         raise ValueError(f"ggml type {ggml_type} has no quantized kernel; supported: "
                          f"{sorted(BLOCK_FORMATS)} (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, "
-                         "Q6_K)")
+                         "Q6_K, MXFP4)")
     block, size = BLOCK_FORMATS[ggml_type]
     if in_features % block:
         raise ValueError(f"in_features={in_features} is not a multiple of {block}, the block "

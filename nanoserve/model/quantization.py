@@ -1,6 +1,6 @@
 """How a model's matmul weights are held: `--quantization {auto, gguf, int8, fp16, none}`.
 
-  gguf  a GGUF file's own blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), multiplied
+  gguf  a GGUF file's own blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4), multiplied
         by the int8 kernel of quant_linear.py: activations rounded to 8 bits per block of 32,
         as llama.cpp does.
         Tensors of other types in the file are dequantized to float. The default for GGUF.
