@@ -4,7 +4,8 @@ for the engine core, as the bare `tokenizers` pipeline (`EngineTokenizer`).
 A directory's `tokenizer.json` loads through transformers as usual. A GGUF file carries its
 vocabulary, merges and chat template as metadata; for byte-level BPE vocabularies (GPT-2 style,
 as in SmolLM2) we build the `tokenizers` pipeline from them directly, which takes a fraction of
-a second where transformers' own GGUF conversion takes about nine; so for Gemma 4's, which
+a second where transformers' own GGUF conversion takes about nine; so for gpt-oss's o200k
+(`gpt-4o`: its regex and harmony markup in harmony_tokenizer.py) and for Gemma 4's, which
 transformers cannot convert (gemma4_tokenizer.py). Other GGUF vocabularies (sentencepiece,
 Llama 3's pre-tokenizer, ...) go through transformers' conversion, once per vocabulary: the
 result is kept in the user's cache (`converted_tokenizer_dir`), since Gemma 3's 262k-token
@@ -34,12 +35,13 @@ from typing import Any
 
 from nanoserve.model.gemma4_tokenizer import gemma4_pipeline, gemma4_tokenizer, is_gemma4_vocabulary
 from nanoserve.model.gguf_file import GGUFFile
+from nanoserve.model.harmony_tokenizer import O200K_PATTERN, keep_harmony_format_tokens
 from nanoserve.native import user_cache_dir
 
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
 # `tokenizer.ggml.pre` values whose splitting rules we build ourselves: GPT-2's byte-level regex,
-# plus SmolLM's one-digit-per-token split (as its own tokenizer.json has it).
-_FAST_PRE_TOKENIZERS = ("gpt2", "smollm", "default")
+# plus SmolLM's one-digit-per-token split (as its own tokenizer.json has it), and o200k's regex.
+_FAST_PRE_TOKENIZERS = ("gpt2", "smollm", "default", "gpt-4o")
 
 
 def load_tokenizer_from_dir(path: Path) -> Any:
@@ -48,14 +50,19 @@ def load_tokenizer_from_dir(path: Path) -> Any:
     type, so it gets the config as a plain `PreTrainedConfig`: building the family's own
     config class imports the family's modeling stack, 0.9 s of every server's start on 2
     Zen 3 cores (AutoTokenizer itself otherwise). tests/model/test_engine_tokenizer.py holds
-    the two equal."""
+    the two equal. A harmony vocabulary's markup is made plain added tokens, kept in decoded
+    text (harmony_tokenizer.py)."""
     from transformers import AutoTokenizer, PreTrainedConfig
 
     config = None
     if (path / "config.json").exists() and _names_its_class(path / "tokenizer_config.json"):
         config_dict, _ = PreTrainedConfig.get_config_dict(str(path))
         config = PreTrainedConfig.from_dict(config_dict)
-    return AutoTokenizer.from_pretrained(str(path), config=config)
+    tokenizer = AutoTokenizer.from_pretrained(str(path), config=config)
+    backend = getattr(tokenizer, "_tokenizer", None)  # (None: a slow tokenizer)
+    if backend is not None:
+        tokenizer._tokenizer = keep_harmony_format_tokens(backend)
+    return tokenizer
 
 
 def _names_its_class(tokenizer_config: Path) -> bool:
@@ -117,7 +124,8 @@ class EngineTokenizer:
 
 def load_engine_tokenizer_from_dir(path: Path) -> Any:
     """The directory's `tokenizer.json` with its `tokenizer_config.json`'s added tokens and
-    EOS, as transformers would apply them; a directory without `tokenizer.json` (a slow,
+    EOS, as transformers would apply them (and a harmony vocabulary's markup kept, as in
+    `load_tokenizer_from_dir`); a directory without `tokenizer.json` (a slow,
     sentencepiece-only tokenizer) loads through transformers."""
     if not (path / "tokenizer.json").exists():
         return load_tokenizer_from_dir(path)
@@ -137,6 +145,7 @@ def load_engine_tokenizer_from_dir(path: Path) -> Any:
                                normalized=entry.get("normalized", True),
                                special=entry.get("special", False))
             (backend.add_special_tokens if token.special else backend.add_tokens)([token])
+    backend = keep_harmony_format_tokens(backend)
     eos = config.get("eos_token")
     if isinstance(eos, dict):
         eos = eos.get("content")
@@ -180,15 +189,22 @@ def _byte_level_tokenizer(meta: dict[str, Any]) -> Any:
     from transformers import PreTrainedTokenizerFast
 
     backend, special = _byte_level_pipeline(meta)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend, **special, chat_template=meta.get("tokenizer.chat_template"),
-        clean_up_tokenization_spaces=False)
+    # Given as `tokenizer_object`, transformers deep-copies the pipeline (a serialization and a
+    # rebuild: seconds for o200k's 200k tokens); set beforehand, it is taken as it is (as in
+    # gemma4_tokenizer.py).
+    tokenizer = PreTrainedTokenizerFast.__new__(PreTrainedTokenizerFast)
+    tokenizer._tokenizer = backend
+    PreTrainedTokenizerFast.__init__(tokenizer, **special, clean_up_tokenization_spaces=False,
+                                     chat_template=meta.get("tokenizer.chat_template"))
+    return tokenizer
 
 
 def _byte_level_pipeline(meta: dict[str, Any]) -> tuple[Any, dict[str, str | None]]:
     """The `tokenizers` pipeline of a byte-level BPE vocabulary, and its special tokens by
-    transformers' names (bos_token, eos_token, unk_token, pad_token)."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+    transformers' names (bos_token, eos_token, unk_token, pad_token). o200k (`gpt-4o`) takes a
+    piece that is a token whole, as tiktoken does; a harmony vocabulary's markup is plain
+    added tokens (harmony_tokenizer.py)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, processors
 
     alphabet = _byte_alphabet()
     spelled = set(alphabet.values())
@@ -200,13 +216,10 @@ def _byte_level_pipeline(meta: dict[str, Any]) -> tuple[Any, dict[str, str | Non
         for i, t in enumerate(tokens)
     }
     merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if meta.get("tokenizer.ggml.pre") == "smollm":
-        backend.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Digits(individual_digits=True), byte_level])
-    else:
-        backend.pre_tokenizer = byte_level
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False,
+                                   ignore_merges=pre == "gpt-4o"))
+    backend.pre_tokenizer = _byte_level_pre_tokenizer(pre)
     backend.decoder = decoders.ByteLevel()
     backend.post_processor = processors.ByteLevel(trim_offsets=False)
     backend.add_special_tokens([
@@ -218,6 +231,7 @@ def _byte_level_pipeline(meta: dict[str, Any]) -> tuple[Any, dict[str, str | Non
         AddedToken(t, special=False, normalized=False)
         for t, kind in zip(tokens, token_types, strict=True) if kind == _USER_DEFINED
     ])
+    backend = keep_harmony_format_tokens(backend)
 
     def token(key: str) -> str | None:
         token_id = meta.get(f"tokenizer.ggml.{key}")
@@ -226,3 +240,19 @@ def _byte_level_pipeline(meta: dict[str, Any]) -> tuple[Any, dict[str, str | Non
     return backend, {"bos_token": token("bos_token_id"), "eos_token": token("eos_token_id"),
                      "unk_token": token("unknown_token_id"),
                      "pad_token": token("padding_token_id")}
+
+
+def _byte_level_pre_tokenizer(pre: str) -> Any:
+    """The splitting rules a `tokenizer.ggml.pre` value names (one of `_FAST_PRE_TOKENIZERS`),
+    as the model's own tokenizer.json has them."""
+    from tokenizers import Regex, pre_tokenizers
+
+    if pre == "gpt-4o":
+        return pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(O200K_PATTERN), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre == "smollm":
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                        byte_level])
+    return byte_level
