@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nanoserve.model.gemma4_arch import Gemma4Layers, gemma4_from_gguf, gemma4_from_hf
+from nanoserve.model.gpt_oss_arch import GptOssExperts, gpt_oss_from_gguf, gpt_oss_from_hf
 from nanoserve.model.linear_arch import (
     LINEAR,
     LinearAttentionConfig,
@@ -37,6 +38,7 @@ SUPPORTED_MODEL_TYPES = {
     "gemma3": "gemma3",  # a multimodal config whose text model runs alone (text_config)
     "gemma4_text": "gemma4",  # Gemma 3's layer and more (gemma4_arch.py)
     "gemma4": "gemma4",  # a multimodal config whose text model runs alone (text_config)
+    "gpt_oss": "gpt_oss",  # sinks, biases, experts with a clamped SwiGLU (gpt_oss_arch.py)
     # mixture of experts: the family's attention, the experts in `ArchConfig.moe`
     "qwen2_moe": "qwen2",
     "qwen3_moe": "qwen3",
@@ -101,6 +103,8 @@ class ArchConfig:
     # Gemma 4: per-layer head shapes, KV sharing, per-layer embeddings, ... (gemma4_arch.py);
     # `head_dim` and `num_kv_heads` are then its windowed layers'
     gemma4: Gemma4Layers | None = None
+    # gpt-oss: its experts (the layer's sinks and biases come with the family; gpt_oss_arch.py)
+    gpt_oss: GptOssExperts | None = None
 
     def layer_head_dim(self, layer: int) -> int:
         return self.head_dim if self.gemma4 is None else self.gemma4.head_dims[layer]
@@ -186,6 +190,8 @@ class ArchConfig:
                 f"unsupported architecture {archs[0]!r} (model_type={model_type!r}); "
                 f"nanoserve runs model types {sorted(SUPPORTED_MODEL_TYPES)}"
             )
+        if model_type == "gpt_oss":  # (its MXFP4 experts are read as they are)
+            return cls(**gpt_oss_from_hf(cfg))
         if cfg.get("quantization_config"):
             method = cfg["quantization_config"].get("quant_method", "unknown")
             raise UnsupportedModelError(
@@ -236,7 +242,7 @@ class ArchConfig:
         `tensor_shapes` (the file's, by name) tell a MoE file's MoE layers (moe_arch.py)."""
         arch = meta.get("general.architecture", "")
         families = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3",
-                    "gemma4": "gemma4",
+                    "gemma4": "gemma4", "gpt-oss": "gpt_oss",
                     "qwen2moe": "qwen2", "qwen3moe": "qwen3",
                     "qwen35": "qwen3_5", "qwen35moe": "qwen3_5"}
         if arch not in families:
@@ -277,8 +283,11 @@ class ArchConfig:
             eos_token_ids=() if eos is None else (int(eos),),
             **gemma,
             **hybrid,
-            moe=moe_from_gguf(meta, num_layers, tensor_shapes) if arch != "gemma4" else None,
+            moe=(moe_from_gguf(meta, num_layers, tensor_shapes)
+                 if arch not in ("gemma4", "gpt-oss") else None),
         )
+        if arch == "gpt-oss":
+            fields.update(gpt_oss_from_gguf(get, num_layers))
         if arch == "gemma4":
             fields.update(_gemma4_from_gguf(get, num_layers, tensor_shapes))
         return cls(**fields)

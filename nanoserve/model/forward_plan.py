@@ -115,9 +115,11 @@ class ForwardPlan:
         # Under tensor parallelism the Python layer loop runs: the native stack chains every
         # layer in C++ with no all-reduce between them, so it is None for any group but the
         # plain one of one rank. A MoE model's too (Gemma 4's experts included): the stacks'
-        # layers are dense MLPs; and a hybrid's, whose DeltaNet layers it does not run.
+        # layers are dense MLPs (gpt-oss's experts too, and its sinks); and a hybrid's,
+        # whose DeltaNet layers it does not run.
         arch = self.model.arch
         if (not self.use_native_layers or arch.moe is not None or self.model.is_hybrid
+                or arch.gpt_oss is not None
                 or (arch.gemma4 is not None and arch.gemma4.has_moe)):
             return None
         built = self._layer_stack

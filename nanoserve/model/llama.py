@@ -38,6 +38,7 @@ from torch import nn
 from nanoserve.model.arch import ArchConfig
 from nanoserve.model.attention import AttentionBackend, AttentionMetadata
 from nanoserve.model.gemma4_layers import Gemma4Layer, per_layer_inputs, softcap
+from nanoserve.model.gpt_oss_layers import GptOssLayer
 from nanoserve.model.hybrid_layers import DeltaNetLayer, HybridStates
 from nanoserve.model.layer_features import GELU_TANH, LayerFeatures
 from nanoserve.model.layer_ops import OpTable, StepContext
@@ -205,6 +206,7 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(
             DeltaNetLayer(arch, i, features) if arch.is_linear(i)
             else Gemma4Layer(arch, i) if arch.gemma4 is not None
+            else GptOssLayer(arch, i, features) if arch.gpt_oss is not None
             else DecoderLayer(arch, i, features) for i in range(arch.num_layers))
         # Gemma 4's per-layer embeddings: a table [vocab, L * P] and the embedding's
         # projection [L * P, hidden] with its norm (gemma4_layers.py)

@@ -26,6 +26,7 @@ from nanoserve.model.frontend import (  # noqa: F401 (the loader's names for the
 )
 from nanoserve.model.gemma4_arch import full_rotary_pairs
 from nanoserve.model.gguf_file import GGUFFile
+from nanoserve.model.gpt_oss_loading import has_mxfp4_checkpoint
 from nanoserve.model.llama import CausalLM
 from nanoserve.model.model_path import (  # noqa: F401 (the loader's names for them)
     DEFAULT_MODEL_ALIASES,
@@ -125,7 +126,9 @@ def load_model(model: str | None, device: torch.device, dtype: torch.dtype,
     A vision tower comes with it where the checkpoint has one, or from `mmproj` (llama.cpp's
     projector GGUF), with its image processor's normalization (model/vision/)."""
     path = resolve_model_path(model)
-    mode = resolve_mode(quantization, not path.is_dir(), device)
+    # a GGUF file's blocks, or a safetensors checkpoint's MXFP4 experts (gpt-oss), run as
+    # they are stored where the mode allows
+    mode = resolve_mode(quantization, not path.is_dir() or has_mxfp4_checkpoint(path), device)
     block = LOAD_QUANTIZED_BLOCK.get(mode, 1)  # a rank's columns come in whole blocks of it
     rope_factors = None
     generation_config: dict[str, Any] = {}
@@ -184,13 +187,16 @@ def _eos_token_ids(arch: ArchConfig, tokenizer: Any,
     ids += gen_eos if isinstance(gen_eos, list) else [] if gen_eos is None else [gen_eos]
     if tokenizer.eos_token_id is not None:
         ids.append(tokenizer.eos_token_id)
-    if arch.family in ("gemma3", "gemma4"):  # a chat turn ends with its end-of-turn token
+    if arch.family in TURN_ENDS:  # a chat turn ends with its end-of-turn token
         vocab = tokenizer.get_vocab()  # (Gemma's own generation_config has it); Gemma 4's
-        ends = GEMMA_TURN_ENDS[arch.family]  # tool call ends the turn at <|tool_response>
+        ends = TURN_ENDS[arch.family]  # tool call ends the turn at <|tool_response>
         ids += [vocab[token] for token in ends if token in vocab]
+    if arch.family == "gpt_oss":  # harmony's <|end|> closes a message, not the turn
+        ids = [i for i in ids if i != tokenizer.get_vocab().get("<|end|>")]
     return tuple(dict.fromkeys(ids))
 
 
 GEMMA_END_OF_TURN = "<end_of_turn>"
-GEMMA_TURN_ENDS = {"gemma3": (GEMMA_END_OF_TURN,),
-                   "gemma4": ("<turn|>", "<|tool_response>")}  # (llama.cpp's EOG tokens)
+TURN_ENDS = {"gemma3": (GEMMA_END_OF_TURN,),
+             "gemma4": ("<turn|>", "<|tool_response>"),  # (llama.cpp's EOG tokens)
+             "gpt_oss": ("<|return|>", "<|call|>")}  # harmony's (llama.cpp's EOG)

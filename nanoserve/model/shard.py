@@ -124,6 +124,9 @@ def local_arch(arch: ArchConfig, group: TensorParallelGroup) -> ArchConfig:
     if arch.gemma4 is not None:  # its layers' head shapes and KV sharing are not split yet
         raise ValueError("tensor parallelism does not run Gemma 4 models yet; use "
                          "--tensor-parallel-size 1")
+    if arch.gpt_oss is not None:  # its sinks, biases and experts' biases are not split yet
+        raise ValueError("tensor parallelism does not run gpt-oss models yet; use "
+                         "--tensor-parallel-size 1")
     first, last = head_range(arch.num_heads, group, "q_proj")
     kv_first, kv_last = head_range(arch.num_kv_heads, group, "k_proj", replicate=True)
     start, stop = split_range(arch.intermediate_size, group, "gate_proj", "rows")

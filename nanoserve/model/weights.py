@@ -18,6 +18,7 @@ from nanoserve.model.gemma4_loading import MODEL_PLACES as GEMMA4_MODEL_PLACES
 from nanoserve.model.gemma4_loading import pop_gemma4_layer
 from nanoserve.model.gemma4_weights import gemma4_hf_name
 from nanoserve.model.gguf_file import GGUFFile
+from nanoserve.model.gpt_oss_loading import gpt_oss_hf_name, pop_gpt_oss_layer
 from nanoserve.model.hybrid_weights import pop_delta_net, reorder_heads, split_gated_query
 from nanoserve.model.llama import CausalLM
 from nanoserve.model.moe_weights import GGUF_MOE_LAYER_NAMES, pop_moe_weights, split_gguf_experts
@@ -164,6 +165,7 @@ def read_gguf_tensors(gguf: GGUFFile, arch: ArchConfig, keep_blocks: bool = Fals
         if _is_mtp_block(name, arch):
             continue  # a multi-token-prediction head (Qwen3.5's `nextn`), not run here
         mapped = (gemma4_hf_name(name) if gguf_arch == "gemma4"
+                  else gpt_oss_hf_name(name) if gguf_arch == "gpt-oss"
                   else gguf_to_hf_name(name, gguf_arch))
         if mapped is None:
             continue
@@ -255,6 +257,9 @@ def load_into(model: CausalLM, tensors: Iterator[tuple[str, ReadTensor]], dtype:
         p = f"model.layers.{i}."
         if arch.gemma4 is not None:  # its own layer (gemma4_loading.py)
             fused.update(pop_gemma4_layer(state, arch, i))
+            continue
+        if arch.gpt_oss is not None:  # its own layer (gpt_oss_loading.py)
+            fused.update(pop_gpt_oss_layer(state, arch, i))
             continue
         fused[f"layers.{i}.input_layernorm"] = state.pop(p + "input_layernorm.weight")
         if arch.is_linear(i):  # a hybrid's Gated DeltaNet layer (hybrid_weights.py)
