@@ -15,6 +15,8 @@ docs/benchmarks.md (issue 22). The bytes are the same, so every output is too.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import mmap
 from collections.abc import Iterator
 from dataclasses import replace
@@ -29,6 +31,29 @@ if TYPE_CHECKING:
 
 HUGE_PAGE_BYTES = 2 << 20
 _ALIGN = 64  # a cache line: each weight starts on one
+_TRIM_EVERY_BYTES = 1 << 30
+
+
+@functools.cache
+def _malloc_trim() -> object | None:
+    try:
+        return ctypes.CDLL(None).malloc_trim  # glibc's
+    except (OSError, AttributeError):
+        return None
+
+
+def release_freed_memory() -> None:
+    """Hands the C heap's free pages back to the system (glibc's malloc_trim; nothing
+    elsewhere). While a model loads, each raw copy of a weight is freed once its packed form
+    is made; buffers of a few MB come from the heap once glibc's mmap threshold has risen,
+    and a freed raw copy (8.8 MB of a 20B MoE expert) leaves a hole the next packed one
+    (10.4 MB) does not fit, so the heap grows by what was freed: loading the gpt-oss-20b-shaped
+    file reached 24 GB and was killed on a 24 GB machine. Trimming every ~1 GB of weights
+    keeps the peak at the model plus the raw copies not yet packed (the 20B-shaped file:
+13.9 GB of resident memory, none of it the file's pages)."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)  # type: ignore[operator]
 
 
 def hugepage_buffer(num_bytes: int) -> torch.Tensor:
@@ -58,27 +83,50 @@ def _read_order(model: CausalLM) -> Iterator[tuple[torch.nn.Module, str]]:
 def gather_packed_weights(model: CausalLM) -> int:
     """Move every packed weight of `model` (and its wide form) into one huge-page buffer, in
     read order; returns the bytes moved (0 when the model has no packed weight on the CPU).
-    A tied head is the embedding's own object: it moves once and both names keep it."""
-    owners = [(owner, attr, weight) for owner, attr in _read_order(model)
-              if isinstance(weight := getattr(owner, attr), QuantizedWeight)
-              and weight.is_packed and weight.data.device.type == "cpu"]
-    weights = list({id(w): w for _, _, w in owners}.values())
-    tensors = [w.data for w in weights] + [w.wide for w in weights if w.wide is not None]
-    if not tensors:
+    A tied head is the embedding's own object: it moves once and both names keep it. Each
+    weight's owners take the moved one as soon as it is copied, so its old bytes are freed
+    then: the load's peak is the model plus one weight, not twice the model (a 20B MoE's
+    12 GB on a 24 GB machine)."""
+    owners: dict[int, list[tuple[torch.nn.Module, str]]] = {}
+    weights: dict[int, QuantizedWeight] = {}
+    for owner, attr in _read_order(model):
+        weight = getattr(owner, attr)
+        if (isinstance(weight, QuantizedWeight) and weight.is_packed
+                and weight.data.device.type == "cpu"):
+            owners.setdefault(id(weight), []).append((owner, attr))
+            weights.setdefault(id(weight), weight)
+    if not weights:
         return 0
-    sizes = [-(-t.numel() // _ALIGN) * _ALIGN for t in tensors]
-    arena = hugepage_buffer(sum(sizes))
-    moved: dict[int, torch.Tensor] = {}
-    offset = 0
-    for tensor, size in zip(tensors, sizes, strict=True):
-        view = arena[offset : offset + tensor.numel()].view(tensor.shape)
-        view.copy_(tensor)  # touches the pages now, at load, not in the first step
-        moved[id(tensor)] = view
-        offset += size
-    new = {id(w): replace(w, data=moved[id(w.data)],
-                          wide=None if w.wide is None else moved[id(w.wide)]) for w in weights}
-    for owner, attr, weight in owners:
-        setattr(owner, attr, new[id(weight)])
-    if id(model.embed_tokens) in new:  # a tied head: the embedding keeps the same object
-        model.embed_tokens = new[id(model.embed_tokens)]  # type: ignore[assignment]
-    return sum(t.numel() for t in tensors)
+    # the arena's layout: every weight's data in read order, then the wide forms
+    layout = [(key, "data", w.data.numel()) for key, w in weights.items()] + [
+        (key, "wide", w.wide.numel()) for key, w in weights.items() if w.wide is not None]
+    offsets: dict[tuple[int, str], int] = {}
+    total = 0
+    for key, part, numel in layout:
+        offsets[(key, part)] = total
+        total += -(-numel // _ALIGN) * _ALIGN
+    arena = hugepage_buffer(total)
+    tied = id(model.embed_tokens)
+    since_trim = 0
+    for key in list(weights):
+        weight = weights.pop(key)
+        since_trim += weight.data.numel()
+        if since_trim > _TRIM_EVERY_BYTES:  # the moved weights' old pages given back
+            since_trim = 0
+            release_freed_memory()
+
+        def moved(tensor: torch.Tensor, part: str, key: int = key) -> torch.Tensor:
+            start = offsets[(key, part)]
+            view = arena[start : start + tensor.numel()].view(tensor.shape)
+            view.copy_(tensor)  # touches the pages now, at load, not in the first step
+            return view
+
+        new = replace(weight, data=moved(weight.data, "data"),
+                      wide=None if weight.wide is None else moved(weight.wide, "wide"))
+        for owner, attr in owners.pop(key):
+            setattr(owner, attr, new)
+        if key == tied:  # a tied head: the embedding keeps the same object
+            model.embed_tokens = new  # type: ignore[assignment]
+        del weight, new
+    release_freed_memory()
+    return sum(numel for _, _, numel in layout)
