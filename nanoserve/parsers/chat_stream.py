@@ -10,8 +10,11 @@ as a non-streamed response carries it. An endpoint formats either into its wire 
   events of the text after it, in the order the tool-call parser found them.
 - Without parallel calls (`is_parallel_allowed=False`) only the first call (index 0) is kept;
   text around the others is still content.
-- `ToolCallEnd(i)` comes as soon as this parser knows call `i` is over: when text or another
-  call follows it, or at the end of the output. A call never has text in the middle of it.
+- `ToolCallEnd(i)` comes as soon as this parser knows call `i` is over: when text, reasoning or
+  another call follows it, or at the end of the output. A call never has text in the middle of it.
+- A tool-call parser whose format carries reasoning too (`splits_reasoning`: harmony, where a call
+  may sit on the analysis channel and reasoning may follow a preamble) stands alone, with no
+  reasoning parser: its reasoning pieces come out in its order, among the text and calls.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from nanoserve.parsers.events import (
     ToolCallEnd,
     ToolCallStart,
 )
+from nanoserve.parsers.harmony import HarmonyParser
 from nanoserve.parsers.reasoning import ReasoningParser
 from nanoserve.parsers.tool_calls import Event, ToolCall, ToolCallParser
 
@@ -51,7 +55,8 @@ class ChatStreamParser:
 
     @property
     def splits_reasoning(self) -> bool:
-        return self.reasoning is not None
+        return self.reasoning is not None or (self.tools is not None
+                                              and self.tools.splits_reasoning)
 
     def feed(self, delta: str, is_final: bool = False) -> list[ChatEvent]:
         """The events this piece of the output completes (`is_final`: and flushes)."""
@@ -62,9 +67,9 @@ class ChatStreamParser:
                 more_reasoning, more_content = self.reasoning.finish()
                 reasoning, content = reasoning + more_reasoning, content + more_content
         events: list[ChatEvent] = [ReasoningDelta(reasoning)] if reasoning else []
-        pieces: list[Event] = [content]
+        pieces: list[Event | ReasoningDelta] = [content]
         if self.tools is not None:
-            pieces = self.tools.feed(content) + (self.tools.finish() if is_final else [])
+            pieces = [*self.tools.feed(content), *(self.tools.finish() if is_final else [])]
         for piece in pieces:
             self._add(piece, events)
         if is_final:
@@ -75,6 +80,10 @@ class ChatStreamParser:
         """A whole output at once; independent of any streaming in progress on this parser."""
         content: str | None = text
         reasoning = None
+        if isinstance(self.tools, HarmonyParser):  # one parser for both (see the module)
+            content, reasoning, found = self.tools.parse_message(text)
+            return ParsedMessage(content, reasoning,
+                                 found if self.is_parallel_allowed else found[:1])
         if self.reasoning is not None:
             reasoning, content = self.reasoning.parse(text)
         calls: list[ToolCall] = []
@@ -84,7 +93,12 @@ class ChatStreamParser:
                 calls = calls[:1]
         return ParsedMessage(content, reasoning, calls)
 
-    def _add(self, piece: Event, events: list[ChatEvent]) -> None:
+    def _add(self, piece: Event | ReasoningDelta, events: list[ChatEvent]) -> None:
+        if isinstance(piece, ReasoningDelta):
+            if piece.text:
+                self._end_call(events)
+                events.append(piece)
+            return
         if isinstance(piece, str):
             if piece:
                 self._end_call(events)

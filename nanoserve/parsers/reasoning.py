@@ -47,13 +47,24 @@ special tokens that ordinary text never holds, so it reads them anywhere:
   partial tag (so here content is held, for at most nine characters); at a section's start, a
   partial `thought\\n` or `<|channel>`; inside, a partial `<channel|>`. At `finish()` a held
   label alone is dropped and any other held text is text of the field it was in.
+
+`openai_gptoss` (gpt-oss's harmony channels; vLLM's name) is `harmony.py`'s parser with calls
+swallowed; with tools, `HarmonyParser` itself reads reasoning and calls in one pass.
 """
 
 from __future__ import annotations
 
+from nanoserve.parsers.events import ReasoningDelta
+from nanoserve.parsers.harmony import (
+    CHANNEL,
+    END,
+    MESSAGE,
+    HarmonyEvent,
+    HarmonyParser,
+)
 from nanoserve.reasoning_section import END_TAG, START_TAG
 
-REASONING_PARSERS = ("qwen3", "deepseek_r1", "gemma4")
+REASONING_PARSERS = ("qwen3", "deepseek_r1", "gemma4", "openai_gptoss")
 
 _OPENING = "opening"  # at the start of the output: whitespace and a `<think>` may come
 _REASONING = "reasoning"
@@ -219,6 +230,33 @@ class Gemma4ReasoningParser(ReasoningParser):
         return ""
 
 
+class HarmonyReasoningParser(ReasoningParser):
+    """`openai_gptoss` without a tool-call parser: analysis as reasoning, the final and
+    commentary text as content, calls swallowed (a `HarmonyParser` underneath)."""
+
+    start = CHANNEL + "analysis" + MESSAGE  # what `prompt_ends_in_reasoning` looks for
+    end = END
+
+    def __init__(self, starts_in_reasoning: bool = False) -> None:
+        super().__init__(starts_in_reasoning)
+        self._messages = HarmonyParser(parses_calls=False)
+
+    def feed(self, delta: str) -> tuple[str, str]:
+        return _harmony_split(self._messages.feed(delta))
+
+    def finish(self) -> tuple[str, str]:
+        return _harmony_split(self._messages.finish())
+
+    def parse(self, text: str) -> tuple[str | None, str | None]:
+        content, reasoning, _ = self._messages.parse_message(text)
+        return reasoning, content
+
+
+def _harmony_split(events: list[HarmonyEvent]) -> tuple[str, str]:
+    reasoning = "".join(e.text for e in events if isinstance(e, ReasoningDelta))
+    return reasoning, "".join(e for e in events if isinstance(e, str))
+
+
 def _partial_tag_length(text: str, tag: str) -> int:
     """The length of the longest proper prefix of `tag` that `text` ends with."""
     for length in range(min(len(tag) - 1, len(text)), 0, -1):
@@ -228,7 +266,8 @@ def _partial_tag_length(text: str, tag: str) -> int:
 
 
 _PARSERS: dict[str, type[ReasoningParser]] = {
-    "qwen3": ReasoningParser, "deepseek_r1": ReasoningParser, "gemma4": Gemma4ReasoningParser}
+    "qwen3": ReasoningParser, "deepseek_r1": ReasoningParser, "gemma4": Gemma4ReasoningParser,
+    "openai_gptoss": HarmonyReasoningParser}
 
 
 def make_reasoning_parser(name: str, prompt_ends_in_reasoning: bool) -> ReasoningParser:

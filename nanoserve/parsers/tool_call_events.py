@@ -49,6 +49,11 @@ def assemble(events: list[Event]) -> tuple[str | None, list[ToolCall]]:
 class ToolCallParser:
     """The interface: one instance per sample, fed its text deltas in order."""
 
+    # True for a format whose messages carry reasoning too (harmony): its events then hold
+    # `ReasoningDelta`s beside text and call pieces, and `ChatStreamParser` needs no reasoning
+    # parser before it
+    splits_reasoning = False
+
     def feed(self, delta: str) -> list[Event]:
         """The events this piece of text completes, in order."""
         raise NotImplementedError

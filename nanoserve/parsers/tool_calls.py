@@ -43,6 +43,9 @@ Formats (vLLM's parser names):
   after another, text outside them content. The arguments are not JSON (bare keys, strings
   between `<|"|>` tokens taken verbatim); they are made JSON text in `json.dumps`'s form as they
   stream. A call cut off keeps what it had, closed.
+- `openai` (gpt-oss's harmony; in `harmony.py`, which says the rules): a message to
+  `functions.NAME` is a call whose body is its JSON arguments; the same parser gives the
+  `analysis` channel as reasoning (`splits_reasoning`), so it stands alone in `ChatStreamParser`.
 
 And two forms the server uses when a grammar forces the output (`tool_choice`):
 `required` — a JSON array of `{"name": ..., "parameters": {...}}`; a named function — the
@@ -61,6 +64,7 @@ from typing import Any
 
 from nanoserve.parsers.call_scanner import OPEN, CallObjectScanner
 from nanoserve.parsers.gemma4_tool_calls import Gemma4ToolParser
+from nanoserve.parsers.harmony import HarmonyParser
 from nanoserve.parsers.tool_call_events import (  # the shared parts, imported from here too
     Event,
     ToolCall,
@@ -75,7 +79,7 @@ from nanoserve.parsers.xml_tool_calls import Qwen3CoderToolParser
 __all__ = ["TOOL_CALL_PARSERS", "Event", "ToolCall", "ToolCallDelta", "ToolCallParser",
            "assemble", "make_tool_call_parser", "new_tool_call_id", "required_calls_parser"]
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "qwen3_coder", "gemma4")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "qwen3_coder", "gemma4", "openai")
 
 
 class _Call:
@@ -356,6 +360,9 @@ def make_tool_call_parser(name: str,
         return Qwen3CoderToolParser(tools)
     if name == "gemma4":
         return Gemma4ToolParser()
+    if name == "openai":  # harmony: reasoning and calls in one parser (harmony.py)
+        names = tuple(str(t.get("function", {}).get("name", "")) for t in tools or ())
+        return HarmonyParser(tool_names=names)
     raise ValueError(f"unknown tool call parser {name!r}; expected one of {TOOL_CALL_PARSERS}")
 
 

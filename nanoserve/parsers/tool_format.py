@@ -3,6 +3,9 @@
 Agents send `tools` with `tool_choice="auto"` and never pass a server flag, so without
 `--tool-call-parser` the server picks the parser the template implies:
 
+- a template that writes harmony's `<|channel|>` and `<|start|>` (gpt-oss) → `openai`, whose
+  parser reads the reasoning too (`parsers/harmony.py`; the server then defaults
+  `--reasoning-parser` to `openai_gptoss`, `serving/server_context.py`);
 - a template that writes `<|tool_call>` (Gemma 4) → `gemma4`;
 - a template that writes `<function=` and `<parameter=` tags (Qwen3-Coder, Qwen3.5/3.6) →
   `qwen3_coder`, checked before `hermes` since these templates write `<tool_call>` blocks around
@@ -37,10 +40,18 @@ class TemplateToolFormat:
     reason: str  # for the start-up log line
 
 
+def is_harmony_template(template: str | None) -> bool:
+    """Whether a chat template's Jinja source writes harmony's messages (gpt-oss)."""
+    return template is not None and "<|channel|>" in template and "<|start|>" in template
+
+
 def template_tool_format(template: str | None) -> TemplateToolFormat:
     """The tool format of a chat template's Jinja source (None: the model has no template)."""
     text = template or ""
     reads_tools = bool(_READS_TOOLS.search(text))
+    if is_harmony_template(text):
+        return TemplateToolFormat("openai", reads_tools,
+                                  "the chat template is harmony's (<|channel|>, <|start|>)")
     if "<|tool_call>" in text:
         return TemplateToolFormat("gemma4", reads_tools, "the chat template writes <|tool_call>")
     if "<function=" in text and "<parameter=" in text:

@@ -17,6 +17,7 @@ from nanoserve.parsers.events import (
     ToolCallArguments,
     ToolCallStart,
 )
+from nanoserve.parsers.harmony import HarmonyParser, is_harmony_parser
 from nanoserve.parsers.reasoning import ReasoningParser, make_reasoning_parser
 from nanoserve.parsers.tool_calls import (
     NamedFunctionParser,
@@ -99,6 +100,11 @@ def choice_parsers(chat: ChatInput, prompt: str, plan: ToolPlan, reasoning_parse
     """One per sample. Grammar-forced tool output (required / named) follows the reasoning
     section too: its grammar starts where the reasoning ends (`reasoning_options.py`)."""
     start = reasoning_start(chat, prompt, reasoning_parser)
+    if is_harmony_parser(reasoning_parser) or is_harmony_parser(tool_call_parser):
+        # harmony: one parser reads reasoning and calls, a forced call too (harmony_grammar.py)
+        names = tuple(tool["function"]["name"] for tool in plan.tools or [])
+        return [ChoiceParser(None, HarmonyParser(start is not None, plan.mode != "none", names),
+                             plan.is_parallel_allowed) for _ in range(chat.sampling.n)]
     return [ChoiceParser(make_reasoning_parser(reasoning_parser, start == INSIDE)
                          if start is not None and reasoning_parser else None,
                          tool_call_parser_for(plan, tool_call_parser), plan.is_parallel_allowed)

@@ -15,6 +15,11 @@ from nanoserve.entrypoints.serving.gemma4_template import (
     template_messages,
     template_text,
 )
+from nanoserve.entrypoints.serving.harmony_template import (
+    harmony_messages,
+    harmony_prompt,
+    harmony_tools,
+)
 from nanoserve.entrypoints.serving.images import too_many_images
 from nanoserve.entrypoints.serving.server_context import ServerContext
 from nanoserve.entrypoints.serving.tool_prompt import describe_tools
@@ -52,6 +57,9 @@ def render_prompt(ctx: ServerContext, chat: ChatInput) -> str:
         kwargs["chat_template"] = ctx.chat_template
     template = template_text(ctx.chat_template, ctx.tokenizer)
     messages = template_messages(template, messages)  # Gemma 4's older templates' tool results
+    messages = harmony_messages(template, messages)  # gpt-oss's: `thinking`, one call each
+    if "tools" in kwargs:
+        kwargs["tools"] = harmony_tools(template, kwargs["tools"])
     try:
         prompt = str(ctx.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=options.add_generation_prompt,
@@ -59,6 +67,7 @@ def render_prompt(ctx: ServerContext, chat: ChatInput) -> str:
     except Exception as e:  # jinja errors, raise_exception() in templates
         raise bad_request(f"the chat template could not render these messages: {e}",
                           "messages") from None
+    prompt = harmony_prompt(template, prompt, options.add_generation_prompt)
     return generation_prompt(template, prompt, options.add_generation_prompt)
 
 

@@ -10,6 +10,7 @@ from dataclasses import replace
 from nanoserve.entrypoints.serving.chat_input import ChatInput
 from nanoserve.entrypoints.serving.chat_prompt import render_prompt
 from nanoserve.entrypoints.serving.errors import bad_request
+from nanoserve.entrypoints.serving.harmony_grammar import harmony_grammar
 from nanoserve.entrypoints.serving.image_prompt import (
     expand_images,
     image_token_counts,
@@ -52,13 +53,16 @@ async def prepare_chat(ctx: ServerContext, chat: ChatInput, admit: bool = True,
                                     context_field=fields.context_field)
     kind = RequestOutputKind.DELTA if fields.stream else RequestOutputKind.FINAL_ONLY
     grammar = plan.structured if plan.structured is not None else structured
+    is_call_list = plan.structured is not None and plan.mode == "required"
     after = grammar_after_reasoning(ctx, chat, prompt)
-    if grammar is not None and after is not None:
+    if ctx.is_harmony:  # the grammar holds harmony's messages, the reasoning with them
+        grammar, is_call_list = harmony_grammar(plan, structured), False
+    elif grammar is not None and after is not None:
         grammar = replace(grammar, after_reasoning=after)
     params = sampling_params(ctx, fields, max_tokens=max_tokens, output_kind=kind,
                              structured=grammar,
                              # a forced list of calls, ended at an exact repeat
-                             is_call_list=plan.structured is not None and plan.mode == "required")
+                             is_call_list=is_call_list)
     return prompt, ids, params, plan
 
 

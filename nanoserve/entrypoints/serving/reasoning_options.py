@@ -9,7 +9,8 @@ with `<think>` tokens, a thinking-token budget (`EFFORT_BUDGETS`; the sampler th
 What the request gives itself wins: its `thinking_token_budget`, its `enable_thinking`. The
 effort also reaches the template as `reasoning_effort` (vLLM passes it so; gpt-oss's reads it).
 Without a reasoning parser the effort is checked and changes nothing: Codex and other clients
-send one with every request.
+send one with every request. gpt-oss's harmony template gets `low`, `medium` or `high`: `none`
+and `minimal` become `low` (harmony cannot turn reasoning off), `xhigh` becomes `high`.
 
 With a reasoning parser that splits the output, a grammar (`response_format`, tools forced by
 `tool_choice`) constrains only the answer after the reasoning section: `grammar_after_reasoning`
@@ -23,7 +24,9 @@ from typing import Any
 
 from nanoserve.entrypoints.serving.chat_input import ChatInput
 from nanoserve.entrypoints.serving.errors import bad_request
+from nanoserve.entrypoints.serving.harmony_template import HARMONY_EFFORTS
 from nanoserve.entrypoints.serving.server_context import ServerContext
+from nanoserve.parsers.harmony import is_harmony_parser
 from nanoserve.parsers.reasoning import prompt_ends_in_reasoning
 from nanoserve.reasoning_section import INSIDE, OPENING, ReasoningStart
 
@@ -45,7 +48,10 @@ def with_reasoning_effort(ctx: ServerContext, chat: ChatInput) -> ChatInput:
                           f"{effort!r}", "reasoning_effort")
     if ctx.reasoning_parser is None:
         return chat
-    kwargs: dict[str, Any] = {"reasoning_effort": effort, **(chat.template.kwargs or {})}
+    # harmony's template takes low/medium/high only, and has no "off" (harmony_template.py)
+    template_effort = HARMONY_EFFORTS[effort] if is_harmony_parser(ctx.reasoning_parser) \
+        else effort
+    kwargs: dict[str, Any] = {"reasoning_effort": template_effort, **(chat.template.kwargs or {})}
     kwargs.setdefault("enable_thinking", effort != "none")
     sampling = chat.sampling
     if sampling.thinking_token_budget is None and ctx.has_reasoning_tokens:

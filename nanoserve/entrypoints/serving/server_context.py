@@ -11,6 +11,7 @@ from nanoserve.entrypoints.serving.errors import APIError, bad_request
 from nanoserve.entrypoints.serving.limits import check_n
 from nanoserve.entrypoints.serving.metrics import Metrics
 from nanoserve.entrypoints.serving.model_names import ModelNames
+from nanoserve.parsers.harmony import is_harmony_parser
 from nanoserve.reasoning_section import ReasoningTokens
 from nanoserve.sample.logits_processor import LogitsProcessor
 from nanoserve.server_config import RequestLimits
@@ -53,6 +54,10 @@ class ServerContext:
     names: ModelNames | None = None
 
     def __post_init__(self) -> None:
+        if self.reasoning_parser is None and self.tool_call_parser == "openai":
+            # harmony's channels are one format: its tool-call parser (chosen from the
+            # template, parsers/tool_format.py) brings its reasoning parser
+            self.reasoning_parser = "openai_gptoss"
         if self.names is None:
             self.names = ModelNames({self.model_name: self.model_path or None})
 
@@ -60,6 +65,11 @@ class ServerContext:
     def input_modalities(self) -> list[str]:
         """What a prompt may hold, as /v1/models tells clients."""
         return ["text", "image"] if self.accepts_images else ["text"]
+
+    @property
+    def is_harmony(self) -> bool:
+        """gpt-oss's harmony format: its parsers read reasoning and calls together."""
+        return is_harmony_parser(self.tool_call_parser) or is_harmony_parser(self.reasoning_parser)
 
     @property
     def has_reasoning_tokens(self) -> bool:
