@@ -1,10 +1,14 @@
 """Ollama's routes on the server's app (`/api/...`, Ollama's docs/api.md): version, the model
 listings (tags, ps, show), chat, generate and embeddings, for the one model the server runs.
 A pull of that model answers `success` at once (it is here: clients that pull before they chat
-work); a pull of another name, and the other routes that manage Ollama's model store (push,
-create, copy, delete, blobs), answer a 400 saying where models are pulled (a router of
---models-dir, router/ollama_pull.py). Errors take Ollama's shape (`errors.py`); the API key,
-the body limit and the capacity checks are the server's, as on every route.
+work, Codex's `--oss` among them); a pull of another name is a 404, and the other routes that
+manage Ollama's model store (push, create, copy, delete, blobs) a 400, each saying where models
+are pulled (a router of --models-dir, router/ollama_pull.py). Errors take Ollama's shape
+(`errors.py`); the API key, the body limit and the capacity checks are the server's, as on
+every route.
+
+`/api/version` is the Ollama release whose API these routes answer, not nanoserve's own
+(`/version`): clients read it to decide what the server can do.
 """
 
 from __future__ import annotations
@@ -17,7 +21,6 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-import nanoserve
 from nanoserve.entrypoints.ollama.model_card import ModelCard, read_model_card
 from nanoserve.entrypoints.ollama.protocol import (
     OllamaChatRequest,
@@ -39,7 +42,7 @@ from nanoserve.entrypoints.ollama.response_models import (
 )
 from nanoserve.entrypoints.ollama.serving import NDJSON, check_model, create_chat, create_generate
 from nanoserve.entrypoints.ollama.serving_embed import create_embed, create_embeddings
-from nanoserve.entrypoints.serving.errors import bad_request
+from nanoserve.entrypoints.serving.errors import APIError, bad_request
 from nanoserve.entrypoints.serving.server_context import ServerContext
 
 _REASONS = {
@@ -57,6 +60,9 @@ _FOREVER = timedelta(microseconds=(2**63 - 1) // 1000)
 # the sampling defaults /api/show names, in Ollama's words
 _PARAMETER_NAMES = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p",
                     "min_p": "min_p", "repetition_penalty": "repeat_penalty"}
+# the oldest Ollama that Codex's `--oss` (0.171) accepts before it sends /v1/responses ("Ollama
+# 0.1.0 is too old. Codex requires Ollama 0.13.4 or newer"); nanoserve's own is at /version
+OLLAMA_API_VERSION = "0.13.4"
 _STORE_ROUTES = (("/api/push", "POST"), ("/api/create", "POST"),
                  ("/api/copy", "POST"), ("/api/delete", "DELETE"),
                  ("/api/blobs/{digest}", "POST"), ("/api/blobs/{digest}", "HEAD"))
@@ -84,7 +90,7 @@ def add_ollama_routes(app: FastAPI, ctx: ServerContext) -> None:
 
     @app.get("/api/version", responses=_responses(OllamaVersion, 401))
     async def ollama_version() -> dict[str, str]:
-        return {"version": nanoserve.__version__}
+        return {"version": OLLAMA_API_VERSION}
 
     @app.get("/api/tags", responses=_responses(OllamaTags, 401))
     async def ollama_tags() -> dict[str, Any]:
@@ -134,16 +140,22 @@ def add_ollama_routes(app: FastAPI, ctx: ServerContext) -> None:
             body = json.loads(await raw.body() or b"{}")
         except ValueError:
             body = None
-        asked = (body.get("model") or body.get("name")) if isinstance(body, dict) else None
-        if isinstance(asked, str) and ctx.answers_to(asked):
-            if body is not None and body.get("stream") is False:
-                return JSONResponse({"status": "success"})
-            return Response(json.dumps({"status": "success"}) + "\n", media_type=NDJSON)
-        raise bad_request(f"cannot pull {asked!r} here: this server serves one model, "
-                          f'"{ctx.model_name}", loaded when it started. To pull models and '
-                          "serve them by name, run a router: nanoserve serve --models-dir DIR "
-                          "(--allow-pull pulls what requests name); or pull it with `nanoserve "
-                          "pull NAME` and serve it with `nanoserve serve NAME`", "model")
+        if not isinstance(body, dict):
+            raise bad_request("the body must be a JSON object with the model to pull")
+        asked = body.get("model") or body.get("name")
+        if not isinstance(asked, str):
+            raise bad_request("model is required", "model")
+        if not ctx.answers_to(asked):
+            raise APIError(404, f"cannot pull {asked!r} here: this server serves one model, "
+                                f'"{ctx.model_name}", loaded when it started. To pull models '
+                                "and serve them by name, run a router: nanoserve serve "
+                                "--models-dir DIR (--allow-pull pulls what requests name); or "
+                                "pull it with `nanoserve pull NAME` and serve it with "
+                                "`nanoserve serve NAME`", "model")
+        if body.get("stream") is False:
+            return JSONResponse({"status": "success"})
+        # one NDJSON line, ended: a client that reads lines (Codex) sees no end without it
+        return Response(json.dumps({"status": "success"}) + "\n", media_type=NDJSON)
 
     for path, method in _STORE_ROUTES:
         app.add_api_route(path, model_store, methods=[method], include_in_schema=False,
