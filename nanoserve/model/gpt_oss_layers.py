@@ -31,7 +31,7 @@ from nanoserve.model.moe import ExpertWeights, group_by_expert, run_experts, run
 
 
 class GptOssMoe(nn.Module):
-    """A layer's router [E, hidden] with its bias [E], and E experts, each gate and up fused
+    """A layer's router `gate` [E, hidden] with its bias [E], and E experts, each gate and up fused
     ([gate; up] rows, de-interleaved at load) with their biases."""
 
     def __init__(self, arch: ArchConfig) -> None:
@@ -39,10 +39,11 @@ class GptOssMoe(nn.Module):
         experts = arch.gpt_oss
         assert experts is not None, "a gpt-oss model"
         hidden, inter = arch.hidden_size, arch.intermediate_size
-        self.top_k = experts.num_experts_per_tok
+        self.num_experts_per_tok = experts.num_experts_per_tok
         self.limit, self.alpha = experts.swiglu_limit, experts.swiglu_alpha
-        self.router = _param(experts.num_experts, hidden)
+        self.gate = _param(experts.num_experts, hidden)  # the router (moe.py's name)
         self.router_bias = _param(experts.num_experts)
+        self.shared_expert = None  # (none: what bench/floor.py reads of a MoE block)
         self.experts = nn.ModuleList(ExpertWeights(hidden, inter)
                                      for _ in range(experts.num_experts))
         self.gate_up_bias = _param(experts.num_experts, 2 * inter)  # [gate; up] per expert
@@ -114,8 +115,8 @@ class BoundGptOssLayer:
         """x [T, hidden] -> the weighted sum of each token's k experts [T, hidden]."""
         moe = self.layer.moe
         # the router's logits row by row (see the module), then transformers' topk -> softmax
-        logits = (x.unsqueeze(1) * moe.router).sum(dim=-1) + moe.router_bias  # [T, E]
-        top, ids = torch.topk(logits, moe.top_k, dim=-1)
+        logits = (x.unsqueeze(1) * moe.gate).sum(dim=-1) + moe.router_bias  # [T, E]
+        top, ids = torch.topk(logits, moe.num_experts_per_tok, dim=-1)
         weights = torch.softmax(top, dim=-1)
         if x.shape[0] == 1:
             return run_token(x, weights, ids, self.experts)

@@ -79,7 +79,7 @@ def pop_gpt_oss_layer(state: dict[str, Any], arch: ArchConfig, i: int) -> dict[s
         place + "o_proj": state.pop(attn + "o_proj.weight"),
         place + "o_bias": state.pop(attn + "o_proj.bias"),
         place + "sinks": state.pop(attn + "sinks"),
-        place + "moe.router": state.pop(p + "mlp.router.weight"),
+        place + "moe.gate": state.pop(p + "mlp.router.weight"),
         place + "moe.router_bias": state.pop(p + "mlp.router.bias"),
     }
     experts = p + "mlp.experts."
