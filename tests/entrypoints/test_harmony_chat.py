@@ -1,10 +1,11 @@
 """gpt-oss chat as a user sees it: the real server on a tiny random gpt-oss that carries the real
 o200k_harmony tokenizer and llama.cpp's gpt-oss chat template (nanoserve/bench/o200k_harmony.py),
 with no parser flags (the template chooses `openai` and `openai_gptoss`), driven by the official
-`openai` and `anthropic` SDKs (Responses' items from the same parser's events).
+`openai`, `anthropic` and `ollama` SDKs (chat completions, Messages, Responses, Ollama's chat).
 
-The `ScriptedOutput` logits processor (scripted_output.py) makes the random model write a given
-harmony text token by token through the real engine, each format token one id. What comes back:
+The `ScriptedByDefault` logits processor (scripted_output.py) makes the random model write a
+given harmony text token by token through the real engine, each format token one id (a call,
+where a request names no text: Responses and Ollama carry no `extra_args`). What comes back:
 the analysis channel as reasoning, a `functions.*` message as a call (finish `tool_calls`), the
 final channel as content; `<|end|>` between messages does not stop the output, `<|call|>` and
 `<|return|>` do; effort low and high change the system message; a response format constrains
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import anthropic
+import ollama
 import pytest
 from server_harness import RunningServer
 
@@ -62,13 +64,15 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RunningSe
                        eos_token_id=200002, pad_token_id=199999)
     for file in harmony_tokenizer_dir().iterdir():
         shutil.copy(file, path / file.name)
+    tokenizer = AutoTokenizer.from_pretrained(path)
     with pytest.MonkeyPatch.context() as monkeypatch:
         monkeypatch.setenv("PYTHONPATH", str(HERE))  # where scripted_output lives
+        monkeypatch.setenv("SCRIPTED_TOKEN_IDS", ",".join(
+            map(str, script(tokenizer, CALL_OUTPUT)["extra_args"]["scripted_token_ids"])))
         server = RunningServer(str(path), "--served-model-name", MODEL,
-                               "--logits-processors", "scripted_output:ScriptedOutput",
+                               "--logits-processors", "scripted_output:ScriptedByDefault",
                                wait=False)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
         server.wait_healthy()
         yield server, tokenizer
     finally:
@@ -231,3 +235,42 @@ def test_responses_items_from_a_harmony_turn() -> None:
     parsed = parser.parse(text)
     assert (parsed.reasoning, parsed.content, [c.name for c in parsed.tool_calls]) \
         == (THOUGHT, "Checking.", ["get_weather"])
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_responses_give_a_reasoning_item_then_the_call(server: RunningServer,
+                                                       stream: bool) -> None:
+    """The Responses API through the real server (the default script: the call)."""
+    fields: dict[str, Any] = {
+        "model": MODEL, "input": ASK[0]["content"], "max_output_tokens": 100,
+        "tools": [{"type": "function", **TOOLS[0]["function"]}]}
+    if stream:
+        with server.client().responses.stream(**fields) as events:
+            response = events.get_final_response()
+    else:
+        response = server.client().responses.create(**fields)
+    kinds = [item.type for item in response.output]
+    assert kinds == ["reasoning", "function_call"], kinds
+    reasoning, call = response.output
+    assert "".join(part.text for part in reasoning.content or []) == THOUGHT
+    assert (call.name, call.arguments) == ("get_weather", ARGUMENTS)
+    assert not MARKUP.search(response.model_dump_json())
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_ollama_chat_gives_thinking_and_the_call(server: RunningServer, stream: bool) -> None:
+    """Ollama's /api/chat through the official client (the default script: the call)."""
+    client = ollama.Client(host=server.url)
+    fields: dict[str, Any] = {"model": MODEL, "messages": ASK, "tools": TOOLS, "think": True,
+                              "options": {"num_predict": 100}}
+    if stream:
+        thinking, calls = "", []
+        for part in client.chat(stream=True, **fields):
+            thinking += part.message.thinking or ""
+            calls += part.message.tool_calls or []
+    else:
+        message = client.chat(**fields).message
+        thinking, calls = message.thinking or "", list(message.tool_calls or [])
+    assert thinking == THOUGHT
+    assert [(c.function.name, c.function.arguments) for c in calls] \
+        == [("get_weather", json.loads(ARGUMENTS))]
