@@ -28,6 +28,11 @@ from typing import Any
 from nanoserve.model.gguf_file import GGUFFile
 from nanoserve.model.model_path import resolve_model_path
 
+# the oldest Ollama that Codex's `--oss` (0.171) accepts before it sends /v1/responses ("Ollama
+# 0.1.0 is too old. Codex requires Ollama 0.13.4 or newer"); what /api/version answers, on one
+# model's server and on the router (nanoserve's own version is at /version)
+OLLAMA_API_VERSION = "0.13.4"
+
 _DTYPE_LEVELS = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 # config.json's names for the keys Ollama's model_info gives under "<arch>."
 _HF_INFO_KEYS = {"max_position_embeddings": "context_length", "hidden_size": "embedding_length",

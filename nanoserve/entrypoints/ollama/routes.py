@@ -21,7 +21,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from nanoserve.entrypoints.ollama.model_card import ModelCard, read_model_card
+from nanoserve.entrypoints.ollama.model_card import OLLAMA_API_VERSION, ModelCard, read_model_card
 from nanoserve.entrypoints.ollama.protocol import (
     OllamaChatRequest,
     OllamaEmbeddingsRequest,
@@ -60,9 +60,6 @@ _FOREVER = timedelta(microseconds=(2**63 - 1) // 1000)
 # the sampling defaults /api/show names, in Ollama's words
 _PARAMETER_NAMES = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p",
                     "min_p": "min_p", "repetition_penalty": "repeat_penalty"}
-# the oldest Ollama that Codex's `--oss` (0.171) accepts before it sends /v1/responses ("Ollama
-# 0.1.0 is too old. Codex requires Ollama 0.13.4 or newer"); nanoserve's own is at /version
-OLLAMA_API_VERSION = "0.13.4"
 _STORE_ROUTES = (("/api/push", "POST"), ("/api/create", "POST"),
                  ("/api/copy", "POST"), ("/api/delete", "DELETE"),
                  ("/api/blobs/{digest}", "POST"), ("/api/blobs/{digest}", "HEAD"))

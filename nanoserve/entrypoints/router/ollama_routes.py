@@ -21,9 +21,13 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-import nanoserve
 from nanoserve.entrypoints.ollama.keep_alive import parse_keep_alive
-from nanoserve.entrypoints.ollama.model_card import ModelCard, read_model_card, rfc3339
+from nanoserve.entrypoints.ollama.model_card import (
+    OLLAMA_API_VERSION,
+    ModelCard,
+    read_model_card,
+    rfc3339,
+)
 from nanoserve.entrypoints.router.forward import (
     RouteError,
     auth_headers,
@@ -75,7 +79,7 @@ def add_ollama_router_routes(app: FastAPI, pool: ModelPool, client: httpx.AsyncC
 
     @app.get("/api/version")
     async def version() -> dict[str, str]:
-        return {"version": nanoserve.__version__}
+        return {"version": OLLAMA_API_VERSION}
 
     @app.get("/api/tags")
     async def tags() -> dict[str, Any]:
