@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 HUGE_PAGE_BYTES = 2 << 20
 _ALIGN = 64  # a cache line: each weight starts on one
-_TRIM_EVERY_BYTES = 1 << 30
+_TRIM_EVERY = 1 << 30
 
 
 @functools.cache
@@ -54,6 +54,19 @@ def release_freed_memory() -> None:
     trim = _malloc_trim()
     if trim is not None:
         trim(0)  # type: ignore[operator]
+
+
+class HeapTrim:
+    """Calls `release_freed_memory` after each ~1 G elements (or bytes) of weights handled."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def after(self, amount: int) -> None:
+        self.count += amount
+        if self.count > _TRIM_EVERY:
+            self.count = 0
+            release_freed_memory()
 
 
 def hugepage_buffer(num_bytes: int) -> torch.Tensor:
@@ -107,13 +120,10 @@ def gather_packed_weights(model: CausalLM) -> int:
         total += -(-numel // _ALIGN) * _ALIGN
     arena = hugepage_buffer(total)
     tied = id(model.embed_tokens)
-    since_trim = 0
+    trim = HeapTrim()  # the moved weights' old pages given back as the copy goes
     for key in list(weights):
         weight = weights.pop(key)
-        since_trim += weight.data.numel()
-        if since_trim > _TRIM_EVERY_BYTES:  # the moved weights' old pages given back
-            since_trim = 0
-            release_freed_memory()
+        trim.after(weight.data.numel())
 
         def moved(tensor: torch.Tensor, part: str, key: int = key) -> torch.Tensor:
             start = offsets[(key, part)]

@@ -7,11 +7,11 @@ Both sources are first turned into one dict keyed by Hugging Face parameter name
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from nanoserve.model.arch import ArchConfig
@@ -33,7 +33,7 @@ from nanoserve.model.quantization import (
     shape_of,
 )
 from nanoserve.model.shard import column_unit, shard_weight, tensor_split
-from nanoserve.model.weight_arena import gather_packed_weights, release_freed_memory
+from nanoserve.model.weight_arena import HeapTrim, gather_packed_weights
 
 ReadTensor = torch.Tensor | RawBlocks
 Loaded = torch.Tensor | RawBlocks | list[RawBlocks]
@@ -325,14 +325,11 @@ def _set_weights(model: CausalLM, fused: dict[str, Loaded], dtype: torch.dtype,
     missing = sorted(set(expected) - set(fused))
     if missing:
         raise ValueError(f"checkpoint is missing weights: {missing[:5]}")
-    placed = 0
+    trim = HeapTrim()  # (weight_arena.py: the heap's holes given back as the load goes)
     for name in list(fused):  # each popped once placed: a raw copy is freed once packed
         value = fused.pop(name)
-        placed += _bytes_of(value)
-        if placed > _TRIM_EVERY_BYTES:  # (weight_arena.py: the heap's holes given back)
-            placed = 0
-            release_freed_memory()
         want = tuple(expected[name].shape)
+        trim.after(math.prod(want))
         if shape_of(value) != want:
             raise ValueError(f"weight {name}: checkpoint shape {shape_of(value)}, "
                              f"model expects {want}")
@@ -352,16 +349,6 @@ def _set_weights(model: CausalLM, fused: dict[str, Loaded], dtype: torch.dtype,
     _keep_wide_forms(model)
     if device.type == "cpu":
         gather_packed_weights(model)  # one huge-page buffer, in the order a step reads them
-
-
-_TRIM_EVERY_BYTES = 1 << 30
-
-
-def _bytes_of(value: Loaded) -> int:
-    parts = value if isinstance(value, list) else [value]
-    arrays = [p.data if isinstance(p, RawBlocks) else p for p in parts]
-    return sum(a.nbytes if isinstance(a, np.ndarray) else a.numel() * a.element_size()
-               for a in arrays)
 
 
 # The 4- and 5-bit weights' wide forms (quant_linear.py) are kept when all of them together

@@ -30,6 +30,7 @@ from typing import Any
 
 import anthropic
 import pytest
+from scripted_chat import script_ids, scripted, scripted_server
 from server_harness import RunningServer
 
 from nanoserve.model.gguf_file import GGUFFile
@@ -39,7 +40,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "model"))
 from gemma4_gguf import write_tiny_gemma4_real_vocab_gguf
 from llama_cpp_files import llama_cpp_file
 
-HERE = Path(__file__).resolve().parent
 MODEL = "tiny-gemma4"
 Q = '<|"|>'  # Gemma 4's string delimiter, one token
 # the format tokens' ids in Gemma 4's vocabulary (tests/model/test_gemma4_tokenizer.py)
@@ -83,20 +83,11 @@ def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def served(model_path: Path) -> Iterator[tuple[RunningServer, Any]]:
-    """The server, and the model's tokenizer (loaded while the server starts)."""
-    with pytest.MonkeyPatch.context() as monkeypatch:
-        monkeypatch.setenv("PYTHONPATH", str(HERE))  # where scripted_output lives
-        server = RunningServer(str(model_path), "--served-model-name", MODEL,
-                               "--tool-call-parser", "gemma4", "--reasoning-parser", "gemma4",
-                               "--logits-processors", "scripted_output:ScriptedOutput",
-                               wait=False)
-    try:
-        tokenizer = load_tokenizer_from_gguf(GGUFFile(model_path))
-        server.wait_healthy()
+    """The server, and the model's tokenizer."""
+    tokenizer = load_tokenizer_from_gguf(GGUFFile(model_path))
+    with scripted_server(model_path, "--served-model-name", MODEL, "--tool-call-parser",
+                         "gemma4", "--reasoning-parser", "gemma4") as server:
         yield server, tokenizer
-    finally:
-        exit_code = server.stop()
-    assert exit_code == 0
 
 
 @pytest.fixture(scope="module")
@@ -111,11 +102,8 @@ def tokenizer(served: tuple[RunningServer, Any]) -> Any:
 
 def script(tokenizer: Any, text: str) -> dict[str, Any]:
     """`extra_args` that make the model write `text` (which ends in a stop token)."""
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    for tag, tag_id in FORMAT_IDS.items():  # each format token in the text is its one id
-        assert ids.count(tag_id) == text.count(tag), tag
-    assert ids[-1] in STOP_IDS
-    return {"extra_args": {"scripted_token_ids": ids}}
+    return scripted(script_ids(lambda t: tokenizer.encode(t, add_special_tokens=False), text,
+                               FORMAT_IDS, STOP_IDS))
 
 
 def chat(server: RunningServer, tokenizer: Any, output: str, **asked: Any) -> Any:

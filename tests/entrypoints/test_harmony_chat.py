@@ -25,6 +25,7 @@ from typing import Any
 import anthropic
 import ollama
 import pytest
+from scripted_chat import script_ids, scripted, scripted_server
 from server_harness import RunningServer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "model"))
@@ -35,7 +36,6 @@ from nanoserve.entrypoints.responses.items import OutputItems
 from nanoserve.parsers.chat_stream import ChatStreamParser
 from nanoserve.parsers.tool_calls import make_tool_call_parser
 
-HERE = Path(__file__).resolve().parent
 MODEL = "tiny-gpt-oss"
 FORMAT_IDS = {"<|return|>": 200002, "<|constrain|>": 200003, "<|channel|>": 200005,
               "<|start|>": 200006, "<|end|>": 200007, "<|message|>": 200008, "<|call|>": 200012}
@@ -65,19 +65,10 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RunningSe
     for file in harmony_tokenizer_dir().iterdir():
         shutil.copy(file, path / file.name)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    with pytest.MonkeyPatch.context() as monkeypatch:
-        monkeypatch.setenv("PYTHONPATH", str(HERE))  # where scripted_output lives
-        monkeypatch.setenv("SCRIPTED_TOKEN_IDS", ",".join(
-            map(str, script(tokenizer, CALL_OUTPUT)["extra_args"]["scripted_token_ids"])))
-        server = RunningServer(str(path), "--served-model-name", MODEL,
-                               "--logits-processors", "scripted_output:ScriptedByDefault",
-                               wait=False)
-    try:
-        server.wait_healthy()
+    call_ids = script(tokenizer, CALL_OUTPUT)["extra_args"]["scripted_token_ids"]
+    with scripted_server(path, "--served-model-name", MODEL, processor="ScriptedByDefault",
+                         env={"SCRIPTED_TOKEN_IDS": ",".join(map(str, call_ids))}) as server:
         yield server, tokenizer
-    finally:
-        exit_code = server.stop()
-    assert exit_code == 0
 
 
 @pytest.fixture(scope="module")
@@ -92,11 +83,8 @@ def tokenizer(served: tuple[RunningServer, Any]) -> Any:
 
 def script(tokenizer: Any, text: str) -> dict[str, Any]:
     """`extra_args` that make the model write `text` (which ends in a stop token)."""
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    for tag, tag_id in FORMAT_IDS.items():
-        assert ids.count(tag_id) == text.count(tag), tag
-    assert ids[-1] in STOP_IDS
-    return {"extra_args": {"scripted_token_ids": ids}}
+    return scripted(script_ids(lambda t: tokenizer.encode(t, add_special_tokens=False), text,
+                               FORMAT_IDS, STOP_IDS))
 
 
 def chat(server: RunningServer, tokenizer: Any, output: str, **asked: Any) -> Any:

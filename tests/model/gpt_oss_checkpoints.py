@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from nanoserve.bench.gguf_tokenizer import add_default_tokenizer
+from nanoserve.bench.random_gpt_oss_gguf import add_gpt_oss_metadata
 from nanoserve.model.gguf_file import GGUFFile
 from nanoserve.model.loader import default_model_path
 from nanoserve.model.mxfp4 import hf_mxfp4_to_gguf_blocks
@@ -191,26 +192,13 @@ def _gguf_experts(state: dict[str, torch.Tensor], p: str, i: int
 
 
 def _add_metadata(writer: gguf.GGUFWriter, config: dict[str, Any]) -> None:
-    """The `gpt-oss.*` keys llama.cpp's converter writes (conversion/gpt_oss.py)."""
+    """The `gpt-oss.*` keys llama.cpp's converter writes, the bench's file's (its keys read
+    from the checkpoint's config.json)."""
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(config["num_attention_heads"])
-    writer.add_head_count_kv(config["num_key_value_heads"])
-    writer.add_key_length(config["head_dim"])
-    writer.add_value_length(config["head_dim"])
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_rope_freq_base(rope.get("rope_theta", config.get("rope_theta", 150000.0)))
-    writer.add_expert_count(config["num_local_experts"])
-    writer.add_expert_used_count(config["num_experts_per_tok"])
-    writer.add_expert_feed_forward_length(config["intermediate_size"])
-    writer.add_sliding_window(config["sliding_window"])
-    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-    writer.add_rope_scaling_factor(rope["factor"])
-    writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_MXFP4_MOE)
+    add_gpt_oss_metadata(writer, {
+        **config, "rope_theta": rope.get("rope_theta", config.get("rope_theta", 150000.0)),
+        "rope_factor": rope["factor"],
+        "rope_original_context": rope["original_max_position_embeddings"]})
 
 
 def _f32(tensor: torch.Tensor) -> np.ndarray:
