@@ -10,10 +10,11 @@
 // 5-bit weight's wide form or Q8_0's packed bytes, is read as it is, a dot product of 8 outputs
 // per group: `is_direct`), C = rows x 16 int32, the exact integer sum of each
 // output's block: TDPBSUD for the unsigned 4- and 5-bit layouts (activations signed, weights
-// unsigned), TDPBSSD for Q8_0, MXFP4 (its codes looked up into int8 B rows) and Q6_K, whose two 16-input halves keep their sums apart (two
-// dot products of K = 16). Each block's integer sums are the same as every other tier's, and the
-// float epilogue is matmul_pairs_avx512's to the operation (fma(dot, dw * da, acc), then the
-// offset term; Q6_K's halves lo then hi), so the outputs are the avx2 tier's bit for bit.
+// unsigned), TDPBSSD for Q8_0, MXFP4 (its codes looked up into int8 B rows) and Q6_K, whose
+// two 16-input halves keep their sums apart (two dot products of K = 16). Each block's integer
+// sums are the same as every other tier's, and the float epilogue is matmul_pairs_avx512's to
+// the operation (fma(dot, dw * da, acc), then the offset term; Q6_K's halves lo then hi), so
+// the outputs are the avx2 tier's bit for bit.
 //
 // Blocks go in batches: the tile phase stores a batch's int32 tiles (16 KB), then the AVX-512
 // phase applies their scales (on a Sapphire Rapids core tile operations and AVX-512 work do
