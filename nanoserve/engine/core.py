@@ -24,12 +24,10 @@ import numpy as np
 from nanoserve.config import ALLOW_LONG_MAX_MODEL_LEN, EngineConfig, allow_long_max_model_len
 from nanoserve.engine.block_table import BlockTable
 from nanoserve.engine.drafts import (
-    draft_budget,
     hand_over_finished,
     load_draft_proposer,
+    propose_drafts,
     record_drafts,
-    sequence_of,
-    worth_drafting,
 )
 from nanoserve.engine.executor import Executor
 from nanoserve.engine.kv_cache import KVCacheManager
@@ -320,37 +318,13 @@ class EngineCore:
     # -- draft tokens -----------------------------------------------------------------------------
     def _propose_drafts(self) -> None:
         """Ask the proposer for each running request's next draft tokens (if one is set),
-        only where a step stays cheap (see `draft_budget`)."""
+        only where a step stays cheap (drafts.py: `propose_drafts`)."""
         if self.proposer is None:
             return
-        running = self.scheduler.running
-        is_prefill_waiting = bool(self.scheduler.waiting) or any(
-            r.num_computed_tokens < r.num_tokens - 1 for r in running)
-        budget = draft_budget(len(running), is_prefill_waiting,
-                              self.config.scheduler.speculative_max_rows)
-        k = self.config.scheduler.num_speculative_tokens
-        for request in running:
-            # drafts must fit the model's length; a max_tokens inside the window is cut as
-            # any stop is (scheduler.py)
-            room = min(k, self.max_model_len - request.num_tokens, budget,
-                       worth_drafting(request.draft_acceptance, request.steps_without_drafts, k))
-            request.steps_without_drafts += 1
-            if room > 0 and request.num_computed_tokens == request.num_tokens - 1 \
-                    and self._can_take_drafts(request):
-                drafts = list(self.proposer.propose(sequence_of(request), room))[:room]
-                if request.grammar is not None:
-                    drafts = self.structured.valid_drafts(request.grammar, drafts)
-                request.draft_token_ids = drafts
-                budget -= len(request.draft_token_ids)
-                if request.draft_token_ids:
-                    request.steps_without_drafts = 0
-
-    def _can_take_drafts(self, request: Request) -> bool:
-        """True unless the request samples nothing or uses a custom logits processor that
-        cannot see draft rows (every built-in stage and the grammar mask take draft rows as a
-        one-token decode after the drafts before them: sample/stages.py, `_fill_grammars`)."""
-        return (request.slot is not None and not request.is_pooling
-                and not request.refuses_drafts)
+        scheduler, config = self.scheduler, self.config.scheduler
+        propose_drafts(self.proposer, scheduler.running, bool(scheduler.waiting),
+                       config.num_speculative_tokens, config.speculative_max_rows,
+                       self.max_model_len, self.structured.valid_drafts)
 
     # -- structured outputs ---------------------------------------------------------------------
     def _fill_grammars(self, sampling: list[ScheduledRequest]) -> tuple[np.ndarray, np.ndarray]:

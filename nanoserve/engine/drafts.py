@@ -12,7 +12,7 @@ by `--speculative-config` (`ngram`, `suffix`: nanoserve/spec/); any other loads 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from nanoserve.engine.request import Request, RequestStatus
@@ -125,3 +125,37 @@ def model_free_proposer(config: SpeculativeConfig) -> DraftProposer:
                           config.suffix_decoding_max_spec_factor,
                           config.suffix_decoding_min_token_prob,
                           config.suffix_decoding_max_cached_requests)
+
+
+def propose_drafts(proposer: Any, running: Sequence[Request], is_prompt_waiting: bool, k: int,
+                   max_rows: int, max_model_len: int,
+                   valid_drafts: Callable[[Any, list[int]], list[int]]) -> None:
+    """Set each running request's `draft_token_ids` from `proposer`: up to `k` each, within
+    the step's `draft_budget` (none while a prompt waits or a chunk is left), the model's
+    length and what the request's acceptance makes worth it; a request with a grammar keeps
+    the drafts its grammar accepts (`valid_drafts`)."""
+    is_prefill_waiting = is_prompt_waiting or any(
+        r.num_computed_tokens < r.num_tokens - 1 for r in running)
+    budget = draft_budget(len(running), is_prefill_waiting, max_rows)
+    for request in running:
+        # drafts must fit the model's length; a max_tokens inside the window is cut as any
+        # stop is (scheduler.py)
+        room = min(k, max_model_len - request.num_tokens, budget,
+                   worth_drafting(request.draft_acceptance, request.steps_without_drafts, k))
+        request.steps_without_drafts += 1
+        if room > 0 and request.num_computed_tokens == request.num_tokens - 1 \
+                and _can_take_drafts(request):
+            drafts = list(proposer.propose(sequence_of(request), room))[:room]
+            if request.grammar is not None:
+                drafts = valid_drafts(request.grammar, drafts)
+            request.draft_token_ids = drafts
+            budget -= len(request.draft_token_ids)
+            if request.draft_token_ids:
+                request.steps_without_drafts = 0
+
+
+def _can_take_drafts(request: Request) -> bool:
+    """True unless the request samples nothing or uses a custom logits processor that cannot
+    see draft rows (every built-in stage and the grammar mask take draft rows as a one-token
+    decode after the drafts before them: sample/stages.py, core.py's `_fill_grammars`)."""
+    return request.slot is not None and not request.is_pooling and not request.refuses_drafts
