@@ -113,3 +113,16 @@ def finished_turn(result: SandboxResult) -> list[dict[str, Any]]:
     assert answers, result.describe()
     jsonschema.validate(json.loads(answers[-1]), ANSWER_SCHEMA)
     return seen
+
+
+def responses_turn_usage(result: SandboxResult, model: str) -> dict[str, Any]:
+    """A finished turn's usage (`finished_turn`), once every `/v1/responses` request was
+    answered 200 and the first asked for `model`, streamed, with tools and ANSWER_SCHEMA."""
+    seen = finished_turn(result)
+    turns = [r for r in result.requests if r.method == "POST" and r.path == "/v1/responses"]
+    assert turns and all(r.status == 200 for r in turns), result.describe()
+    body = json.loads(turns[0].body)
+    assert body["model"] == model and body["stream"] is True and body["tools"]
+    assert body["text"]["format"]["schema"] == ANSWER_SCHEMA
+    usage: dict[str, Any] = [e for e in seen if e.get("type") == "turn.completed"][-1]["usage"]
+    return usage

@@ -10,17 +10,15 @@ feedback and telemetry off (`codex_cli.py`), inside a network namespace with not
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 from agent_sandbox import SandboxResult
 from codex_cli import (
-    ANSWER_SCHEMA,
     codex_config,
     events,
-    finished_turn,
     needs_codex,
+    responses_turn_usage,
     run_codex_exec,
 )
 from server_harness import API_KEY
@@ -68,13 +66,7 @@ def codex_run(codex_home: Path) -> SandboxResult:
 
 def test_codex_exec_finishes_a_turn(codex_run: SandboxResult) -> None:
     result = codex_run
-    seen = finished_turn(result)
-    turns = [r for r in result.requests if r.method == "POST" and r.path == "/v1/responses"]
-    assert turns and all(r.status == 200 for r in turns), result.describe()
-    body = json.loads(turns[0].body)
-    assert body["model"] == MODEL and body["stream"] is True and body["tools"]
-    assert body["text"]["format"]["schema"] == ANSWER_SCHEMA
-    usage = [e for e in seen if e.get("type") == "turn.completed"][-1]["usage"]
+    usage = responses_turn_usage(result, MODEL)
     # Codex's fixed prompt (its instructions, its tools described in the system message by
     # the server, the environment) fits the default model's 8192 tokens: 6,586 with 0.171
     assert 2000 < usage["input_tokens"] < 8192, usage

@@ -20,14 +20,13 @@ short analysis and the final message's header; the answer after it is the model'
 
 from __future__ import annotations
 
-import json
 import shutil
 import sys
 from pathlib import Path
 
 import pytest
 from agent_sandbox import SandboxResult
-from codex_cli import ANSWER_SCHEMA, codex_config, finished_turn, needs_codex, run_codex_exec
+from codex_cli import codex_config, needs_codex, responses_turn_usage, run_codex_exec
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "model"))
@@ -69,16 +68,10 @@ def oss_run(tmp_path_factory: pytest.TempPathFactory) -> SandboxResult:
 def test_codex_oss_finishes_a_turn_on_a_model_served_as_gpt_oss(
         oss_run: SandboxResult) -> None:
     result = oss_run
-    seen = finished_turn(result)
+    usage = responses_turn_usage(result, MODEL)
     asked = [(r.method, r.path) for r in result.requests]
     assert asked[:len(PROBES)] == PROBES, result.describe()
     assert ("POST", "/api/pull") not in asked, result.describe()  # it is listed: no pull
-    turns = [r for r in result.requests if r.method == "POST" and r.path == "/v1/responses"]
-    assert turns and all(r.status == 200 for r in turns), result.describe()
-    body = json.loads(turns[0].body)
-    assert body["model"] == MODEL and body["stream"] is True and body["tools"]
-    assert body["text"]["format"]["schema"] == ANSWER_SCHEMA
-    usage = [e for e in seen if e.get("type") == "turn.completed"][-1]["usage"]
     assert 2000 < usage["input_tokens"] < 8192, usage
     # the analysis message came back as reasoning (its 7 tokens), not as the answer
     assert usage["reasoning_output_tokens"] > 0, usage
