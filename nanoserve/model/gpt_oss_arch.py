@@ -11,7 +11,7 @@ gate), gate clamped above and up both ways at `swiglu_limit`). gpt_oss_layers.py
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from nanoserve.model.rope_scaling import (
@@ -91,12 +91,8 @@ def gpt_oss_from_gguf(get: Any, num_layers: int) -> dict[str, Any]:
 
 
 def _untruncated(get: Any) -> RopeScaling:
+    """The file's YaRN with its ramp's ends unrounded (see gpt_oss_from_gguf). llama.cpp's
+    converter writes no attn_factor for gpt-oss: transformers' default (0.1 ln(factor) + 1)
+    holds."""
     scaling = gguf_rope_scaling(get)
-    if scaling.rope_type != "yarn":
-        return scaling
-    # llama.cpp's converter writes no attn_factor for gpt-oss: transformers' default
-    # (0.1 ln(factor) + 1) holds
-    return RopeScaling(rope_type="yarn", factor=scaling.factor,
-                       original_max_position_embeddings=scaling.original_max_position_embeddings,
-                       beta_fast=scaling.beta_fast, beta_slow=scaling.beta_slow,
-                       attention_factor=scaling.attention_factor, truncate=False)
+    return replace(scaling, truncate=False) if scaling.rope_type == "yarn" else scaling
