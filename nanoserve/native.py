@@ -12,8 +12,9 @@ leftover, and is removed.
 
 Instruction-set tiers. Flags are fixed per tier, never `-march=native` (the build machine may
 differ from the run machine). Every kernel is built for `avx2` (AVX2 + FMA + F16C: the reference
-and the fallback); the quantized matmuls (`TIERED_KERNELS`) are also built for `avx512` (AVX-512
-BW/VL/DQ + VNNI), as modules of their own, loaded only after /proc/cpuinfo shows the CPU has every
+and the fallback); the quantized matmuls (`TIERED_KERNELS`) are also built for `avxvnni` (AVX2
+with the VEX `vpdpbusd` of Intel's client cores and Zen 5) and `avx512` (AVX-512 BW/VL/DQ +
+VNNI), as modules of their own, loaded only after /proc/cpuinfo shows the CPU has every
 flag the tier is compiled with, so no instruction reaches a CPU that lacks it. The process runs
 one tier (`cpu_tier`): the best the CPU has, or `NANOSERVE_CPU_ISA`. A tier's module proves
 itself when it loads: a small matmul of every weight layout must equal the `avx2` module's bit for
@@ -49,6 +50,7 @@ _AVX512_CPU = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512
 # the tiles)
 TIER_COMPILE_FLAGS: dict[str, tuple[str, ...]] = {
     "avx2": ("-mavx2", "-mfma", "-mf16c"),
+    "avxvnni": ("-mavx2", "-mfma", "-mf16c", "-mavxvnni", "-DNANOSERVE_TIER_AVXVNNI"),
     "avx512": (*_AVX512_FLAGS, "-DNANOSERVE_TIER_AVX512"),
     # AMX tiles for 16 rows and more (csrc/matmul_amx.h), the avx512 kernels below
     "amx": (*_AVX512_FLAGS, "-mamx-tile", "-mamx-int8", "-DNANOSERVE_TIER_AVX512",
@@ -59,13 +61,14 @@ TIER_COMPILE_FLAGS: dict[str, tuple[str, ...]] = {
 }
 TIER_CPU_FLAGS: dict[str, tuple[str, ...]] = {
     "avx2": ("avx2", "fma", "f16c"),
+    "avxvnni": ("avx2", "fma", "f16c", "avx_vnni"),
     "avx512": _AVX512_CPU,
     "amx": (*_AVX512_CPU, "amx_tile", "amx_int8"),
     "amx-emu": _AVX512_CPU,
 }
 TIERS: tuple[str, ...] = tuple(TIER_COMPILE_FLAGS)
 # the tiers `auto` may choose, worst first (amx-emu runs only where NANOSERVE_CPU_ISA names it)
-AUTO_TIERS: tuple[str, ...] = ("avx2", "avx512", "amx")
+AUTO_TIERS: tuple[str, ...] = ("avx2", "avxvnni", "avx512", "amx")
 _AMX_TIERS = ("amx", "amx-emu")
 # the kernels with a module per tier (the quantized matmul's tiles: matmul_tiles.h). Not
 # gemma4_layers: it reaches the matmuls only through the dispatcher's packed_matmul, which the
@@ -149,9 +152,9 @@ def check_cpu_isa() -> None:
 
 @functools.cache
 def cpu_tier() -> str:
-    """The tier this process runs: `NANOSERVE_CPU_ISA` (avx2, avx512 or auto; default auto, the
-    tuner's measured choice (`prefer_tier`), else the best tier the CPU has). Raises
-    CpuTierError for a name that is no tier or a tier the CPU lacks."""
+    """The tier this process runs: `NANOSERVE_CPU_ISA` (avx2, avxvnni, avx512, amx, amx-emu or
+    auto; default auto, the tuner's measured choice (`prefer_tier`), else the best tier the CPU
+    has). Raises CpuTierError for a name that is no tier or a tier the CPU lacks."""
     check_cpu_isa()
     asked = os.environ.get("NANOSERVE_CPU_ISA", "auto").strip().lower() or "auto"
     if asked != "auto":
@@ -256,11 +259,17 @@ def kernel_tier() -> str:
         refused = _tier_refused(tier)
         if not refused:
             return tier
-        lower = "avx512" if tier in _AMX_TIERS and not tier_missing("avx512") else "avx2"
+        lower = _tier_below(tier)
         warnings.warn(f"nanoserve: the {tier} kernels are not used ({refused}); using "
                       f"{lower}", RuntimeWarning, stacklevel=2)
         tier = lower
     return "avx2"
+
+
+def _tier_below(tier: str) -> str:
+    """The best tier `auto` may choose below `tier` that this CPU runs (avx2 at the least)."""
+    below = AUTO_TIERS[:AUTO_TIERS.index(tier)] if tier in AUTO_TIERS else ("avx2", "avx512")
+    return next((t for t in reversed(below) if not tier_missing(t)), "avx2")
 
 
 def _tier_refused(tier: str) -> str | None:

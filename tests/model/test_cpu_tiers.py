@@ -152,8 +152,8 @@ def run_cli(*args: str, isa: str) -> subprocess.CompletedProcess[str]:
 def test_an_unknown_tier_is_a_start_up_error() -> None:
     out = run_cli("serve", "--port", "1", isa="avx9000")
     assert out.returncode == 1
-    assert ("NANOSERVE_CPU_ISA='avx9000' is not a tier: one of avx2, avx512, amx, amx-emu or "
-            "auto") in out.stderr
+    assert ("NANOSERVE_CPU_ISA='avx9000' is not a tier: one of avx2, avxvnni, avx512, amx, "
+            "amx-emu or auto") in out.stderr
 
 
 def test_a_tier_the_cpu_lacks_is_a_start_up_error_naming_what_is_missing() -> None:
@@ -193,3 +193,24 @@ def test_the_amx_tier_builds_and_says_why_it_cannot_run_here() -> None:
     assert module is not None and module.cpu_tier == "amx"
     assert module.amx_not_ready()  # a reason: CPUID, XCR0, the palette or the permission
     assert "amx" not in native.available_auto_tiers()
+
+
+@pytest.mark.parametrize("kernel", sorted(native.TIERED_KERNELS))
+def test_the_avxvnni_tier_compiles_where_the_cpu_lacks_it(kernel: str) -> None:
+    """An AVX2 CPU without AVX-VNNI (the one CI runs) never loads the avxvnni tier, so its
+    source is checked here by the compiler alone, with the tier's own flags: a tier that does
+    not compile would otherwise first fail on a user's Alder Lake or Zen 5."""
+    if not native.tier_missing("avxvnni"):
+        pytest.skip("this CPU has AVX-VNNI: the tier runs here (the other tests)")
+    if native.tier_missing("avx2") or native.missing_build_tool() is not None:
+        pytest.skip("the kernels cannot build here")
+    import sysconfig
+
+    from torch.utils.cpp_extension import include_paths
+
+    includes = [f"-I{p}" for p in [*include_paths(), sysconfig.get_paths()["include"]]]
+    out = subprocess.run(
+        ["c++", "-fsyntax-only", *native.CPU_FLAGS, *native.TIER_COMPILE_FLAGS["avxvnni"],
+         "-DNANOSERVE_CPU_TIER=avxvnni", "-DTORCH_EXTENSION_NAME=check", "-w", *includes,
+         str(native.CSRC_DIR / f"{kernel}.cpp")], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-4000:]
