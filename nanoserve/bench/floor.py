@@ -75,7 +75,7 @@ class StepFloor:
         return max(self.memory_seconds, self.compute_seconds)
 
 
-def _matmul_weights(model: CausalLM) -> list[Any]:
+def matmul_weights(model: CausalLM) -> list[Any]:
     """Every weight a step reads whole: the projections and the LM head, not the experts."""
     weights = [w for layer in model.decoder_layers
                for w in (getattr(layer, attr) for attr in layer.MATMUL_WEIGHTS)
@@ -96,16 +96,16 @@ def _expert_reads(model: CausalLM, batch: int) -> tuple[float, float]:
         rows = round(batch * top_k / hit)  # an expert's rows, on average
         expert = [experts[0].gate_up_proj, experts[0].down_proj]
         num_bytes += hit * sum(_weight_bytes(w, rows) for w in expert) + _weight_bytes(router, 1)
-        macs += batch * (top_k * sum(n * k for n, k in map(_shape, expert))
+        macs += batch * (top_k * sum(n * k for n, k in map(weight_shape, expert))
                          + router.shape[0] * router.shape[1])
         if layer.moe.shared_expert is not None:
             shared = [layer.moe.shared_expert.gate_up_proj, layer.moe.shared_expert.down_proj]
             num_bytes += sum(_weight_bytes(w, batch) for w in shared)
-            macs += batch * sum(n * k for n, k in map(_shape, shared))
+            macs += batch * sum(n * k for n, k in map(weight_shape, shared))
     return num_bytes, macs
 
 
-def _shape(weight: Any) -> tuple[int, int]:
+def weight_shape(weight: Any) -> tuple[int, int]:
     return tuple(weight.shape)
 
 
@@ -124,7 +124,7 @@ def step_floor(model: CausalLM, kv_cache: torch.Tensor, batch: int, context_len:
                rates: MachineRates) -> StepFloor:
     """The floor of one decode step of `batch` requests at `context_len` tokens of context;
     `kv_cache` is one layer's key cache [Hkv, num_blocks, block_size, row] (its row bytes)."""
-    weights = _matmul_weights(model)
+    weights = matmul_weights(model)
     expert_bytes, expert_macs = _expert_reads(model, batch)
     weight_bytes = sum(_weight_bytes(w, batch) for w in weights) + expert_bytes
     row_bytes = kv_cache.shape[-1] * kv_cache.element_size()
@@ -133,7 +133,7 @@ def step_floor(model: CausalLM, kv_cache: torch.Tensor, batch: int, context_len:
     cache_bytes = batch * context_len * attention_layers * 2 * arch.num_kv_heads * row_bytes
     if arch.linear is not None:  # a hybrid's DeltaNet states: each read and written once
         cache_bytes += batch * 2 * 4 * arch.linear.state_floats * len(arch.linear_layers)
-    macs = batch * sum(n * k for n, k in map(_shape, weights)) + expert_macs
+    macs = batch * sum(n * k for n, k in map(weight_shape, weights)) + expert_macs
     return StepFloor(weight_bytes + cache_bytes, macs, rates)
 
 
@@ -151,7 +151,7 @@ def macs_per_s(model: CausalLM, repeats: int = 5) -> float:
     layer = model.decoder_layers[-1]  # its MLP's gate/up, or its first expert's
     largest: Any = (layer.gate_up_proj if layer.moe is None
                     else layer.moe.experts[0].gate_up_proj)
-    rows, (num_rows, in_features) = 256, _shape(largest)
+    rows, (num_rows, in_features) = 256, weight_shape(largest)
     x = torch.randn(rows, in_features)
     matmul = largest.matmul if isinstance(largest, QuantizedWeight) else (lambda a: a @ largest.T)
     return rows * num_rows * in_features / best_seconds(lambda: matmul(x), repeats)
@@ -165,7 +165,7 @@ class ReadProbe:
     def __init__(self, model: CausalLM) -> None:
         from nanoserve.kernel_tuning.workloads import step_weights
 
-        one_row = (sum(_weight_bytes(w, 1) for w in _matmul_weights(model))
+        one_row = (sum(_weight_bytes(w, 1) for w in matmul_weights(model))
                    + _expert_reads(model, 1)[0])
         self.buffer_bytes = max(_MIN_READ_BYTES, int(one_row))
         self._buffer = torch.ones(self.buffer_bytes // 4, dtype=torch.float32)  # faulted in

@@ -52,6 +52,7 @@ from torch.profiler import ProfilerActivity, profile
 from nanoserve.bench.compiled import compare_compiled, format_compiled
 from nanoserve.bench.eager import compare_eager, format_eager
 from nanoserve.bench.floor import ReadProbe, format_floors, macs_per_s, step_floor
+from nanoserve.bench.instruction_peak import format_peak, measure_peak
 from nanoserve.bench.roofline import start_decoding
 from nanoserve.bench.timing import median_seconds
 from nanoserve.engine.core import EngineCore
@@ -204,9 +205,13 @@ def run_step_profile(engine: EngineCore, args: argparse.Namespace) -> list[StepP
     rates = probe.rates(macs_per_s(model))
     key_cache = engine.runner.kv_caches[0][0]
     print()
-    print(format_floors([(p.batch, p.step_seconds,
-                          step_floor(model, key_cache, p.batch, args.context_len, rates))
-                         for p in profiles], rates))
+    floors = [step_floor(model, key_cache, p.batch, args.context_len, rates) for p in profiles]
+    print(format_floors([(p.batch, p.step_seconds, floor)
+                         for p, floor in zip(profiles, floors, strict=True)], rates))
+    if (peak := measure_peak(model)) is not None:
+        print()
+        print(format_peak(peak, [(p.batch, p.buckets["matmuls"], floor.macs)
+                                 for p, floor in zip(profiles, floors, strict=True)]))
     if args.compare_eager:
         print()
         print(format_eager(compare_eager(engine, sizes, args.context_len, args.repeats)))

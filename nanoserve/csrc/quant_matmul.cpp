@@ -35,6 +35,7 @@
 #include <optional>
 
 #include "gguf_blocks.h"
+#include "instruction_peak.h"
 #include "matmul_tiles.h"
 
 namespace {
@@ -267,6 +268,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_rows", &packed_rows, "rows ids of the packed weight, dequantized -> [len, K]", nogil);
   m.def("quant_matmul", &quant_matmul, "x [M, K] f32 @ raw GGUF weight [N, K]^T -> [M, N]", nogil);
   m.def("quant_rows", &quant_rows, "rows ids of the raw GGUF weight, dequantized -> [len, K]", nogil);
+  m.def("kernel_peak", &instruction_peak::kernel_peak,
+        "multiply-adds a second of the many-row kernel on data in L1, all threads",
+        py::arg("ggml_type"), py::arg("rows"), py::arg("seconds"), nogil);
+  m.def("multiply_peak", &instruction_peak::multiply_peak,
+        "multiply-adds a second of maddubs chains in registers, all threads",
+        py::arg("seconds"), nogil);
   m.def("register_ops", &register_ops, "define nanoserve::packed_matmul as this module's");
   m.def("get_schedule", [] { return schedule::flat(schedule::current()); },
         "this module's kernel schedule, flat (schedule.h)");
