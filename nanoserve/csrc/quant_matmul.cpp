@@ -1,7 +1,8 @@
 // Matmuls straight from GGUF quantized weights (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K,
 // MXFP4), AVX2 + FMA + F16C;
-// built a second time for the avx512 tier (native.py), whose tiles (matmul_pairs_avx512.h) give
-// the same bits from the same packed layout.
+// built again for each wider tier (native.py: avxvnni, avx512, amx), whose dot products and
+// kernels (tier_*.h, matmul_pairs_avx512.h, matmul_amx.h) give the same bits from the same
+// packed layout.
 //
 // y[M, N] = x[M, K] @ W[N, K]^T. W is repacked once, at load, into tiles of 8 output rows
 // interleaved 4 bytes at a time, so that one 32-bit lane of a 256-bit register belongs to one
