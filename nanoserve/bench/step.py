@@ -210,8 +210,10 @@ def run_step_profile(engine: EngineCore, args: argparse.Namespace) -> list[StepP
                          for p, floor in zip(profiles, floors, strict=True)], rates))
     if (peak := measure_peak(model)) is not None:
         print()
+        # (a batch the one region runs holds its matmuls there, outside the matmul bucket)
         print(format_peak(peak, [(p.batch, p.buckets["matmuls"], floor.macs)
-                                 for p, floor in zip(profiles, floors, strict=True)]))
+                                 for p, floor in zip(profiles, floors, strict=True)
+                                 if p.buckets["one region"] < p.buckets["matmuls"]]))
     if args.compare_eager:
         print()
         print(format_eager(compare_eager(engine, sizes, args.context_len, args.repeats)))
