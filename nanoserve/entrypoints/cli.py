@@ -116,9 +116,13 @@ def cmd_chat(args: argparse.Namespace) -> int:
         history.append({"role": "assistant", "content": "".join(reply)})
 
 
+TUNE_BUDGET_S = 600.0  # `nanoserve tune` is asked for and waited on: room for the step check
+
+
 def cmd_tune(args: argparse.Namespace) -> int:
     """`nanoserve tune`: every shape class of the model timed again (--kernel-tuning force),
-    the table printed; later starts on this machine read the choices."""
+    then the tuned schedule against the built-in one on whole steps, the tables printed; later
+    starts on this machine read the choices."""
     from nanoserve.engine.model_runner import ModelRunner
     from nanoserve.kernel_tuning.report import format_result
     from nanoserve.kernel_tuning.tuner import tune_kernels
@@ -129,7 +133,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     llm = build_llm(engine_args)
     runner = llm.engine.executor.local_worker.runner
     assert isinstance(runner, ModelRunner), "a tuning run has a model (no zero-cost runner)"
-    result = tune_kernels(runner.model, runner, "force",
+    result = tune_kernels(runner.model, runner, "force", budget_s=TUNE_BUDGET_S,
                           log=lambda line: print(line, file=sys.stderr, flush=True))
     print(format_result(result))
     return 0

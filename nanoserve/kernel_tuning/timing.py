@@ -33,6 +33,14 @@ def time_interleaved(candidates: Sequence[Candidate], run: Callable[[Candidate],
                      rounds: int, seed: int = 0) -> list[Timed[Candidate]]:
     """Each candidate's median seconds of `run(candidate)` over `rounds` interleaved rounds
     (after one untimed round, which faults pages in and warms the code)."""
+    samples = time_rounds(candidates, run, rounds, seed)
+    return [Timed(c, statistics.median(s)) for c, s in zip(candidates, samples, strict=True)]
+
+
+def time_rounds(candidates: Sequence[Candidate], run: Callable[[Candidate], None],
+                rounds: int, seed: int = 0) -> list[list[float]]:
+    """`time_interleaved`'s samples: per candidate, its seconds in each round, in round order
+    (so that two candidates' samples of one round, taken moments apart, can be paired)."""
     order = list(range(len(candidates)))
     shuffler = random.Random(seed)
     for i in order:
@@ -44,7 +52,7 @@ def time_interleaved(candidates: Sequence[Candidate], run: Callable[[Candidate],
             started = time.perf_counter()
             run(candidates[i])
             samples[i].append(time.perf_counter() - started)
-    return [Timed(c, statistics.median(s)) for c, s in zip(candidates, samples, strict=True)]
+    return samples
 
 
 def choose(timed: Sequence[Timed[Candidate]], default: Candidate) -> Candidate:

@@ -16,6 +16,9 @@ each):
   measured faster on the model's weights at 1 and 64 rows runs from the next start (a process
   runs one tier, chosen before its first kernel loads: `preferred_tier`).
 
+Then the step check (step_check.py): the tuned schedule against the built-in one on whole
+decode steps, each group of choices kept only where the steps confirm it; its verdict is cached.
+
 Modes (`--kernel-tuning`): `cached` (the default: what the cache holds, timing only what it
 lacks), `force` (time every class again), `off` (today's constants, for A/B runs; also what
 the `amx-emu` tier runs, whose emulated tiles' times mean nothing). Timing is
@@ -47,6 +50,13 @@ from nanoserve.kernel_tuning.schedule import (
     WIDE_MIN_ROWS,
     Prefetch,
     Schedule,
+)
+from nanoserve.kernel_tuning.step_check import (
+    StepCheck,
+    confirm,
+    is_unchecked,
+    step_entry_name,
+    unchecked_entry,
 )
 from nanoserve.kernel_tuning.timing import Timed, best_threshold, choose, time_interleaved
 from nanoserve.kernel_tuning.tune_cache import cache_file, machine_key, read_entries, write_entries
@@ -93,6 +103,7 @@ class TuneResult:
     skipped: list[str] = field(default_factory=list)  # past the budget: defaults, not cached
     tier: str | None = None  # the tier measured fastest (where it differs: from the next start)
     tier_running: str | None = None
+    step_check: StepCheck | None = None  # the step A/B behind the schedule (None: none ran)
     seconds: float = 0.0
 
     def describe(self) -> str:
@@ -117,6 +128,7 @@ def tune_kernels(model: Any, runner: Any, mode: str = "cached", *, budget_s: flo
     `cache_dir`: where the choices are kept (default: the user's cache, `tune/`)."""
     if mode not in MODES:
         raise ValueError(f"kernel tuning {mode!r} is not one of {list(MODES)}")
+    # 1) each shape class from the cache, or timed alone
     step = step_weights(model)
     result = TuneResult(DEFAULT, step.layouts)
     if mode == "off" or native.loaded_tier() == "amx-emu":  # (the emulator's times mean nothing)
@@ -128,12 +140,27 @@ def tune_kernels(model: Any, runner: Any, mode: str = "cached", *, budget_s: flo
     cached = read_entries(path, key) if mode == "cached" else {}
     run = _Run(result, cached, started + budget_s, log)
     run.tune_all(step, attention_work(runner, model))
+    # 2) the classes' choices, kept where whole steps confirm them (step_check.py)
+    tuned, name = result.schedule, step_entry_name(runner, run.tier, step.layouts)
+    result.schedule, result.step_check = confirm(tuned, runner, cached.get(name), run.deadline,
+                                                 is_forced=mode == "force", log=log)
+    if result.step_check is not None:
+        if result.step_check.is_cached:
+            result.reused.append(name)
+        else:
+            run.new_entries[name] = result.step_check.to_entry()
+    elif is_unchecked(cached.get(name) or {}, tuned):
+        result.reused.append(name)  # no start finishes this check: the built-in runs
+    elif tuned != DEFAULT:
+        result.skipped.append(name)  # past the budget: the built-in runs, checked next time
+        if not run.new_entries and mode == "cached" and budget_s > 0:  # the whole budget
+            run.new_entries[name] = unchecked_entry(tuned)
     if run.new_entries:
         write_entries(path, key, run.new_entries)
     native.set_kernel_schedule(result.schedule.flat())
     result.seconds = time.monotonic() - started
     if run.new_entries:
-        log(f"kernel tuning: {len(run.new_entries)} shape classes timed in "
+        log(f"kernel tuning: {len(run.new_entries)} choices timed in "
             f"{result.seconds:.1f} s, kept in {path}")
     return result
 
