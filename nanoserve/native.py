@@ -377,9 +377,10 @@ def _checkout_key() -> str:
     return hashlib.sha256(where.encode()).hexdigest()[:10]
 
 
-# decode_layers and gemma4_layers call the ops the first three register: they load after them
+# decode_layers, gemma4_layers and hybrid_layers call the ops the first three register: they
+# load after them
 KERNEL_NAMES: tuple[str, ...] = ("fused_ops", "paged_attention", "quant_matmul", "sampling",
-                                 "decode_layers", "gemma4_layers", "delta_net")
+                                 "decode_layers", "gemma4_layers", "delta_net", "hybrid_layers")
 
 
 def build_tiers() -> list[str]:

@@ -140,9 +140,9 @@ def compare_compiled(engine: EngineCore, batch_sizes: list[int], context_len: in
     runner = engine.runner
     assert isinstance(runner, ModelRunner), "a benchmark runs a model (no zero-cost runner)"
     model, plan = runner.model, runner.plan
-    if model.arch.gemma4 is not None:  # CompiledLayers compiles the dense families' layer
+    if model.arch.gemma4 is not None or model.is_hybrid:  # (CompiledLayers: dense layers)
         raise RuntimeError("--compare-compiled times the dense families' layer; Gemma 4's "
-                           "native stack is compared with --compare-eager")
+                           "and a hybrid's native stacks are compared with --compare-eager")
     figures: list[tuple[int, float, float, float, bool]] = []
     for batch in batch_sizes:
         ids = start_decoding(engine, batch, context_len, 2 * rounds * (repeats + 1) + 3,

@@ -8,7 +8,8 @@ its weights and one forward (the layer loop over layers bound to a table).
   on one model.
 - The stack: with the fused table, the attention backend may offer every layer as one native
   call that attends as it does (`AttentionBackend.layer_stack`; the paged CPU kernel's,
-  native_layers.py, and Gemma 4's, gemma4_native.py). `use_native_layers=False`
+  native_layers.py, Gemma 4's, gemma4_native.py, and a hybrid's, hybrid_native.py, to which
+  ForwardPlan binds each step's DeltaNet states). `use_native_layers=False`
   (`--enforce-eager`) keeps the Python loop.
 
 `bench step --compare-eager` toggles `use_native_layers`, and `--compare-compiled` swaps the
@@ -76,6 +77,8 @@ class ForwardPlan:
                       else None)
         stack = (self._native_stack(kv_caches, attention)
                  if table.is_fused and images is None and rope_positions is None else None)
+        if stack is not None and model.is_hybrid:  # its DeltaNet layers read this step's states
+            stack = None if states is None else HybridStep(stack, states)
         if stack is not None:
             hidden = model.embed(input_ids)
             # Gemma 4's per-layer inputs [T, L, P], from the embedding before any layer
@@ -114,11 +117,10 @@ class ForwardPlan:
         """The layers as one native call over these caches (built at first use), or None."""
         # Under tensor parallelism the Python layer loop runs: the native stack chains every
         # layer in C++ with no all-reduce between them, so it is None for any group but the
-        # plain one of one rank. A MoE model's too (Gemma 4's experts included): the stacks'
-        # layers are dense MLPs (gpt-oss's experts too, and its sinks); and a hybrid's,
-        # whose DeltaNet layers it does not run.
+        # plain one of one rank. A MoE model's too (Gemma 4's and a hybrid's experts
+        # included): the stacks' layers are dense MLPs (gpt-oss's experts too, and its sinks).
         arch = self.model.arch
-        if (not self.use_native_layers or arch.moe is not None or self.model.is_hybrid
+        if (not self.use_native_layers or arch.moe is not None
                 or arch.gpt_oss is not None
                 or (arch.gemma4 is not None and arch.gemma4.has_moe)):
             return None
@@ -154,3 +156,21 @@ class ForwardPlan:
                 and model.rotary is not None and model.rotary.cos_table.dtype == torch.float32
                 and any(not isinstance(w, torch.Tensor) for w in weights)
                 and kernels() is not None)
+
+
+class HybridStep:
+    """The hybrid stack with one step's DeltaNet states bound: what the attention backend's
+    `run_layer_stack` calls, with the same arguments as a dense stack's `forward`."""
+
+    __slots__ = ("stack", "states")
+
+    def __init__(self, stack: Any, states: HybridStates) -> None:
+        self.stack, self.states = stack, states
+
+    def forward(self, *step: torch.Tensor) -> torch.Tensor:
+        """`step`: hidden, cos, sin, positions, cache_index, block_table, context_lens (one
+        KV layer group and the global RoPE tables: a hybrid has no other)."""
+        assert len(step) == 7, "a hybrid's stack takes one KV group's metadata"
+        s = self.states
+        return self.stack.forward(*step, s.conv_states, s.ssm_states, s.slots, s.query_start,
+                                  s.snapshots)

@@ -36,6 +36,7 @@ from torch.profiler import record_function
 from nanoserve.model.attention.base import AttentionBackend, AttentionMetadata
 from nanoserve.model.attention.kv_rows import write_kv_cache
 from nanoserve.model.gemma4_native import build_gemma4_stack
+from nanoserve.model.hybrid_native import build_hybrid_stack
 from nanoserve.model.layer_weights import StackedModel
 from nanoserve.model.native_layers import build_layer_stack
 from nanoserve.native import load_kernels
@@ -80,10 +81,12 @@ class CpuPagedBackend(AttentionBackend[CpuPagedMetadata]):
 
     def layer_stack(self, model: StackedModel,
                     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> Any | None:
-        """The native layer stack (native_layers.py; Gemma 4's, gemma4_native.py), which
-        attends with this kernel."""
+        """The native layer stack (native_layers.py; Gemma 4's, gemma4_native.py; a hybrid's,
+        hybrid_native.py), which attends with this kernel."""
         if model.arch.gemma4 is not None:
             return build_gemma4_stack(model, kv_caches)
+        if model.arch.linear is not None:
+            return build_hybrid_stack(model, kv_caches)
         return build_layer_stack(model, kv_caches)
 
     def run_layer_stack(self, stack: Any, hidden: torch.Tensor, cos: torch.Tensor,
