@@ -14,8 +14,11 @@ equalled off's. Acceptance comes from nanoserve's `nanoserve:spec_decode_*` coun
 the `timings` llama-server sends. Every request-step commits one token of the model's own
 plus its accepted drafts, so a cell's request-steps are its output tokens less the accepted
 ones; from that come `tok/step` (output tokens per request-step: what a free verify would
-speed up by, the ceiling of `vs off` for the outputs the model gave) and `drafted` (the share
-of request-steps that drafted; llama-server does not say how many steps drafted).
+speed up by, the ceiling of `vs off` for the outputs the model gave), `drafted` (the share
+of request-steps that drafted; llama-server does not say how many steps drafted), `rows/step`
+(1 + draft tokens per request-step) and `step cost` (a request-step's time against off's:
+tok/step over the speed-up, what verifying the drafts costs; on a hybrid it includes keeping
+the DeltaNet state after each draft row, engine/draft_states.py).
 """
 
 from __future__ import annotations
@@ -82,6 +85,22 @@ class Cell:
         if not steps or self.drafts is None or self.drafts.num_drafts is None:
             return None
         return self.drafts.num_drafts / steps
+
+    @property
+    def rows_per_step(self) -> float | None:
+        """Rows a request-step computes: its one token plus the drafts it verifies."""
+        steps = self.request_steps
+        if not steps or self.drafts is None:
+            return None
+        return 1.0 + self.drafts.num_draft_tokens / steps
+
+    def step_cost(self, off: Cell) -> float | None:
+        """A request-step's time against `off`'s one-row step (the verify's price): its
+        tok/step over its speed-up."""
+        per_step = self.tokens_per_step
+        if per_step is None or not self.tokens_per_s or not off.tokens_per_s or not off.speed:
+            return None
+        return per_step / (self.speed / off.speed)
 
     @property
     def speed(self) -> float:
@@ -232,10 +251,12 @@ def format_report(results: dict[str, dict[tuple[str, int], Cell]], servers: Sequ
              "vs llama: against the fastest llama-server configuration of the row; acc/tok: "
              "accepted per draft token; acc len: 1 + accepted / drafting steps; tok/step: "
              "output tokens per request-step (the most a free verify gives); drafted: share "
-             "of request-steps that drafted",
+             "of request-steps that drafted; rows/step: rows a request-step computes (1 + its "
+             "drafts); step cost: a request-step's time against off's (the verify's price)",
              f"{'workload':<9} {'conc':>4} {'server':<{width}} {'tok/s':>7} {'vs off':>7} "
              f"{'vs llama':>8} {'ITL p50':>8} {'p99':>7} {'acc/tok':>7} {'acc len':>7} "
-             f"{'tok/step':>8} {'drafted':>7} {'same text':>9}"]
+             f"{'tok/step':>8} {'drafted':>7} {'rows/step':>9} {'step cost':>9} "
+             f"{'same text':>9}"]
     for key in plan:
         base = results["off"][key]
         best = best_peer(results, servers, key)
@@ -256,7 +277,8 @@ def format_report(results: dict[str, dict[tuple[str, int], Cell]], servers: Sequ
                          f"{statistics.median(cell.itl_p99):>7.1f} "
                          f"{_figure(kept):>7} {_figure(length):>7} "
                          f"{_figure(cell.tokens_per_step):>8} "
-                         f"{_figure(cell.drafted_share):>7} {same:>9}")
+                         f"{_figure(cell.drafted_share):>7} {_figure(cell.rows_per_step):>9} "
+                         f"{_figure(cell.step_cost(base)):>9} {same:>9}")
     return lines + target_lines(results, servers, plan)
 
 

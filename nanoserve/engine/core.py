@@ -37,7 +37,7 @@ from nanoserve.engine.prompt_progress import prompt_progress
 from nanoserve.engine.request import Request, RequestStatus
 from nanoserve.engine.request_images import attach_images
 from nanoserve.engine.scheduler import ScheduledRequest, Scheduler
-from nanoserve.engine.state_plan import plan_states, state_snapshots_for
+from nanoserve.engine.state_plan import draft_states_for, plan_states, state_snapshots_for
 from nanoserve.engine.step_input import build_step_input
 from nanoserve.engine.zero_cost_runner import ZeroCostRunner
 from nanoserve.model.kv_groups import kv_layer_groups
@@ -97,11 +97,8 @@ class EngineCore:
                              for _ in groups.windows]  # one per KV layer group
         self.block_table = self.block_tables[0]
         self.proposer = load_draft_proposer(config.scheduler.draft_proposer)
-        if self.proposer is not None and model_info.arch.linear is not None:
-            # a rejected draft would have moved the DeltaNet states past it, with no way back
-            logger.warning("speculative decoding is off: %s has Gated DeltaNet layers, whose "
-                           "states cannot roll back a rejected draft", model_info.name)
-            self.proposer = None
+        # a hybrid's verify chunks keep their DeltaNet states per draft (engine/draft_states.py)
+        self.draft_states = draft_states_for(config, model_info.arch, num_blocks)
         reasoning = ReasoningTokens.of(model_info.tokenizer)
         # the sampler lives in rank 0's worker; the core admits with the same checks
         self.admission = SamplingAdmission(
@@ -255,7 +252,7 @@ class EngineCore:
             released, self._fill_grammars(sampling), self.block_tables[1:],
             self.model_info.arch.attends_images_both_ways)
         if self.model_info.arch.linear is not None:
-            plan_states(sched, step, self.state_snapshots, self.kv_cache)
+            plan_states(sched, step, self.state_snapshots, self.kv_cache, self.draft_states)
         # 3) run the model and sample, on the workers
         started = time.perf_counter()
         out = self.executor.execute_step(step)
@@ -274,6 +271,9 @@ class EngineCore:
         new_token_ids = [out.sampled_token_ids[row : row + taken]
                          for row, taken in zip(first_rows.tolist(), out.num_accepted, strict=True)]
         committed = self.scheduler.update_after_step(sched, new_token_ids)
+        if self.draft_states is not None:
+            self.draft_states.commit(sampling, out.num_accepted, self.state_snapshots,
+                                     self.kv_cache)
         record_drafts(self.stats, [s.request for s in sampling],
                       [len(s.draft_token_ids) for s in sampling], out.num_accepted)
         if self.proposer is not None:

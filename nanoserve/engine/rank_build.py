@@ -20,7 +20,7 @@ from nanoserve.engine.model_runner import (
     kv_cache_num_blocks,
     resolve_kv_cache_dtype,
 )
-from nanoserve.engine.state_pool import num_snapshot_slots
+from nanoserve.engine.state_pool import num_state_slots as state_slots
 from nanoserve.kernel_tuning.tuner import BUDGET_S, preferred_tier, tune_kernels
 from nanoserve.model.loader import LoadedModel, load_model
 from nanoserve.model.parallel import TensorParallelGroup
@@ -72,8 +72,8 @@ def build_rank(config: EngineConfig, group: TensorParallelGroup | None, *,
         if not is_alone:
             raise ValueError("tensor parallelism does not run hybrid (Gated DeltaNet) models "
                              "yet; use --tensor-parallel-size 1")
-        num_state_slots = config.scheduler.max_num_seqs + num_snapshot_slots(
-            loaded.arch, num_blocks, cache.enable_prefix_caching)
+        num_state_slots = state_slots(loaded.arch, config.scheduler, num_blocks,
+                                      cache.enable_prefix_caching)
     runner = ModelRunner(loaded.model, num_blocks, cache.block_size, device, kv_dtype,
                          use_native_layers=not model.enforce_eager,
                          num_state_slots=num_state_slots)

@@ -9,10 +9,16 @@ The pool holds them for every slot, float32, in two tensors over all DeltaNet la
 - slots [max_num_seqs, max_num_seqs + snapshots): snapshots, the states as they stood at a
   block boundary, which the core's prefix cache (engine/state_cache.py) keys by that block's
   hash. A prefix hit copies one into the request's live slot, so the rest of the prompt is
-  computed from the exact state the prefix left.
+  computed from the exact state the prefix left;
+- slots [max_num_seqs + snapshots, ... + max_num_seqs * k), with speculation (k drafts a step):
+  each live slot's k draft slots. A verify step (rows: the last token, drafts 1..k) copies
+  the state after each row but the last into them, and the next step copies the one after the
+  last accepted row back into the live slot (engine/draft_states.py), so a rejected draft
+  leaves no trace. Their pages are touched only by slots that draft.
 
-Each step the worker first sets the states of the requests admitted in it (`state_inits`:
-zeros for a fresh start, or a snapshot's copy), then the forward updates the live states and
+Each step the worker first sets states as the core lists them (`state_inits`, in order: the
+last step's accepted drafts and new snapshots, then the requests admitted in this step, zeros
+for a fresh start or a snapshot's copy), then the forward updates the live states and
 writes the snapshots the step asks for (`state_snapshots`, by row) as it passes them.
 """
 
@@ -21,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from nanoserve.config import GiB
+from nanoserve.config import GiB, SchedulerConfig
 from nanoserve.model.arch import ArchConfig
 from nanoserve.model.hybrid_layers import HybridStates
 from nanoserve.protocol import StepInput
@@ -48,10 +54,25 @@ def num_snapshot_slots(arch: ArchConfig, num_blocks: int, prefix_caching: bool) 
     return min(num_blocks, DEFAULT_SNAPSHOT_BYTES // state_bytes(arch))
 
 
+def num_draft_tokens(scheduler: SchedulerConfig) -> int:
+    """The drafts a request may verify in a step (0 without a proposer)."""
+    return scheduler.num_speculative_tokens if scheduler.draft_proposer is not None else 0
+
+
+def num_state_slots(arch: ArchConfig, scheduler: SchedulerConfig, num_blocks: int,
+                    prefix_caching: bool) -> int:
+    """The pool's slots (see the module): live, snapshot and draft slots; the core's plans
+    (engine/state_plan.py) address the same layout from the same numbers."""
+    live = scheduler.max_num_seqs
+    return (live * (1 + num_draft_tokens(scheduler))
+            + num_snapshot_slots(arch, num_blocks, prefix_caching))
+
+
 class StatePool:
     """Every slot's DeltaNet states (see the module). Left unfilled: a live slot is set when
-    its request is admitted and a snapshot slot written before it is found, so nothing reads
-    a slot first, and the pages of slots never used are never touched (0.8B: 19 MiB a slot)."""
+    its request is admitted, a snapshot slot written before it is found and a draft slot by
+    its verify step before it is copied back, so nothing reads a slot first, and the pages of
+    slots never used are never touched (0.8B: 19 MiB a slot)."""
 
     def __init__(self, arch: ArchConfig, num_slots: int, device: torch.device) -> None:
         shape = arch.linear

@@ -113,12 +113,14 @@ def test_report_rows_give_ratios_against_off_and_the_best_peer() -> None:
     args = argparse.Namespace(max_tokens=96, rounds=2, num_speculative_tokens=4)
     rows = {tuple(line.split()[:3]): line.split()
             for line in format_report(results(), SERVERS, PLAN, args)}
-    # tok/s, vs off, vs llama, ITL p50, p99, acc/tok, acc len, tok/step, drafted, same text:
-    # 300 tokens with 100 accepted took 200 request-steps, 50 of them drafting
+    # tok/s, vs off, vs llama, ITL p50, p99, acc/tok, acc len, tok/step, drafted, rows/step,
+    # step cost, same text: 300 tokens with 100 accepted took 200 request-steps, 50 of them
+    # drafting 200 tokens (2 rows a step), each step 1.5 / 2.4 of off's
     assert rows["rename", "1", "ngram"][3:] == [
-        "240.0", "2.40x", "1.60x", "5.0", "9.0", "0.50", "3.00", "1.50", "0.25", "yes"]
+        "240.0", "2.40x", "1.60x", "5.0", "9.0", "0.50", "3.00", "1.50", "0.25", "2.00",
+        "0.62", "yes"]
     assert rows["rename", "1", "llama:ngram-mod"][3:] == [
-        "150.0", "1.50x", "best", "5.0", "9.0", "0.75", "-", "1.25", "-", "-"]
+        "150.0", "1.50x", "best", "5.0", "9.0", "0.75", "-", "1.25", "-", "1.33", "0.83", "-"]
     assert rows["rename", "1", "off"][-3:] == ["-", "-", "-"]  # no tokens counted here
     assert rows["rename", "1", "llama:none"][5] == "-"
     assert rows["chat", "8", "ngram"][5] == "0.83x" and rows["chat", "8", "ngram"][-1] == "NO"

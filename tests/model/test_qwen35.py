@@ -245,25 +245,3 @@ def test_n_samples_fork_the_leaders_states(qwen35_dir: Any) -> None:
         while alone.has_unfinished():
             mine += [(o.new_token_ids, o.new_logprobs) for o in alone.step()]
         assert got[f"s{i}"] == mine, f"sample {i}"
-
-
-def test_speculation_is_declined_with_a_warning(qwen35_dir: Any,
-                                                caplog: pytest.LogCaptureFixture) -> None:
-    """A rejected draft would have moved the DeltaNet states past it: the engine runs without
-    drafts, says so once, and gives what it gives without speculation."""
-    from nanoserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-    from nanoserve.engine.build import build_engine_core
-    from nanoserve.speculative_config import SpeculativeConfig
-
-    path = str(qwen35_dir("dense"))
-    drafts = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 4}')
-    with caplog.at_level("WARNING", logger="nanoserve"):
-        engine = build_engine_core(EngineConfig(
-            model=ModelConfig(model=path, device="cpu", dtype="float32", quantization="none"),
-            cache=CacheConfig(kv_cache_memory_bytes=64 << 20),
-            scheduler=SchedulerConfig(draft_proposer=drafts, num_speculative_tokens=4)))
-    assert engine.proposer is None
-    assert "speculative decoding is off" in caplog.text and "Gated DeltaNet" in caplog.text
-    ids = random_ids(40, seed=700) * 3  # a repeating prompt, where n-grams would draft
-    assert (run_to_completion(engine, {"r": ids}, GREEDY)
-            == run_to_completion(make_engine(path), {"r": ids}, GREEDY))
