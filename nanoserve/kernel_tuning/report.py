@@ -42,7 +42,9 @@ def format_step_check(check: StepCheck, layouts: list[str]) -> list[str]:
     if kept not in (DEFAULT, check.tuned_schedule):
         lines += ["", "and against the schedule kept, timed together:", "",
                   *_ab_table(check, check.kept, "kept", check.kept_builtin)]
-    lines.append("")
+    lines += ["", "(a step: each schedule's median step; speed: the median over the rounds of "
+              "the built-in step over this one in the same round, so a machine drifting "
+              "between rounds cancels out)", ""]
     for verdict, groups in (("kept", check.kept_groups),
                             ("reverted to the built-in", check.reverted_groups)):
         lines += [f"{verdict}: {name} {group_value(name, check.tuned_schedule, layouts)} "
