@@ -280,6 +280,10 @@ def confirm(tuned: Schedule, runner: Any, entry: dict[str, Any] | None, deadline
             return cached.schedule, cached
     if tuned == DEFAULT and not is_forced:
         return DEFAULT, None
+    # no time left (a tensor-parallel rank's budget is none): the runner runs no step, which
+    # on a rank would wait in an all-reduce for ranks that are not stepping
+    if time.monotonic() >= deadline:
+        return DEFAULT, None
     with decode_steps(runner) as steps:
         if steps is None:
             log("kernel tuning: no decode step fits the KV cache: the built-in schedule runs")
