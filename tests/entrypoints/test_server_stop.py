@@ -113,8 +113,9 @@ class Stream:
         assert not self.thread.is_alive(), "the stream hung"
 
 
-def start(way: Way, disk: Path, models: Path, model_dir: Path) -> tuple[RunningServer, str]:
-    common = ("--kv-cache-disk", str(disk), *way.args)
+def start(way: Way, disk: Path, models: Path, model_dir: Path,
+          extra: tuple[str, ...] = ()) -> tuple[RunningServer, str]:
+    common = ("--kv-cache-disk", str(disk), *way.args, *extra)
     if way.is_router:
         return RunningServer("--models-dir", str(models), *common, own_session=True), "tiny"
     return RunningServer(str(model_dir), *common, own_session=True), str(model_dir)
@@ -145,14 +146,18 @@ def stopped(server: RunningServer, pids: set[int], why: str) -> int:
 
 
 def test_every_way_of_stopping_drains_writes_the_disk_tier_and_leaves_nothing(
-        tmp_path: Path, tiny_model_dir: Callable[[str], Path]) -> None:
+        tmp_path: Path, tiny_model_dir: Callable[[str], Path],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))  # where paced_output lives
     model_dir = tiny_model_dir("llama")
     models = tmp_path / "models"
     models.mkdir()
     (models / "tiny").symlink_to(model_dir)
     disk = tmp_path / "kv"
     for k, way in enumerate([*WAYS, None]):
-        server, model = start(way or WAYS[0], disk, models, model_dir)
+        # the double signal's stream paced, so that it is still running at the second one
+        server, model = start(way or WAYS[0], disk, models, model_dir,
+                              () if way else ("--logits-processors", "paced_output:PacedSteps"))
         try:
             if k > 0:  # the stop before this start wrote its blocks
                 assert cached_tokens(server, model, prompt(k - 1)) == CACHED, \
