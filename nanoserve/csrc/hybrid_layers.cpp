@@ -36,6 +36,7 @@
 #include <tuple>
 #include <vector>
 
+#include "dispatcher_ops.h"
 #include "delta_net.h"
 
 namespace {
@@ -45,40 +46,8 @@ namespace {
 using PackedMatmul = std::tuple<at::Tensor, int64_t, int64_t, int64_t, std::optional<at::Tensor>>;
 using Parts = std::vector<PackedMatmul>;
 
-// The kernels' own C++ signatures (a typed handle must name them exactly), as decode_layers.cpp
-// has them.
-using T = at::Tensor;
-using OptT = std::optional<at::Tensor>;
-using MatmulFn = T(const T&, const T&, int64_t, int64_t, int64_t, const OptT&);
-using RmsNormFn = T(T, T, double);
-using AddRmsNormFn = T(T, T, T, double);
-using GateFn = T(T);
-using RopeStoreFn = T(T, OptT, OptT, OptT, double, T, T, T, T, T, T);
-using AttentionFn = void(T, T, T, T, T, double, T, int64_t);  // ..., out, window
-
-struct Ops {
-  c10::TypedOperatorHandle<MatmulFn> matmul;
-  c10::TypedOperatorHandle<RmsNormFn> rms_norm;
-  c10::TypedOperatorHandle<AddRmsNormFn> add_rms_norm;
-  c10::TypedOperatorHandle<GateFn> silu_mul;
-  c10::TypedOperatorHandle<RopeStoreFn> rope_store;
-  c10::TypedOperatorHandle<AttentionFn> attention;
-};
-
-template <typename Signature>
-c10::TypedOperatorHandle<Signature> op(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
-}
-
-const Ops& ops() {  // found once: the kernels' extensions are loaded before the first stack
-  static const Ops found{op<MatmulFn>("nanoserve::packed_matmul"),
-                         op<RmsNormFn>("nanoserve::rms_norm"),
-                         op<AddRmsNormFn>("nanoserve::add_rms_norm"),
-                         op<GateFn>("nanoserve::silu_mul"),
-                         op<RopeStoreFn>("nanoserve::rope_store"),
-                         op<AttentionFn>("nanoserve::decode_attention")};
-  return found;
-}
+using dispatcher_ops::Ops;
+using dispatcher_ops::ops;
 
 // x @ W^T for a weight of one or several row parts: ConcatWeight's torch.cat of each part's
 // product, as the Python loop's bound matmul makes it.
