@@ -20,7 +20,6 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import make_engine
 
 from nanoserve import native
 from nanoserve.kernel_tuning.decode_steps import DecodeSteps, decode_steps
@@ -42,13 +41,6 @@ TUNED = replace(DEFAULT.with_prefetch("S8H", 1, Prefetch("t0", 4096)), wide_min_
 # what every slowed step sleeps, besides its groups' costs: costs of 20 ms and more, so that
 # a loaded machine's noise on a tiny model's steps cannot move a verdict
 BASE_S = 0.05
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir: Any) -> Any:
-    if native.missing_build_tool() is not None:
-        pytest.skip(f"the kernels cannot build here: {native.missing_build_tool()}")
-    return make_engine(tiny_model_dir("llama"), quantization="int8")
 
 
 @pytest.fixture(autouse=True)

@@ -12,18 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import make_engine
 
 from nanoserve import native
 from nanoserve.kernel_tuning.schedule import DEFAULT
 from nanoserve.kernel_tuning.tuner import preferred_tier, tune_kernels
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir: Any) -> Any:
-    if native.missing_build_tool() is not None:
-        pytest.skip(f"the kernels cannot build here: {native.missing_build_tool()}")
-    return make_engine(tiny_model_dir("llama"), quantization="int8")
 
 
 @pytest.fixture(autouse=True)
