@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from nanoserve.kernel_tuning.result import TuneResult
 from nanoserve.kernel_tuning.schedule import DEFAULT
 from nanoserve.kernel_tuning.step_check import StepCheck, Timing, group_value
-from nanoserve.kernel_tuning.tuner import TuneResult
 
 
 def format_result(result: TuneResult) -> str:

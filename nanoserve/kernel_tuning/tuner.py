@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 import nanoserve.native as native
+from nanoserve.kernel_tuning.result import Row, TuneResult
 from nanoserve.kernel_tuning.schedule import (
     AMX_MIN_ROWS,
     ATTENTION_HINTS,
@@ -49,10 +50,8 @@ from nanoserve.kernel_tuning.schedule import (
     ROW_CLASSES,
     WIDE_MIN_ROWS,
     Prefetch,
-    Schedule,
 )
 from nanoserve.kernel_tuning.step_check import (
-    StepCheck,
     confirm,
     is_unchecked,
     step_entry_name,
@@ -79,36 +78,6 @@ ROUNDS = 4
 _STREAMING = 1 << 30  # a wide threshold no step reaches: every matmul streams
 _WIDE_ROWS = (16, 24, 32, 48, 64, 128)  # where the wide threshold is measured
 _TIER_ROWS = (1, 64)
-
-
-@dataclass(frozen=True)
-class Row:
-    """One candidate's line in `nanoserve tune`'s table."""
-
-    shape: str
-    candidate: str
-    seconds: float
-    rate: str  # "21.4 GB/s" or "310 GMAC/s"
-    is_chosen: bool
-
-
-@dataclass
-class TuneResult:
-    """What the tuner did: the schedule it set, and how it got each class."""
-
-    schedule: Schedule
-    layouts: list[str]
-    rows: list[Row] = field(default_factory=list)  # the classes timed in this run
-    reused: list[str] = field(default_factory=list)  # the classes read from the cache
-    skipped: list[str] = field(default_factory=list)  # past the budget: defaults, not cached
-    tier: str | None = None  # the tier measured fastest (where it differs: from the next start)
-    tier_running: str | None = None
-    step_check: StepCheck | None = None  # the step A/B behind the schedule (None: none ran)
-    seconds: float = 0.0
-
-    def describe(self) -> str:
-        """The schedule in one line, as the start-up log and /get_server_info show it."""
-        return self.schedule.describe(self.layouts, native.loaded_tier())
 
 
 def preferred_tier(mode: str, cache_dir: Path | None = None) -> str | None:
