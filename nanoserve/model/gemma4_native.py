@@ -30,17 +30,13 @@ import torch
 
 from nanoserve.model.kv_groups import kv_layer_groups
 from nanoserve.model.layer_weights import StackedModel
-from nanoserve.model.native_layers import STACK_KERNELS, packed_args, packed_parts
+from nanoserve.model.native_layers import packed_args, packed_parts, stack_module
 from nanoserve.model.parallel import TensorParallelGroup
-from nanoserve.native import load_kernels
 
 
 def gemma4_module() -> ModuleType | None:
-    """The compiled `gemma4_layers` extension, or None where it (or a kernel it calls) cannot
-    build."""
-    if any(load_kernels(name) is None for name in STACK_KERNELS):
-        return None
-    return load_kernels("gemma4_layers")
+    """The compiled `gemma4_layers` extension, or None (see `native_layers.stack_module`)."""
+    return stack_module("gemma4_layers")
 
 
 def build_gemma4_stack(model: StackedModel,

@@ -34,17 +34,13 @@ import torch
 from nanoserve.model.delta_net_ops import fits_kernel
 from nanoserve.model.layer_features import SILU
 from nanoserve.model.layer_weights import StackedModel
-from nanoserve.model.native_layers import STACK_KERNELS, packed_parts
+from nanoserve.model.native_layers import packed_parts, stack_module
 from nanoserve.model.parallel import TensorParallelGroup
-from nanoserve.native import load_kernels
 
 
 def hybrid_module() -> ModuleType | None:
-    """The compiled `hybrid_layers` extension, or None where it (or a kernel it calls) cannot
-    build."""
-    if any(load_kernels(name) is None for name in STACK_KERNELS):
-        return None
-    return load_kernels("hybrid_layers")
+    """The compiled `hybrid_layers` extension, or None (see `native_layers.stack_module`)."""
+    return stack_module("hybrid_layers")
 
 
 def build_hybrid_stack(model: StackedModel,

@@ -40,11 +40,17 @@ from nanoserve.native import load_kernels
 STACK_KERNELS = ("quant_matmul", "fused_ops", "paged_attention")
 
 
-def native_module() -> ModuleType | None:
-    """The compiled `decode_layers` extension, or None where it (or a kernel) cannot build."""
-    if any(load_kernels(name) is None for name in STACK_KERNELS):
+def stack_module(name: str) -> ModuleType | None:
+    """A compiled layer stack's extension (`decode_layers`, `gemma4_layers`, `hybrid_layers`),
+    or None where it, or a kernel it calls through the dispatcher, cannot build."""
+    if any(load_kernels(kernel) is None for kernel in STACK_KERNELS):
         return None
-    return load_kernels("decode_layers")
+    return load_kernels(name)
+
+
+def native_module() -> ModuleType | None:
+    """The dense families' stack (`decode_layers`), or None (see `stack_module`)."""
+    return stack_module("decode_layers")
 
 
 # packed_matmul's weight arguments: (packed, ggml_type, N, K, wide form or None)
