@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 # Pillow refuses to open an image past twice its `Image.MAX_IMAGE_PIXELS` (89,478,485): its
 # decompression-bomb guard, which a larger --max-image-pixels could not lift
@@ -131,7 +133,15 @@ class ServerConfig:
 
     host: str = "127.0.0.1"
     port: int = 8000
-    api_key: str | None = None
+    # every route but /health needs one of these (empty: no key asked for); read_api_keys
+    api_keys: tuple[str, ...] = ()
+    # TLS, as vLLM and uvicorn spell it: the PEM certificate chain (which may hold the key)
+    # and its key; with ssl_ca_certs and ssl_cert_reqs (ssl.CERT_REQUIRED: 2), client
+    # certificates too. None: plain HTTP
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    ssl_ca_certs: str | None = None
+    ssl_cert_reqs: int = 0  # ssl.CERT_NONE
     served_model_name: str | None = None  # None = the model's own name
     reasoning_parser: str | None = None  # "qwen3" | "deepseek_r1"
     # "hermes" | "llama3_json" | "qwen3_coder": reads tool_choice="auto" (None: the template's)
@@ -161,7 +171,56 @@ class ServerConfig:
     # act on; this server drains on the router's SIGUSR1 alone (engine/stop_signals.py)
     stopped_by_parent: bool = False
 
+    @property
+    def scheme(self) -> str:
+        return "https" if self.ssl_certfile else "http"
 
-def api_key_from_env() -> str | None:
-    """NANOSERVE_API_KEY, the alternative to --api-key."""
-    return os.environ.get("NANOSERVE_API_KEY") or None
+    def tls_options(self) -> dict[str, Any]:
+        """uvicorn.Config's TLS arguments (none without a certificate)."""
+        if not self.ssl_certfile:
+            return {}
+        return {"ssl_certfile": self.ssl_certfile, "ssl_keyfile": self.ssl_keyfile,
+                "ssl_ca_certs": self.ssl_ca_certs, "ssl_cert_reqs": self.ssl_cert_reqs}
+
+
+# the environment's key, when no --api-key or --api-key-file is given (vLLM reads VLLM_API_KEY)
+API_KEY_VARIABLES = ("NANOSERVE_API_KEY", "VLLM_API_KEY")
+
+
+def read_api_keys(given: list[str] | None, key_file: str | None) -> tuple[str, ...]:
+    """The keys a server accepts: each `--api-key` (repeated, or comma-separated as
+    llama-server takes them) and each non-blank line of `--api-key-file` (blanks around a key
+    are not part of it; a line starting with # is a comment); with neither, the environment's
+    (API_KEY_VARIABLES, comma-separated too). ValueError names the flag where a source gives
+    nothing usable."""
+    keys = [key.strip() for value in given or () for key in value.split(",") if key.strip()]
+    if given and not keys:
+        raise ValueError(f"--api-key must name a key, got {given[0]!r}")
+    if key_file is not None:
+        try:
+            lines = Path(key_file).read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--api-key-file {key_file!r} cannot be read: {e}") from None
+        from_file = [line.strip() for line in lines
+                     if line.strip() and not line.strip().startswith("#")]
+        if not from_file:
+            raise ValueError(f"--api-key-file {key_file!r} holds no key (one key a line)")
+        keys += from_file
+    if not keys:
+        for variable in API_KEY_VARIABLES:
+            keys = [key.strip() for key in os.environ.get(variable, "").split(",")
+                    if key.strip()]
+            if keys:
+                break
+    return tuple(dict.fromkeys(keys))  # in order, each once
+
+
+def check_tls_files(certfile: str | None, keyfile: str | None, ca_certs: str | None) -> None:
+    """ValueError naming the flag where a TLS file is missing, or a key comes without its
+    certificate."""
+    if keyfile and not certfile:
+        raise ValueError("--ssl-keyfile needs --ssl-certfile (the certificate the key is for)")
+    for flag, path in (("--ssl-certfile", certfile), ("--ssl-keyfile", keyfile),
+                       ("--ssl-ca-certs", ca_certs)):
+        if path is not None and not Path(path).is_file():
+            raise ValueError(f"{flag} {path!r}: no such file")

@@ -27,8 +27,9 @@ from nanoserve.server_config import (
     ImageLimits,
     RequestLimits,
     ServerConfig,
-    api_key_from_env,
+    check_tls_files,
     parse_mm_limits,
+    read_api_keys,
 )
 
 if TYPE_CHECKING:
@@ -170,8 +171,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.models_dir is None:  # a wrong path: one line now; a name: downloaded now
         engine_args, name = with_local_model(engine_args)
         args.served_model_name = args.served_model_name or name
+    check_tls_files(args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs)
     server = ServerConfig(
-        host=args.host, port=args.port, api_key=args.api_key or api_key_from_env(),
+        host=args.host, port=args.port,
+        api_keys=read_api_keys(args.api_key, args.api_key_file),
+        ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
+        ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs,
         served_model_name=args.served_model_name, reasoning_parser=args.reasoning_parser,
         tool_call_parser=args.tool_call_parser, score_method=args.score_method,
         chat_template=None if args.chat_template is None else read_chat_template(
@@ -274,8 +279,23 @@ def build_parser() -> argparse.ArgumentParser:
     g = serve.add_argument_group("server")
     g.add_argument("--host", default=ServerConfig.host)
     g.add_argument("--port", type=int, default=ServerConfig.port)
-    g.add_argument("--api-key", default=ServerConfig.api_key,
-                   help="require 'Authorization: Bearer KEY' (or set NANOSERVE_API_KEY)")
+    g.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on every "
+                        "route but /health; repeat it, or separate keys by commas, for "
+                        "several (default: NANOSERVE_API_KEY or VLLM_API_KEY, else none)")
+    g.add_argument("--api-key-file", default=None, metavar="FILE",
+                   help="more keys, one a line (blank lines and # comments skipped)")
+    g.add_argument("--ssl-certfile", "--ssl-cert-file", dest="ssl_certfile", default=None,
+                   metavar="FILE", help="serve HTTPS with this PEM certificate (chain)")
+    g.add_argument("--ssl-keyfile", "--ssl-key-file", dest="ssl_keyfile", default=None,
+                   metavar="FILE", help="the certificate's private key (PEM), unless the "
+                                        "certificate file holds it")
+    g.add_argument("--ssl-ca-certs", default=None, metavar="FILE",
+                   help="CA certificates for client certificates (with --ssl-cert-reqs)")
+    g.add_argument("--ssl-cert-reqs", type=int, choices=(0, 1, 2),
+                   default=ServerConfig.ssl_cert_reqs,
+                   help="client certificates: 0 none, 1 optional, 2 required (Python's "
+                        "ssl.CERT_*) (default: %(default)s)")
     g.add_argument("--served-model-name", default=ServerConfig.served_model_name)
     g.add_argument("--reasoning-parser", choices=REASONING_PARSERS,
                    default=ServerConfig.reasoning_parser)

@@ -115,7 +115,8 @@ async def serve_api(engine_config: EngineConfig, server_config: ServerConfig,
     server = DrainingServer(uvicorn.Config(
         app, log_level=server_config.log_level, access_log=False,
         timeout_graceful_shutdown=max(1, int(server_config.shutdown_timeout)),
-        h11_max_incomplete_event_size=64 * 1024), ctx, server_config.shutdown_timeout)
+        h11_max_incomplete_event_size=64 * 1024, **server_config.tls_options()), ctx,
+        server_config.shutdown_timeout)
     stops.on_stop(server.stop_requested)
     if stops.requested:  # a stop between the engines' readiness and now: drain (nothing yet)
         server.stop_requested(stops.count)
@@ -130,12 +131,14 @@ async def serve_api(engine_config: EngineConfig, server_config: ServerConfig,
     engine.on_dead = on_dead
     engine.start()
     watchers = [asyncio.create_task(_watch_parent(server))] if watch_parent else []
-    logger.info("serving %s on http://%s:%d (API server %d, CPU kernels: %s)", name,
-                server_config.host, server_config.port, index, ready.cpu_isa or "none")
+    logger.info("serving %s on %s://%s:%d (API server %d, CPU kernels: %s)", name,
+                server_config.scheme, server_config.host, server_config.port, index,
+                ready.cpu_isa or "none")
     if server_config.web_ui and index == 0:
         # printed, not logged, so that it shows at any --log-level; the engine is ready and the
         # socket listens, so the page answers as soon as this line is read
-        print(page_banner(server_config.host, server_config.port, name), flush=True)
+        print(page_banner(server_config.host, server_config.port, name,
+                          server_config.scheme), flush=True)
     try:
         await server.serve(sockets=[sock])
     finally:

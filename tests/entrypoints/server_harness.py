@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -54,9 +55,11 @@ class RunningServer:
 
     def __init__(self, *args: str, api_key: str | None = None, log: Path | None = None,
                  wait: bool = True, env: dict[str, str] | None = None,
-                 own_session: bool = False) -> None:
+                 own_session: bool = False, ca_file: Path | None = None) -> None:
         """`own_session`: the server leads a process group of its own (as under a service
-        manager or a terminal), so a test can signal the whole group."""
+        manager or a terminal), so a test can signal the whole group. `ca_file`: the server
+        serves HTTPS (its `--ssl-*` flags among `args`) with a certificate for localhost this
+        CA signed, which every call here trusts."""
         self.port = free_port()
         self.api_key = api_key
         cmd = [sys.executable, "-m", "nanoserve.entrypoints.cli", "serve", "--port",
@@ -70,7 +73,10 @@ class RunningServer:
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
                                      env=None if env is None else {**os.environ, **env},
                                      start_new_session=own_session)
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.verify: ssl.SSLContext | bool = (
+            True if ca_file is None else ssl.create_default_context(cafile=str(ca_file)))
+        self.url = (f"http://127.0.0.1:{self.port}" if ca_file is None
+                    else f"https://localhost:{self.port}")
         if wait:
             self.wait_healthy()
 
@@ -83,7 +89,8 @@ class RunningServer:
                 raise RuntimeError(f"server exited with {self.proc.returncode} while starting; "
                                    f"its last lines:\n{self.output_tail()}")
             try:
-                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
+                if httpx.get(self.url + "/health", timeout=1.0,
+                             verify=self.verify).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
@@ -107,6 +114,8 @@ class RunningServer:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def client(self, **kwargs: Any) -> openai.OpenAI:
+        if self.verify is not True:
+            kwargs.setdefault("http_client", httpx.Client(verify=self.verify))
         return openai.OpenAI(base_url=self.url + "/v1", api_key=self.api_key or "none",
                              max_retries=0, **kwargs)
 
@@ -115,7 +124,8 @@ class RunningServer:
                                   max_retries=0)
 
     def post(self, path: str, body: dict[str, Any], timeout: float = 120.0) -> httpx.Response:
-        return httpx.post(self.url + path, json=body, headers=self.headers, timeout=timeout)
+        return httpx.post(self.url + path, json=body, headers=self.headers, timeout=timeout,
+                          verify=self.verify)
 
     def metric(self, name: str) -> float:
         """The value of one Prometheus sample (summed over label sets)."""

@@ -30,7 +30,7 @@ def client(generation_defaults: dict[str, Any] | None = None, **config: Any) -> 
 
 
 def test_with_a_key_the_pages_are_public_and_every_call_is_keyed() -> None:
-    web = client(api_key="secret")
+    web = client(api_keys=("secret",))
     for path in [*PAGES, *(STATIC_URL + name for name in ASSETS)]:
         assert web.get(path).status_code == 200, path
     for path in ("/web/defaults", "/metrics", "/v1/models", STATIC_URL + "no-such.js"):
@@ -41,7 +41,7 @@ def test_with_a_key_the_pages_are_public_and_every_call_is_keyed() -> None:
 
 
 def test_no_web_ui_serves_neither_page() -> None:
-    web = client(web_ui=False, api_key="secret")
+    web = client(web_ui=False, api_keys=("secret",))
     for path in ("/", "/dashboard", STATIC_URL + "chat.js", "/web/defaults"):
         # not public any more: without the key, 401; with it, no such page
         assert web.get(path).status_code == 401, path

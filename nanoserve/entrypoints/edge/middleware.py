@@ -21,8 +21,9 @@ from nanoserve.server_config import ServerConfig
 def add_edge_middleware(app: FastAPI, config: ServerConfig,
                         public_paths: frozenset[str]) -> None:
     """The key (`public_paths` need none), CORS where origins are allowed, the error shapes."""
-    if config.api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=config.api_key, public_paths=public_paths)
+    if config.api_keys:
+        app.add_middleware(APIKeyMiddleware, api_keys=config.api_keys,
+                           public_paths=public_paths)
     if config.allowed_origins:  # off by default: no page elsewhere may call the API
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
                            allow_methods=["GET", "POST"],

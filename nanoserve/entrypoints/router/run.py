@@ -30,7 +30,10 @@ from nanoserve.server_config import ServerConfig
 _ROUTER_ONLY = {"--models-dir": 1, "--models-max": 1, "--keep-alive": 1, "--host": 1,
                 "--port": 1, "--served-model-name": 1, "--model": 1, "--allowed-origins": -1,
                 "--no-web-ui": 0, "--stopped-by-parent": 0, "--allow-pull": 0,
-                "--hf-token": 1}
+                "--hf-token": 1,
+                # TLS is the router's: its model servers answer it alone, on loopback
+                "--ssl-certfile": 1, "--ssl-cert-file": 1, "--ssl-keyfile": 1,
+                "--ssl-key-file": 1, "--ssl-ca-certs": 1, "--ssl-cert-reqs": 1}
 _LOAD_TIMEOUT_S = 900.0  # a model's start, as long as the single server's engine may take
 
 
@@ -85,7 +88,8 @@ def run_router(args: argparse.Namespace, server: ServerConfig, argv: list[str]) 
         pulled.serve(model)
     app = build_router_app(pool, server, pulled)
     config = uvicorn.Config(app, log_level=server.log_level, access_log=False,
-                            timeout_graceful_shutdown=max(1, int(server.shutdown_timeout)))
+                            timeout_graceful_shutdown=max(1, int(server.shutdown_timeout)),
+                            **server.tls_options())
     kept = "kept loaded" if keep_alive is None else f"unloaded after {keep_alive:g} s idle"
     names = ", ".join([*models, *pulled.records]) or "none yet"
     more = ("a model a request names is pulled if it is not here (--allow-pull)"
@@ -94,7 +98,7 @@ def run_router(args: argparse.Namespace, server: ServerConfig, argv: list[str]) 
           f"{args.models_dir} and those pulled by name; {more}; loaded on first use, at most "
           f"{args.models_max} at once, {kept}", flush=True)
     if server.web_ui:
-        print(page_banner(server.host, server.port, "any of them"), flush=True)
+        print(page_banner(server.host, server.port, "any of them", server.scheme), flush=True)
 
     async def main() -> int:
         router = _RouterServer(config, pool)

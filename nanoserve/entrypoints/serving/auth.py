@@ -1,9 +1,10 @@
 """API-key authentication as pure ASGI middleware (it keeps client-disconnect events intact).
 
 Every route but /health needs `Authorization: Bearer <key>` or, as Anthropic's clients send
-it, `x-api-key: <key>` (vLLM #18892 left /tokenize and others open). Keys are compared as
-SHA-256 digests with `secrets.compare_digest`, in constant time whatever the length of the
-guess.
+it, `x-api-key: <key>` (vLLM #18892 left /tokenize and others open), and takes any of the
+server's keys (`--api-key` repeated, `--api-key-file`). Keys are compared as SHA-256 digests
+with `secrets.compare_digest`, against every key whichever matches, so the time taken tells
+neither the length of the guess nor which key it was near.
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ PUBLIC_PATHS = frozenset({"/health"})
 class APIKeyMiddleware:
     """`public_paths` need no key: /health, and the web UI's static files when it is on."""
 
-    def __init__(self, app: Any, api_key: str,
+    def __init__(self, app: Any, api_keys: tuple[str, ...],
                  public_paths: frozenset[str] = PUBLIC_PATHS) -> None:
+        assert api_keys, "the middleware is added only where keys are asked for"
         self.app = app
-        self.digest = hashlib.sha256(api_key.encode()).digest()
+        self.digests = [hashlib.sha256(key.encode()).digest() for key in api_keys]
         self.public_paths = public_paths
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -47,7 +49,13 @@ class APIKeyMiddleware:
                 key = token if scheme.lower() == "bearer" else None
             elif name == b"x-api-key":
                 key = value.decode("latin-1")
-            if key is not None and secrets.compare_digest(
-                    hashlib.sha256(key.strip().encode()).digest(), self.digest):
+            if key is not None and self._matches(key.strip()):
                 return True
         return False
+
+    def _matches(self, key: str) -> bool:
+        digest = hashlib.sha256(key.encode()).digest()
+        found = False
+        for known in self.digests:  # every one compared: no early exit
+            found |= secrets.compare_digest(digest, known)
+        return found

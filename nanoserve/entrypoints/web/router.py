@@ -109,8 +109,8 @@ def _read(name: str) -> bytes:
     return (resources.files(__package__) / "static" / name).read_bytes()
 
 
-def page_banner(host: str, port: int, model_name: str) -> str:
+def page_banner(host: str, port: int, model_name: str, scheme: str = "http") -> str:
     """The line `nanoserve serve` prints when it is ready: where to open the pages."""
     shown = "localhost" if host in ("", "0.0.0.0", "::") else f"[{host}]" if ":" in host else host
-    url = f"http://{shown}:{port}"
+    url = f"{scheme}://{shown}:{port}"
     return f"Chat with {model_name} at {url}/ (dashboard: {url}/dashboard)"
