@@ -1,6 +1,6 @@
 """A model's HTTP app: every wire format's routes over the one serving pipeline (openai/,
-responses/, anthropic/, ollama/, the pooling routes, the web pages), the error handlers, and
-the middleware in the order it must run. The top floor: it may import every folder of
+responses/, anthropic/, ollama/, llamacpp/, the pooling routes, the web pages), the error
+handlers, and the middleware in the order it must run. The top floor: it may import every folder of
 entrypoints/, and none imports it."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from fastapi import FastAPI
 import nanoserve
 from nanoserve.entrypoints.anthropic.routes import add_messages_routes
 from nanoserve.entrypoints.edge.middleware import add_edge_middleware
+from nanoserve.entrypoints.llamacpp.routes import add_llamacpp_routes
 from nanoserve.entrypoints.ollama.json_bodies import OllamaJsonBodies
 from nanoserve.entrypoints.ollama.routes import add_ollama_routes
 from nanoserve.entrypoints.openai.pooling.routes import add_pooling_routes
@@ -37,6 +38,7 @@ def build_app(ctx: ServerContext, config: ServerConfig | None = None) -> FastAPI
     add_pooling_routes(app, ctx, config.score_method)  # embeddings, rerank, score
     add_messages_routes(app, ctx, strip_billing_header=config.strip_billing_header)
     add_ollama_routes(app, ctx)  # Ollama's /api/*
+    add_llamacpp_routes(app, ctx)  # llama-server's /infill
     public_paths = PUBLIC_PATHS
     app.include_router(web_defaults_router(lambda: WebPageInfo(
         ctx.model_name, ctx.max_model_len, ctx.reasoning_parser, ctx.generation_defaults)))

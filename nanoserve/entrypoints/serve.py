@@ -188,6 +188,7 @@ def _server_context(engine_config: EngineConfig, server_config: ServerConfig,
         max_in_flight=server_config.max_in_flight, limits=server_config.limits,
         model_path=engine_config.model.model or ready.model_name,
         names=ModelNames({name: resolve_model_path(engine_config.model.model)}),
+        fim_tokens=frontend.fim_tokens,
         instance_id=instance_id(server_config.port, engine_pids[0]),
         kv_event_sources=kv_event_sources(engine_config.kv_events,
                                           engine_config.parallel.data_parallel_size))

@@ -6,10 +6,11 @@ core process imports it beside (docs/benchmarks.md, "A server's start and stop")
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nanoserve.model.fim_tokens import FimTokens
 from nanoserve.model.gguf_file import GGUFFile
 from nanoserve.model.model_path import resolve_model_path
 from nanoserve.model.tokenizer import load_tokenizer_from_dir, load_tokenizer_from_gguf
@@ -33,6 +34,7 @@ class FrontendModel:
     generation_config: dict[str, Any]
     path: Path
     image_processor: ImageProcessor | None = None
+    fim_tokens: FimTokens = field(default_factory=FimTokens)  # none: cannot infill
 
 
 def load_frontend(model: str | None, mmproj: str | None = None) -> FrontendModel:
@@ -42,12 +44,15 @@ def load_frontend(model: str | None, mmproj: str | None = None) -> FrontendModel
         gen_file = path / "generation_config.json"
         defaults = json.loads(gen_file.read_text()) if gen_file.exists() else {}
         tokenizer = load_tokenizer_from_dir(path)
+        metadata = None
     else:
         gguf = GGUFFile(path)
         tokenizer = load_tokenizer_from_gguf(gguf)
         defaults = gguf_sampling_defaults(gguf.metadata)
+        metadata = gguf.metadata
     return FrontendModel(tokenizer, defaults, path,
-                         load_image_processor(path, tokenizer, mmproj_path))
+                         load_image_processor(path, tokenizer, mmproj_path),
+                         FimTokens.find(tokenizer, metadata))
 
 
 ImageProcessor = Gemma3ImageProcessor | Qwen35ImageProcessor

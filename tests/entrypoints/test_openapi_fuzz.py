@@ -37,7 +37,7 @@ ROUTES = [("GET", "/health"), ("GET", "/version"), ("GET", "/v1/models"), ("GET"
           ("GET", "/get_server_info"), ("GET", "/kv_event_sources"),
           ("GET", "/api/version"), ("GET", "/api/tags"), ("GET", "/api/ps"),
           ("POST", "/api/show"), ("POST", "/api/chat"), ("POST", "/api/generate"),
-          ("POST", "/api/embed"), ("POST", "/api/embeddings")]
+          ("POST", "/api/embed"), ("POST", "/api/embeddings"), ("POST", "/infill")]
 # examples per generation mode for routes with a body (a route without one has one case);
 # the routes that share another's handler (aliases, count_tokens, renders) get fewer. Fewer than the
 # earlier 50/20 and 20/10: every route and mode still runs and every route still gets 200s

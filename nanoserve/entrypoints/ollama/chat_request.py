@@ -24,7 +24,8 @@ caps' first checks (`output_caps.py`).
   URLs without a media type, checked where they are read: `serving/images.py`).
 
 Refused with a 400 naming the field, as only this wire format can ask for them: `images` with
-`raw` (images need the chat template), `suffix` (no fill-in-the-middle prompts) and `template`
+`raw` (images need the chat template), `suffix` with `raw` (a suffix needs the
+fill-in-the-middle prompt built from the model's FIM tokens, ollama/serving.py) and `template`
 (a Go template; the model's own Jinja template is used, and `raw` sends a prompt of the
 client's own).
 """
@@ -74,10 +75,9 @@ def generate_input(req: OllamaGenerateRequest, model: str, can_think: bool) -> C
     if req.images and req.raw:
         raise bad_request("images need the chat template, which raw: true skips; send them "
                           "without raw", "images")
-    if req.suffix:
-        raise bad_request(f'"{model}" does not support insert: suffix needs a '
-                          "fill-in-the-middle prompt, which this server does not build",
-                          "suffix")
+    if req.suffix and req.raw:
+        raise bad_request("suffix needs the fill-in-the-middle prompt this server builds, which "
+                          "raw: true skips; send one of them", "suffix")
     if req.template:
         raise bad_request("template is not supported: prompts are rendered with the model's "
                           "own chat template; send raw: true with a prompt of your own instead",

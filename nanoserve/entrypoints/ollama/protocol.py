@@ -104,7 +104,7 @@ class OllamaGenerateRequest(_GenerateFields):
     """POST /api/generate."""
 
     prompt: str | None = None  # none or empty: only "load" the model
-    suffix: str | None = None  # refused (no fill-in-the-middle prompts)
+    suffix: str | None = None  # a fill-in-the-middle prompt (the model's FIM tokens)
     system: str | None = None
     template: str | None = None  # refused (Go templates; the model's own template is used)
     raw: bool = False

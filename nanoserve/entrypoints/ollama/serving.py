@@ -39,6 +39,12 @@ from nanoserve.entrypoints.serving.chat_choice import choice_parsers
 from nanoserve.entrypoints.serving.chat_input import ChatInput
 from nanoserve.entrypoints.serving.disconnect import collect, until_disconnect
 from nanoserve.entrypoints.serving.errors import APIError, bad_request
+from nanoserve.entrypoints.serving.infill_prompt import (
+    bos_added,
+    file_level_ids,
+    fim_refusal,
+    plain_tokenizer,
+)
 from nanoserve.entrypoints.serving.prepare import prepare_chat
 from nanoserve.entrypoints.serving.server_context import ServerContext
 
@@ -76,15 +82,30 @@ async def create_generate(ctx: ServerContext, req: OllamaGenerateRequest,
     chat = generate_input(req, ctx.model_name, can_think=ctx.reasoning_parser is not None)
     if not req.prompt:
         return JSONResponse(shape.empty("unload" if keep_alive == 0 else "load"))
+    if req.suffix:  # the code models' template: `<PRE>{prompt}<SUF>{suffix}<MID>`
+        return await _reply(ctx, raw, chat, shape, prompt_ids=_insert_ids(ctx, req))
     raw_prompt = req.prompt if req.raw else None
     if raw_prompt is None and not ctx.has_chat_template:  # Ollama's template, `{{ .Prompt }}`
         raw_prompt = f"{req.system}\n\n{req.prompt}" if req.system else req.prompt
     return await _reply(ctx, raw, chat, shape, raw_prompt=raw_prompt)
 
 
+def _insert_ids(ctx: ServerContext, req: OllamaGenerateRequest) -> list[int]:
+    """The fill-in-the-middle prompt of a generate with a suffix (its system unused, as the
+    code models' templates leave it out)."""
+    refusal = fim_refusal(ctx.fim_tokens, f'"{req.model}"')
+    if refusal is not None:  # Ollama's words, then why
+        raise bad_request(f'"{req.model}" does not support insert: {refusal}', "suffix")
+    plain = plain_tokenizer(ctx.tokenizer)
+    return file_level_ids(ctx.fim_tokens, plain(req.prompt or ""), plain(req.suffix or ""),
+                          bos_added(ctx.tokenizer))
+
+
 async def _reply(ctx: ServerContext, raw: Request, chat: ChatInput, shape: ReplyShape,
-                 raw_prompt: str | None = None) -> Response:
-    prompt, ids, params, plan = await prepare_chat(ctx, chat, raw_prompt=raw_prompt)
+                 raw_prompt: str | None = None, prompt_ids: list[int] | None = None
+                 ) -> Response:
+    prompt, ids, params, plan = await prepare_chat(ctx, chat, raw_prompt=raw_prompt,
+                                                   prompt_ids=prompt_ids)
     parser = choice_parsers(chat, prompt, plan, ctx.reasoning_parser,
                             ctx.tool_call_parser)[0].parser
     outputs = ctx.engine.generate(f"ollama-{uuid.uuid4().hex}", prompt, ids, params)

@@ -89,7 +89,7 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = documented(16, minimum=0)  # 0 only with echo
     logprobs: int | None = documented(None, minimum=0)  # at most --max-logprobs
     echo: bool = False
-    suffix: str | None = documented(None, anyOf=[{"type": "null"}])  # not supported: a 400
+    suffix: str | None = None  # a fill-in-the-middle prompt (serving/infill_prompt.py)
     best_of: int | None = None
 
 

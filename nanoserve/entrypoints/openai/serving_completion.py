@@ -20,6 +20,12 @@ from nanoserve.entrypoints.openai.sse import sse_event, sse_with_errors
 from nanoserve.entrypoints.openai.usage import usage
 from nanoserve.entrypoints.serving.disconnect import collect, until_disconnect
 from nanoserve.entrypoints.serving.errors import bad_request
+from nanoserve.entrypoints.serving.infill_prompt import (
+    bos_added,
+    file_level_ids,
+    fim_refusal,
+    plain_tokenizer,
+)
 from nanoserve.entrypoints.serving.logprob_format import clamp_logprob, top_entries
 from nanoserve.entrypoints.serving.request_params import sampling_params
 from nanoserve.entrypoints.serving.server_context import ServerContext
@@ -54,6 +60,19 @@ def _prompts(ctx: ServerContext, prompts: list[Any]) -> list[tuple[str | None, l
             ids = list(p)
             check_prompt_ids(ctx, ids)
             out.append((None, ids))
+    return out
+
+
+def _infill_prompts(ctx: ServerContext, prompts: list[Any],
+                    suffix: str) -> list[tuple[str | None, list[int]]]:
+    """Each prompt as the prefix of a fill-in-the-middle prompt before `suffix`."""
+    plain = plain_tokenizer(ctx.tokenizer)
+    suffix_ids = plain(suffix)
+    bos = bos_added(ctx.tokenizer)
+    out: list[tuple[str | None, list[int]]] = []
+    for text, ids in _prompts(ctx, prompts):
+        prefix = ids if text is None else plain(text)
+        out.append((text, file_level_ids(ctx.fim_tokens, prefix, suffix_ids, bos)))
     return out
 
 
@@ -94,8 +113,8 @@ async def prepare_completion(ctx: ServerContext, req: CompletionRequest, admit: 
     """The checks, in the order their errors take, then each prompt's text, ids and params;
     `admit=False` (a render) skips the checks of what is in flight (429, 503)."""
     ctx.check_model(req.model)
-    if req.suffix is not None:
-        raise bad_request("suffix is not supported", "suffix")
+    if req.suffix is not None and (refusal := fim_refusal(ctx.fim_tokens, ctx.model_name)):
+        raise bad_request(f"suffix needs a fill-in-the-middle prompt: {refusal}", "suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request("best_of is not supported (use n)", "best_of")
     structured = await structured_outputs(req, tokenizer=ctx.grammar_tokenizer)
@@ -105,7 +124,8 @@ async def prepare_completion(ctx: ServerContext, req: CompletionRequest, admit: 
         ctx.check_capacity(len(batch), req.n)
     else:
         ctx.check_request_size(len(batch), req.n)
-    prompts = _prompts(ctx, batch)
+    prompts = _prompts(ctx, batch) if req.suffix is None else _infill_prompts(ctx, batch,
+                                                                              req.suffix)
     echo_only = req.echo and req.max_tokens == 0
     kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
     fields = replace(sampling_input(req, max_tokens=req.max_tokens, logprobs=req.logprobs),

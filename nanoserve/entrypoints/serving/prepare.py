@@ -30,12 +30,13 @@ from nanoserve.sampling_params import RequestOutputKind, SamplingParams
 
 
 async def prepare_chat(ctx: ServerContext, chat: ChatInput, admit: bool = True,
-                       raw_prompt: str | None = None
+                       raw_prompt: str | None = None, prompt_ids: list[int] | None = None
                        ) -> tuple[str, list[int], SamplingParams, ToolPlan]:
     """The checks, in the order their errors take, then the prompt, its ids and the params;
     `admit=False` (a render) skips the checks of what is in flight (429, 503). A `raw_prompt`
     (Ollama's `raw` generate) goes to the model as it is, tokenized as /v1/completions
-    tokenizes a prompt, in place of the chat template's."""
+    tokenizes a prompt, in place of the chat template's; `prompt_ids` (a fill-in-the-middle
+    prompt) go as they are."""
     chat = with_reasoning_effort(ctx, chat)
     plan = plan_tools(chat, ctx.tool_call_parser)
     structured = await structured_outputs(chat.response_format,
@@ -45,7 +46,10 @@ async def prepare_chat(ctx: ServerContext, chat: ChatInput, admit: bool = True,
         ctx.check_capacity(n=chat.sampling.n)
     else:
         ctx.check_request_size(n=chat.sampling.n)
-    prompt, ids = await chat_prompt_ids(ctx, chat, raw_prompt)
+    if prompt_ids is None:
+        prompt, ids = await chat_prompt_ids(ctx, chat, raw_prompt)
+    else:
+        prompt, ids = ctx.tokenizer.decode(prompt_ids, skip_special_tokens=False), prompt_ids
     fields = chat.sampling
     max_tokens = resolve_max_tokens(ctx, len(ids), fields.max_tokens,
                                     is_cap=fields.max_tokens_is_cap,

@@ -11,6 +11,7 @@ from nanoserve.entrypoints.serving.errors import APIError, bad_request
 from nanoserve.entrypoints.serving.limits import check_n
 from nanoserve.entrypoints.serving.metrics import Metrics
 from nanoserve.entrypoints.serving.model_names import ModelNames
+from nanoserve.model.fim_tokens import FimTokens
 from nanoserve.parsers.harmony import is_harmony_parser
 from nanoserve.reasoning_section import ReasoningTokens
 from nanoserve.sample.logits_processor import LogitsProcessor
@@ -52,6 +53,7 @@ class ServerContext:
     shutting_down: bool = False
     # the names the model answers to (model_names.py); None: its name and model_path's
     names: ModelNames | None = None
+    fim_tokens: FimTokens = field(default_factory=FimTokens)  # the model's; none: no infill
 
     def __post_init__(self) -> None:
         if self.reasoning_parser is None and self.tool_call_parser == "openai":
