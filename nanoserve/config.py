@@ -21,6 +21,7 @@ GiB = 1 << 30
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 QUANTIZATION_MODES = ("auto", "gguf", "int8", "fp16", "none")
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "int8")
+SCHEDULING_POLICIES = ("fcfs", "priority")  # the waiting queue's order (engine/scheduler.py)
 POOLING_METHODS = ("last", "mean")  # how embeddings pool hidden states (engine/pooler.py)
 KERNEL_TUNING_MODES = ("cached", "force", "off")  # the CPU kernels' schedule (kernel_tuning/)
 # how the API servers pick a data-parallel engine core for a request (engine/dp_router.py)
@@ -171,8 +172,15 @@ class SchedulerConfig:
     # no prompt chunk waits (engine/drafts.py). 4, the knee of `bench step --rows-curve` on
     # the 2-core CPU at context 256: 1-4 rows cost 1.00/1.15/1.27/1.40x one row, 5 rows 2.25x
     speculative_max_rows: int = 4
+    # vLLM's --scheduling-policy: "fcfs" (arrival order; a request's priority must be 0) or
+    # "priority" (the waiting queue by (priority, arrival), lower first; the running request
+    # of the highest value, the latest among equals, preempted first)
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}"
+                             f", got {self.scheduling_policy!r}")
         if self.num_speculative_tokens < 0:
             raise ValueError("num_speculative_tokens must be >= 0, "
                              f"got {self.num_speculative_tokens}")
@@ -356,3 +364,10 @@ class EngineConfig:
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
+
+
+def check_priority(priority: int, policy: str) -> None:
+    """vLLM's refusal, in its words, of a request priority the scheduling policy does not read
+    (run by the API server and by the engine core)."""
+    if priority != 0 and policy != "priority":
+        raise ValueError(f"Got priority {priority} but Priority scheduling is not enabled.")

@@ -22,6 +22,7 @@ from nanoserve.config import (
     LOAD_BALANCE_METHODS,
     POOLING_METHODS,
     QUANTIZATION_MODES,
+    SCHEDULING_POLICIES,
     CacheConfig,
     EngineConfig,
     GiB,
@@ -87,6 +88,11 @@ class EngineArgs:
         "so a step takes about this many times a decode-only step (measured as it runs), so "
         "the streams keep their pace beside a long prompt; 0: off (default: %(default)s)",
         type=float, metavar="FACTOR")
+    scheduling_policy: str = _arg(
+        SchedulerConfig.scheduling_policy,
+        "fcfs: requests in arrival order; priority: by each request's `priority` (lower "
+        "first, ties by arrival), the lowest preempted first (default: %(default)s)",
+        choices=SCHEDULING_POLICIES)
     kv_cache_memory_gb: float | None = _arg(
         None, "KV cache size in GiB (default: on CPU 1, or less where --max-num-seqs sequences at "
         "the full context need less; 90%% of free GPU memory)",
@@ -264,7 +270,7 @@ class EngineArgs:
         return SchedulerConfig(
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
-            prefill_pacing=self.prefill_pacing,
+            prefill_pacing=self.prefill_pacing, scheduling_policy=self.scheduling_policy,
             draft_proposer=speculative or self.draft_proposer,
             speculative_max_rows=self.speculative_max_rows,
             num_speculative_tokens=speculative.num_speculative_tokens if speculative

@@ -145,6 +145,7 @@ class EngineReady(msgspec.Struct, tag=True, array_like=True):
     engine_index: int = 0  # which data-parallel engine core (vLLM's `engine_index`)
     cpu_isa: str = ""  # the CPU kernels' instruction-set tier (native.py), "" where none run
     kernel_schedule: str = ""  # the CPU kernels' schedule, in one line (kernel_tuning/)
+    scheduling_policy: str = "fcfs"  # --scheduling-policy: whether `priority` may be set
 
 
 class EngineOutputs(msgspec.Struct, tag=True, array_like=True):

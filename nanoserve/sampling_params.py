@@ -138,6 +138,9 @@ class SamplingParams:
     # llama-server's `return_progress`: the engine reports each prefill chunk of the prompt
     # (protocol.PromptProgress), which a stream sends as `prompt_progress`
     return_progress: bool = False
+    # vLLM's request `priority` (its own argument there): with --scheduling-policy priority,
+    # lower first, ties by arrival (engine/scheduler.py); 0 under fcfs
+    priority: int = 0
     # filled by update_from_tokenizer (the frontend), read by the sampler
     bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
@@ -203,6 +206,8 @@ class SamplingParams:
                    self.cache_salt, "a non-empty string")
         _check(isinstance(self.return_progress, bool), "return_progress", self.return_progress,
                "true or false")
+        _check(isinstance(self.priority, int) and -MAX_INT64 - 1 <= self.priority <= MAX_INT64,
+               "priority", self.priority, "a 64-bit integer")
         if self.extra_args:  # they cross to the engine as msgpack, whose integers are 64-bit
             wide = _wide_int(self.extra_args)
             _check(wide is None, "extra_args", wide, "JSON whose integers fit in 64 bits")

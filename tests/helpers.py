@@ -36,7 +36,7 @@ def make_engine(model: str | Path | None, *, num_blocks: int | None = None,
                 max_model_len: int | None = None, enable_prefix_caching: bool = True,
                 block_size: int = CacheConfig.block_size,
                 quantization: str = "none", kv_cache_dtype: str = "auto",
-                mmproj: Path | None = None) -> EngineCore:
+                mmproj: Path | None = None, scheduling_policy: str = "fcfs") -> EngineCore:
     """An engine on the CPU in float32; exact weights ("none") unless asked otherwise, since
     most tests compare it with transformers."""
     return build_engine_core(EngineConfig(
@@ -48,7 +48,8 @@ def make_engine(model: str | Path | None, *, num_blocks: int | None = None,
                           kv_cache_memory_bytes=64 << 20, kv_cache_dtype=kv_cache_dtype,
                           enable_prefix_caching=enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
-                                  max_num_batched_tokens=max_num_batched_tokens),
+                                  max_num_batched_tokens=max_num_batched_tokens,
+                                  scheduling_policy=scheduling_policy),
     ))
 
 

@@ -21,7 +21,12 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from nanoserve.config import ALLOW_LONG_MAX_MODEL_LEN, EngineConfig, allow_long_max_model_len
+from nanoserve.config import (
+    ALLOW_LONG_MAX_MODEL_LEN,
+    EngineConfig,
+    allow_long_max_model_len,
+    check_priority,
+)
 from nanoserve.engine.block_table import BlockTable
 from nanoserve.engine.drafts import (
     hand_over_finished,
@@ -209,6 +214,7 @@ class EngineCore:
         """Refuse what the sampler cannot do, with the API's checks and words (the API server
         ran them already; a client of the engine's own has not)."""
         params.check_limits(self.model_info.arch.vocab_size, self.config.sampler.max_logprobs)
+        check_priority(params.priority, self.config.scheduler.scheduling_policy)
         self.admission.check(params)
 
     def abort(self, request_id: str) -> bool:

@@ -87,7 +87,8 @@ class EngineCoreProc:
                                for p in core.admission.processor_classes],
             hidden_size=core.model_info.arch.hidden_size, pooling=core.config.model.pooling,
             engine_index=self.engine_index, cpu_isa=loaded_tier() or "",
-            kernel_schedule=core.kernel_schedule)
+            kernel_schedule=core.kernel_schedule,
+            scheduling_policy=core.config.scheduler.scheduling_policy)
 
     # -- threads ------------------------------------------------------------------------------
     def _input_loop(self) -> None:

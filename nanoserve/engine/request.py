@@ -55,6 +55,7 @@ class Request:
         # perf_counter when its prompt's first chunk ran (read for `return_progress` only)
         self.prompt_started: float | None = None
         self.sampling_seed = 0  # the seed the sampler uses: params.seed, or drawn at admission
+        self.arrival = 0  # its arrival number in the scheduler (the priority policy's tiebreak)
         self.slot: int | None = None  # row in the sampler's per-slot state while running
         # a hybrid model's prefix hit: the snapshot slot its DeltaNet states start from, or
         # -1 (zeros); set where its cached prefix is looked up (engine/state_cache.py)

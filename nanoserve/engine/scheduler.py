@@ -3,7 +3,11 @@
 Each step has a token budget (`max_num_batched_tokens`) and a cap on running requests
 (`max_num_seqs`). Running requests go first (a decode takes one token and the draft tokens it
 holds; a prompt still being prefilled takes the next chunk), then waiting requests are admitted
-in arrival order, their prompts chunked to fit what is left of the budget. A request whose
+in arrival order, their prompts chunked to fit what is left of the budget. With
+`--scheduling-policy priority` (vLLM's), both queues are ordered by (priority, arrival), lower
+first: a request of a lower value is admitted before any waiting one of a higher value, runs
+before it in a step, and the running request of the highest value (the latest among equals)
+is preempted first. A request whose
 grammar is still compiling waits while the others are scheduled past it. When the KV cache runs
 out of blocks the newest running request is preempted: its blocks are freed and it is
 recomputed from the start, not swapped out, since its full blocks usually survive in the
@@ -19,6 +23,7 @@ allocated, and only full blocks of committed tokens are offered to the prefix ca
 
 from __future__ import annotations
 
+import bisect
 import logging
 from collections import deque
 from collections.abc import Sequence
@@ -89,6 +94,8 @@ class Scheduler:
         self.free_slots = list(range(config.max_num_seqs - 1, -1, -1))
         self.released_slots: list[int] = []  # freed since the engine last looked
         self.num_preemptions = 0
+        self.by_priority = config.scheduling_policy == "priority"
+        self._arrivals = 0  # each request's arrival number, its place among equal priorities
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -105,7 +112,16 @@ class Scheduler:
         if request.num_prompt_tokens == 0:
             raise ValueError("the prompt is empty: give at least one token")
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        request.arrival = self._arrivals
+        self._arrivals += 1
+        if self.by_priority:
+            self._insert_waiting(request)
+        else:
+            self.waiting.append(request)
+
+    def _insert_waiting(self, request: Request) -> None:
+        """Into the waiting queue at its place by (priority, arrival)."""
+        self.waiting.insert(bisect.bisect(self.waiting, _order(request), key=_order), request)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -136,6 +152,8 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         self._allowance = self._prompt_allowance()
+        if self.by_priority:  # the lowest priority last: scheduled last, preempted first
+            self.running.sort(key=_order)
         # 1) running requests, oldest first; preempt the newest when blocks run out
         i = 0
         while i < len(self.running) and budget > 0:
@@ -238,7 +256,10 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        if self.by_priority:
+            self._insert_waiting(request)
+        else:
+            self.waiting.appendleft(request)
         out.preempted.append(request)
 
     def update_after_step(self, out: SchedulerOutput,
@@ -362,3 +383,9 @@ def whole_images(request: Request, start: int, num_new: int, budget: int) -> int
                 return image.offset - start
             return image.end - start if image.end - start <= budget else 0
     return num_new
+
+
+def _order(request: Request) -> tuple[int, int]:
+    """A request's place under the priority policy: lower priority values first, then earlier
+    arrivals."""
+    return request.params.priority, request.arrival

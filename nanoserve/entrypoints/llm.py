@@ -105,12 +105,14 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 *, use_tqdm: bool = True) -> list[RequestOutput]:
-        """Run every prompt to completion, batched; one RequestOutput per prompt, in order."""
+                 *, use_tqdm: bool = True, priority: Sequence[int] | None = None
+                 ) -> list[RequestOutput]:
+        """Run every prompt to completion, batched; one RequestOutput per prompt, in order.
+        `priority`: one per prompt, as vLLM's (with `scheduling_policy="priority"`)."""
         if isinstance(prompts, str | dict):
             prompts = [prompts]
         encoded = [self._encode(p) for p in prompts]
-        return self._run(encoded, sampling_params, use_tqdm)
+        return self._run(encoded, sampling_params, use_tqdm, priority)
 
     def chat(self, messages: Sequence[Message] | Sequence[Sequence[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -208,9 +210,15 @@ class LLM:
 
     def _run(self, encoded: list[tuple[str | None, list[int]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None,
-             use_tqdm: bool) -> list[RequestOutput]:
+             use_tqdm: bool, priority: Sequence[int] | None = None) -> list[RequestOutput]:
         params = _params_per_prompt(sampling_params or self.get_default_sampling_params(),
                                     len(encoded))
+        if priority is not None:
+            if len(priority) != len(encoded):
+                raise ValueError(f"got {len(priority)} priorities for {len(encoded)} prompts; "
+                                 "give one per prompt")
+            params = [replace(p, priority=value) for p, value in zip(params, priority,
+                                                                      strict=True)]
         processor = OutputProcessor(self.tokenizer)
         ids = []
         try:

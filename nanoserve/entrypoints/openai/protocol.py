@@ -70,6 +70,8 @@ class SamplingFields(OpenAIModel):
     # llama-server's: a stream sends `prompt_progress` chunks while the prompt is computed
     # (openai/progress.py); ignored unless streaming
     return_progress: bool = False
+    # vLLM's: lower first under --scheduling-policy priority; non-zero otherwise is a 400
+    priority: int = 0
     # structured outputs, every shape vLLM takes (read by structured_outputs.py, which names
     # the field in its errors): OpenAI's, vLLM's object, and vLLM's older top-level names
     response_format: dict[str, Any] | None = None

@@ -31,7 +31,7 @@ def sampling_input(req: SamplingFields, *, max_tokens: int | None,
         logprobs_field="top_logprobs" if hasattr(req, "top_logprobs") else "logprobs",
         prompt_logprobs=req.prompt_logprobs, logprobs_mode=req.logprobs_mode,
         thinking_token_budget=req.thinking_token_budget, extra_args=req.extra_args,
-        cache_salt=req.cache_salt, return_progress=req.return_progress,
+        cache_salt=req.cache_salt, return_progress=req.return_progress, priority=req.priority,
         stream=req.stream,
         stream_options=None if options is None else StreamOptions(
             options.include_usage, options.continuous_usage_stats))

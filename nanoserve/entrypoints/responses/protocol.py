@@ -99,6 +99,7 @@ class ResponsesRequest(OpenAIModel):
     stream: bool = False
     ignore_eos: bool = False  # vLLM's extra sampling field (benchmarks: fixed-length output)
     cache_salt: str | None = documented(None, minLength=1)  # the prefix cache's (vLLM's)
+    priority: int = 0  # vLLM's (--scheduling-policy priority)
     reasoning: dict[str, Any] | None = None
     store: bool | None = None
     include: list[str] | None = None

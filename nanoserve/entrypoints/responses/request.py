@@ -91,7 +91,8 @@ def responses_input(req: ResponsesRequest) -> ResponsesInput:
         sampling=SamplingInput(max_tokens=req.max_output_tokens, temperature=req.temperature,
                                max_temperature=MAX_TEMPERATURE,
                                top_p=req.top_p, ignore_eos=req.ignore_eos,
-                               cache_salt=req.cache_salt, stream=req.stream),
+                               cache_salt=req.cache_salt, priority=req.priority,
+                               stream=req.stream),
         reasoning_effort=_effort(req.reasoning))
     return ResponsesInput(chat, indices)
 

@@ -159,6 +159,7 @@ class SamplingInput:
     extra_args: dict[str, Any] | None = None
     cache_salt: str | None = None  # vLLM's: only requests with this salt share cached blocks
     return_progress: bool = False  # llama-server's: a stream reports the prompt's progress
+    priority: int = 0  # vLLM's (--scheduling-policy priority): lower first
     stream: bool = False
     stream_options: StreamOptions | None = None
 

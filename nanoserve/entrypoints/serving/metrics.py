@@ -103,6 +103,13 @@ class Metrics:
         self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds",
                              "Request latency, arrival to finish.", label,
                              buckets=_LATENCY_BUCKETS, registry=self.registry).labels(model)
+        # a request's `priority` (--scheduling-policy priority): how long each level waited
+        # for its first token; values past +-16 share a series, so a client cannot grow the
+        # registry without bound
+        self.ttft_by_priority = Histogram(
+            PREFIX + "time_to_first_token_seconds_by_priority",
+            "Time to first token, by request priority.", ["model_name", "priority"],
+            buckets=_LATENCY_BUCKETS, registry=self.registry)
 
     # -- TimingObserver ----------------------------------------------------------------------
     def first_token(self, seconds: float, num_prompt_tokens: int) -> None:
@@ -120,6 +127,10 @@ class Metrics:
         metrics = state.metrics
         if metrics.finished_time is not None:
             self.e2e.observe(metrics.finished_time - metrics.arrival_time)
+        if metrics.first_token_time is not None:
+            self.ttft_by_priority.labels(self.model, _priority_label(state.params.priority)
+                                         ).observe(metrics.first_token_time
+                                                   - metrics.arrival_time)
         for sample in state.samples:
             self.request_success.labels(self.model,
                                         sample.completion.finish_reason or "abort").inc()
@@ -133,3 +144,7 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _priority_label(priority: int) -> str:
+    return str(priority) if -16 <= priority <= 16 else ("<-16" if priority < 0 else ">16")

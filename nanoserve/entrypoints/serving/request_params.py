@@ -3,6 +3,7 @@ model's generation defaults, with 400s that name the field, the value and the al
 
 from __future__ import annotations
 
+from nanoserve.config import check_priority
 from nanoserve.entrypoints.serving.chat_input import SamplingInput
 from nanoserve.entrypoints.serving.errors import bad_request, from_value_error
 from nanoserve.entrypoints.serving.limits import check_bad_words, check_stops
@@ -54,14 +55,18 @@ def sampling_params(ctx: ServerContext, fields: SamplingInput, *, max_tokens: in
         extra_args=fields.extra_args, cache_salt=fields.cache_salt, output_kind=output_kind,
         # only a stream can send progress (llama-server ignores it otherwise too)
         return_progress=fields.return_progress and fields.stream,
-        structured_outputs=structured, is_call_list=is_call_list)
+        structured_outputs=structured, is_call_list=is_call_list, priority=fields.priority)
     try:
+        check_priority(fields.priority, ctx.engine.ready.scheduling_policy)
         params = SamplingParams.from_generation_config(ctx.generation_defaults, **explicit)
         params.check_limits(ctx.vocab_size, ctx.max_logprobs, fields.logprobs_field)
         for cls in ctx.processor_classes:
             cls.validate_params(params)
     except ValueError as e:
-        raise from_value_error(e) from None
+        error = from_value_error(e)
+        if "priority" in str(e):
+            error.param = "priority"
+        raise error from None
     if params.thinking_token_budget is not None and not ctx.has_reasoning_tokens:
         raise bad_request("thinking_token_budget needs a model with reasoning tags "
                           "(<think> and </think> tokens); this model has none",
