@@ -32,6 +32,9 @@ using simd::hsum;
 // request's context over both threads takes 7-15% off batch 1. A float16 cache halves the bytes
 // per row for one F16C widening per 8 elements: ~1.9x less time per step at batch 16-64 from
 // DRAM, one thread (figures in paged_decode.py).
+// The tile is arithmetic: the online softmax rescales its running sums once a tile, so the
+// tile decides a row's bits and is the same on every CPU; how many tiles a walk step reads
+// is the schedule's (paged_attend.h's kMaxBlockTiles), which changes no bit.
 constexpr int64_t kTileTokens = 32;        // keys scored per tile
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 

@@ -20,13 +20,14 @@
 #include "attention_tiles.h"
 #include "flash_tiles.h"
 #include "kv_int8.h"
+#include "schedule.h"
 
 namespace paged_attend {
 
 using namespace attention_tiles;
 
 // Contexts longer than this are split into partitions attended in parallel (see the top).
-constexpr int64_t kPartitionTokens = 512;  // a multiple of kTileTokens
+constexpr int64_t kPartitionTokens = 512;  // a multiple of every walk step (kMaxBlockTiles)
 
 template <typename T>
 struct Problem {
@@ -73,16 +74,27 @@ inline int64_t first_tile(int64_t begin, int64_t start) {
   return std::max(begin, start / kTileTokens * kTileTokens);
 }
 
-// One thread's working memory: the scaled queries, a tile's keys transposed, its scores and
-// its rows' addresses.
+// The keys a walk step reads (schedule.h's attention_block_tokens): 1, 2 or 4 tiles. A step
+// scores its tiles' keys (each key's score is its own dot product), then runs each tile's
+// online softmax and P·V in order, exactly as a walk of one tile a step does: the tile (32
+// keys, where the running sums are rescaled) decides a row's bits and never changes; the step
+// decides only how far ahead rows are requested and whether keys and values stream in runs of
+// one tile or of several. Candidates, as the tuner times them on the user's CPU.
+constexpr int64_t kMaxBlockTiles = 4;
+static_assert(kPartitionTokens % (kMaxBlockTiles * kTileTokens) == 0,
+              "a partition is whole steps of every size");
+
+// One thread's working memory: the scaled queries, a tile's keys transposed, a step's scores
+// (tile by tile) and its rows' addresses.
 template <typename T>
 struct Scratch {
   std::vector<float> q, kt, scores, corr;
   std::vector<int8_t> q8;  // q's heads as int8 rows, for an int8 cache's integer scores
-  std::vector<const T*> keys, values;  // two tiles' worth: this one and the next
+  std::vector<const T*> keys, values;  // two steps' worth: this one and the next
   explicit Scratch(int64_t group, int64_t dim)
-      : q(group * dim), kt(kTileTokens * dim), scores(group * kTileTokens), corr(group),
-        q8(group * row_elements<int8_t>(dim)), keys(2 * kTileTokens), values(2 * kTileTokens) {}
+      : q(group * dim), kt(kTileTokens * dim), scores(kMaxBlockTiles * group * kTileTokens),
+        corr(group), q8(group * row_elements<int8_t>(dim)),
+        keys(2 * kMaxBlockTiles * kTileTokens), values(2 * kMaxBlockTiles * kTileTokens) {}
 };
 
 // Whether an int8 cache's scores are taken in integers (score_tile_int8): 32 bytes per load.
@@ -108,11 +120,66 @@ void locate_rows(const Problem<T>& pb, const int32_t* table, int64_t plane, int6
   }
 }
 
+// The walk of attend_range from tile-aligned `walk` to `end`, K tiles a step (see
+// kMaxBlockTiles): q, acc, max and sum set up by attend_range.
+template <typename T, int K>
+void walk_tiles(const Problem<T>& pb, const int32_t* table, int64_t plane, int64_t start,
+                int64_t walk, int64_t end, int64_t group, Scratch<T>& sc, float* acc,
+                float* max, float* sum) {
+  constexpr int64_t kStep = K * kTileTokens;
+  const int64_t dim = pb.dim;
+  const T** keys = sc.keys.data();  // [this step | next step]
+  const T** values = sc.values.data();
+  if (walk < end) locate_rows(pb, table, plane, walk, std::min(kStep, end - walk), keys, values);
+  for (int64_t s0 = walk; s0 < end; s0 += kStep) {
+    const int64_t in_step = std::min(kStep, end - s0);
+    // the next step's rows load while this one computes
+    const int64_t num_next = std::clamp<int64_t>(end - s0 - in_step, 0, kStep);
+    locate_rows(pb, table, plane, s0 + in_step, num_next, keys + kStep, values + kStep);
+    // 1) every tile's scores; tile i requests the next step's tile i
+    for (int64_t j0 = 0; j0 < in_step; j0 += kTileTokens) {
+      const int64_t n = std::min(kTileTokens, in_step - j0);
+      const NextRows<T> next{keys + kStep + j0, values + kStep + j0,
+                             std::clamp<int64_t>(num_next - j0, 0, kTileTokens)};
+      float* scores = sc.scores.data() + j0 / kTileTokens * group * kTileTokens;
+      if constexpr (std::is_same_v<T, int8_t>) {
+        if (scores_in_int8<T>(dim))
+          score_heads_int8(sc.q8.data(), keys + j0, n, dim, group, next, scores);
+        else
+          score_heads<T>(sc.q.data(), keys + j0, n, dim, group, next, scores);
+      } else {
+        flash_tiles::transpose_keys(keys + j0, n, dim, sc.kt.data(), next);
+        flash_tiles::score_rows(sc.q.data(), dim, group, sc.kt.data(), dim, scores);
+      }
+    }
+    // 2) each tile's online softmax and P·V, in the walk's order
+    for (int64_t j0 = 0; j0 < in_step; j0 += kTileTokens) {
+      const int64_t n = std::min(kTileTokens, in_step - j0);
+      const int64_t lo = std::clamp<int64_t>(start - (s0 + j0), 0, n);  // keys before: outside
+      float* scores = sc.scores.data() + j0 / kTileTokens * group * kTileTokens;
+      if constexpr (std::is_same_v<T, int8_t>) {
+        softmax_tile(scores, lo, n, group, max, sum, sc.corr.data());
+        float value_scale[kTileTokens];  // each value row's scale, once per weight
+        for (int64_t j = 0; j < n; ++j) value_scale[j] = row_scale(values[j0 + j], dim);
+        scale_weights(scores, value_scale, n, group);
+        accumulate_heads<T>(scores, values + j0, n, dim, group, sc.corr.data(), acc);
+      } else {
+        for (int64_t g = 0; g < group; ++g)
+          flash_tiles::softmax_row(scores + g * kTileTokens, lo, n, max[g], sum[g], sc.corr[g]);
+        flash_tiles::accumulate_rows(scores, values + j0, n, group, dim, sc.corr.data(), acc);
+      }
+    }
+    std::copy(keys + kStep, keys + kStep + num_next, keys);
+    std::copy(values + kStep, values + kStep + num_next, values);
+  }
+}
+
 // Attention of one (request, KV head) over tokens [begin, end): unnormalized acc [G, D], the
 // running max and sum [G], for the group's query heads [h0, h1) (all G by default; then G is
 // h1 - h0). A float or float16 cache runs flash_tiles.h, where a head's bits do not depend on
 // the other heads it runs with; an int8 cache scores in integers (score_heads_int8) and takes
 // heads in fours (accumulate_heads), so its heads split exactly only in groups under four.
+// The schedule's walk step (kMaxBlockTiles) changes no bit.
 template <typename T>
 void attend_range(const Problem<T>& pb, int64_t b, int64_t kv_head, int64_t begin, int64_t end,
                   Scratch<T>& sc, float* acc, float* max, float* sum, int64_t h0 = 0,
@@ -130,38 +197,11 @@ void attend_range(const Problem<T>& pb, int64_t b, int64_t kv_head, int64_t begi
   std::fill(sum, sum + group, 0.0f);
   const int32_t* table = pb.block_table + b * pb.max_blocks;
   const int64_t plane = kv_head * pb.num_blocks * pb.block_size;  // this head's first row
-  const T** keys = sc.keys.data();  // [this tile | next tile]
-  const T** values = sc.values.data();
   const int64_t start = window_start(pb, b), walk = first_tile(begin, start);
-  if (walk < end)
-    locate_rows(pb, table, plane, walk, std::min(kTileTokens, end - walk), keys, values);
-  for (int64_t t0 = walk; t0 < end; t0 += kTileTokens) {
-    const int64_t n = std::min(kTileTokens, end - t0);
-    const int64_t lo = std::clamp<int64_t>(start - t0, 0, n);  // keys before it: outside
-    // the next tile's rows load while this one computes
-    const int64_t num_next = std::clamp<int64_t>(end - t0 - n, 0, kTileTokens);
-    locate_rows(pb, table, plane, t0 + n, num_next, keys + kTileTokens, values + kTileTokens);
-    const NextRows<T> next{keys + kTileTokens, values + kTileTokens, num_next};
-    if constexpr (std::is_same_v<T, int8_t>) {
-      if (scores_in_int8<T>(dim))
-        score_heads_int8(sc.q8.data(), keys, n, dim, group, next, sc.scores.data());
-      else
-        score_heads<T>(sc.q.data(), keys, n, dim, group, next, sc.scores.data());
-      softmax_tile(sc.scores.data(), lo, n, group, max, sum, sc.corr.data());
-      float value_scale[kTileTokens];  // each value row's scale, once per weight
-      for (int64_t j = 0; j < n; ++j) value_scale[j] = row_scale(values[j], dim);
-      scale_weights(sc.scores.data(), value_scale, n, group);
-      accumulate_heads<T>(sc.scores.data(), values, n, dim, group, sc.corr.data(), acc);
-    } else {
-      flash_tiles::transpose_keys(keys, n, dim, sc.kt.data(), next);
-      flash_tiles::score_rows(sc.q.data(), dim, group, sc.kt.data(), dim, sc.scores.data());
-      for (int64_t g = 0; g < group; ++g)
-        flash_tiles::softmax_row(sc.scores.data() + g * kTileTokens, lo, n, max[g], sum[g],
-                                 sc.corr[g]);
-      flash_tiles::accumulate_rows(sc.scores.data(), values, n, group, dim, sc.corr.data(), acc);
-    }
-    std::copy(keys + kTileTokens, keys + kTileTokens + num_next, keys);
-    std::copy(values + kTileTokens, values + kTileTokens + num_next, values);
+  switch (schedule::current().attention_block_tokens / kTileTokens) {
+    case 4: return walk_tiles<T, 4>(pb, table, plane, start, walk, end, group, sc, acc, max, sum);
+    case 2: return walk_tiles<T, 2>(pb, table, plane, start, walk, end, group, sc, acc, max, sum);
+    default: return walk_tiles<T, 1>(pb, table, plane, start, walk, end, group, sc, acc, max, sum);
   }
 }
 

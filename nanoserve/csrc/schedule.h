@@ -8,6 +8,10 @@
 //                               matmul streams them (below wide_min_rows rows): hint and bytes
 //                               ahead; row class 0 is one row, 1 is 2 rows and more
 //   attention_hint              the prefetch of the next tile's KV-cache rows in attention
+//   attention_block_tokens      the keys decode attention reads per step of its walk (32, 64
+//                               or 128: whole tiles, paged_attend.h); their scores are taken
+//                               together, then each tile's softmax and P·V in order, so a
+//                               row's arithmetic is the same at every size
 //   wide_min_rows               from this many rows the matmul reads a 4-bit weight's wide
 //                               form and (avx512 tier) the pairs kernel; at least 16, so a
 //                               one-region forward (team_forward.h, up to 15 tokens) always
@@ -57,6 +61,7 @@ inline int row_class(int64_t rows) { return rows <= 1 ? 0 : 1; }
 struct Schedule {
   Prefetch weights[kNumLayouts][kRowClasses];
   int32_t attention_hint;
+  int32_t attention_block_tokens;
   int64_t wide_min_rows;
   int64_t pairs_min_rows;
   int64_t amx_min_rows;
@@ -65,13 +70,14 @@ struct Schedule {
 };
 
 // Today's constants, each chosen on a 2-core AMD EPYC (docs/benchmarks.md): non-temporal
-// requests 1 KB ahead (Zen 1 and Zen 3's best), T1 for the KV rows, the wide form from 16
-// rows, a 10 us spin, 16 KB tasks.
+// requests 1 KB ahead (Zen 1 and Zen 3's best), T1 for the KV rows, attention a tile (32
+// keys) a step, the wide form from 16 rows, a 10 us spin, 16 KB tasks.
 inline Schedule defaults() {
   Schedule s{};
   for (auto& layout : s.weights)
     for (auto& rows : layout) rows = Prefetch{kNTA, 1024};
   s.attention_hint = kT1;
+  s.attention_block_tokens = 32;
   s.wide_min_rows = kMinWideRows;
   s.pairs_min_rows = kMinWideRows;
   s.amx_min_rows = 16;  // below, a tile's fixed costs lose to vpdpbusd (cpu-tiers prototype)
@@ -90,8 +96,8 @@ inline const Prefetch& weights(int layout, int64_t rows) {
 }
 
 // As a flat list for Python: per layout, per row class, hint then bytes; then attention_hint,
-// wide_min_rows, pairs_min_rows, amx_min_rows, spin_us, grain_bytes.
-constexpr size_t kFlatSize = kNumLayouts * kRowClasses * 2 + 6;
+// attention_block_tokens, wide_min_rows, pairs_min_rows, amx_min_rows, spin_us, grain_bytes.
+constexpr size_t kFlatSize = kNumLayouts * kRowClasses * 2 + 7;
 
 inline std::vector<int64_t> flat(const Schedule& s) {
   std::vector<int64_t> out;
@@ -100,8 +106,8 @@ inline std::vector<int64_t> flat(const Schedule& s) {
       out.push_back(rows.hint);
       out.push_back(rows.bytes);
     }
-  out.insert(out.end(), {s.attention_hint, s.wide_min_rows, s.pairs_min_rows, s.amx_min_rows,
-                         s.spin_us, s.grain_bytes});
+  out.insert(out.end(), {s.attention_hint, s.attention_block_tokens, s.wide_min_rows,
+                         s.pairs_min_rows, s.amx_min_rows, s.spin_us, s.grain_bytes});
   return out;
 }
 
@@ -119,19 +125,22 @@ inline void set_flat(const std::vector<int64_t>& v) {
       i += 2;
     }
   TORCH_CHECK(v[i] >= kNone && v[i] <= kT0, "schedule: attention_hint is 0-4, got ", v[i]);
-  TORCH_CHECK(v[i + 1] >= kMinWideRows, "schedule: wide_min_rows is at least ", kMinWideRows,
-              ", got ", v[i + 1]);
-  TORCH_CHECK(v[i + 2] >= 1, "schedule: pairs_min_rows is at least 1, got ", v[i + 2]);
-  TORCH_CHECK(v[i + 3] >= 1, "schedule: amx_min_rows is at least 1, got ", v[i + 3]);
-  TORCH_CHECK(v[i + 4] >= 0 && v[i + 4] <= 100000, "schedule: spin_us is 0-100000, got ",
-              v[i + 4]);
-  TORCH_CHECK(v[i + 5] >= 1, "schedule: grain_bytes is at least 1, got ", v[i + 5]);
+  TORCH_CHECK(v[i + 1] == 32 || v[i + 1] == 64 || v[i + 1] == 128,
+              "schedule: attention_block_tokens is 32, 64 or 128, got ", v[i + 1]);
+  TORCH_CHECK(v[i + 2] >= kMinWideRows, "schedule: wide_min_rows is at least ", kMinWideRows,
+              ", got ", v[i + 2]);
+  TORCH_CHECK(v[i + 3] >= 1, "schedule: pairs_min_rows is at least 1, got ", v[i + 3]);
+  TORCH_CHECK(v[i + 4] >= 1, "schedule: amx_min_rows is at least 1, got ", v[i + 4]);
+  TORCH_CHECK(v[i + 5] >= 0 && v[i + 5] <= 100000, "schedule: spin_us is 0-100000, got ",
+              v[i + 5]);
+  TORCH_CHECK(v[i + 6] >= 1, "schedule: grain_bytes is at least 1, got ", v[i + 6]);
   s.attention_hint = int32_t(v[i]);
-  s.wide_min_rows = v[i + 1];
-  s.pairs_min_rows = v[i + 2];
-  s.amx_min_rows = v[i + 3];
-  s.spin_us = int32_t(v[i + 4]);
-  s.grain_bytes = v[i + 5];
+  s.attention_block_tokens = int32_t(v[i + 1]);
+  s.wide_min_rows = v[i + 2];
+  s.pairs_min_rows = v[i + 3];
+  s.amx_min_rows = v[i + 4];
+  s.spin_us = int32_t(v[i + 5]);
+  s.grain_bytes = v[i + 6];
   current() = s;
 }
 

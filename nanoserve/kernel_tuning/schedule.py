@@ -25,6 +25,11 @@ ROW_CLASSES = (1, 8)  # a row class's representative: one row; 2 rows and more (
 PREFETCH_HINTS = ("nta", "t0", "t1", "t2")
 PREFETCH_BYTES = (512, 1024, 2048, 4096, 8192, 16384)
 ATTENTION_HINTS = ("t1", "t0", "t2", "nta", "none")
+# the keys decode attention reads a step of its walk: 1, 2 or 4 tiles (csrc/paged_attend.h);
+# the 32-key tile, where the softmax rescales, stays: every size gives the same bits. On a
+# 2-core AMD Zen 3 (one thread, batch 1-32, contexts 256 and 2,048, 16 layers of 8x64 caches;
+# a loaded machine) 32 won nearly everywhere: 64 took 0.94-1.11x its time, 128 0.99-1.61x
+ATTENTION_BLOCK_TOKENS = (32, 64, 128)
 WIDE_MIN_ROWS = (16, 24, 32, 48, 64, 128, 256)
 PAIRS_MIN_ROWS = (1, 2, 4, 8, 16)  # the avx512 tier's pairs kernel from this many rows
 AMX_MIN_ROWS = (1, 4, 8, 16, 32, 64, 128)  # the amx tiers' tiles from this many rows
@@ -73,6 +78,7 @@ class Schedule:
     amx_min_rows: int = DEFAULT_AMX_MIN_ROWS
     spin_us: int = 10
     grain_bytes: int = 16384
+    attention_block_tokens: int = ATTENTION_BLOCK_TOKENS[0]
 
     def __post_init__(self) -> None:
         if len(self.weights) != len(LAYOUTS) or any(len(w) != len(ROW_CLASSES)
@@ -81,6 +87,9 @@ class Schedule:
         if self.attention_hint not in HINTS:
             raise ValueError(f"attention hint {self.attention_hint!r} is not one of "
                              f"{list(HINTS)}")
+        if self.attention_block_tokens not in ATTENTION_BLOCK_TOKENS:
+            raise ValueError(f"attention_block_tokens {self.attention_block_tokens} is not one "
+                             f"of {list(ATTENTION_BLOCK_TOKENS)}")
         if self.wide_min_rows < WIDE_MIN_ROWS[0]:
             raise ValueError(f"wide_min_rows is at least {WIDE_MIN_ROWS[0]}, got "
                              f"{self.wide_min_rows}")
@@ -96,13 +105,18 @@ class Schedule:
 
     @classmethod
     def from_flat(cls, flat: list[int]) -> Schedule:
-        """The inverse of `flat`."""
+        """The inverse of `flat`; a list from before attention_block_tokens (one value fewer)
+        reads with its default."""
         names = {number: name for name, number in HINTS.items()}
-        pairs = iter(zip(flat[0:-6:2], flat[1:-6:2], strict=True))
+        weight_values = 2 * len(LAYOUTS) * len(ROW_CLASSES)
+        pairs = iter(zip(flat[0:weight_values:2], flat[1:weight_values:2], strict=True))
         weights = tuple(tuple(Prefetch(names[h], b) for h, b in (next(pairs), next(pairs)))
                         for _ in LAYOUTS)
-        attention, wide, pairs_from, amx_from, spin, grain = flat[-6:]
-        return cls(weights, names[attention], wide, pairs_from, amx_from, spin, grain)
+        rest = flat[weight_values:]
+        if len(rest) == 6:
+            rest = [rest[0], ATTENTION_BLOCK_TOKENS[0], *rest[1:]]
+        attention, block, wide, pairs_from, amx_from, spin, grain = rest
+        return cls(weights, names[attention], wide, pairs_from, amx_from, spin, grain, block)
 
     def flat(self) -> list[int]:
         """What `set_schedule` takes (schedule.h's `set_flat`)."""
@@ -110,8 +124,9 @@ class Schedule:
         for layout in self.weights:
             for p in layout:
                 out += [HINTS[p.hint], p.bytes]
-        return [*out, HINTS[self.attention_hint], self.wide_min_rows, self.pairs_min_rows,
-                self.amx_min_rows, self.spin_us, self.grain_bytes]
+        return [*out, HINTS[self.attention_hint], self.attention_block_tokens,
+                self.wide_min_rows, self.pairs_min_rows, self.amx_min_rows, self.spin_us,
+                self.grain_bytes]
 
     def describe(self, layouts: list[str] | None = None, tier: str | None = None) -> str:
         """One line for logs and /get_server_info: which kernel runs which rows in `tier`, the
@@ -128,7 +143,8 @@ class Schedule:
                                  if lay == layout)
                 parts.append(f"{names} prefetch {rows[0].label} (1 row), {rows[1].label} "
                              "(more)")
-        parts.append(f"attention prefetch {self.attention_hint.upper()}")
+        parts.append(f"attention prefetch {self.attention_hint.upper()}, "
+                     f"{self.attention_block_tokens} keys a step")
         parts.append(f"wide form from {self.wide_min_rows} rows")
         if self.pairs_min_rows < self.wide_min_rows:
             parts.append(f"pairs from {self.pairs_min_rows} rows")

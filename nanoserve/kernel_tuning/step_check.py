@@ -61,7 +61,8 @@ def _knob(name: str) -> Take:
 # (one row streams alone; more rows share the tiles), then each threshold, hint and split
 _KNOBS = {"wide threshold": "wide_min_rows", "pairs threshold": "pairs_min_rows",
           "tiles threshold": "amx_min_rows", "attention prefetch": "attention_hint",
-          "barrier spin": "spin_us", "task grain": "grain_bytes"}
+          "attention blocking": "attention_block_tokens", "barrier spin": "spin_us",
+          "task grain": "grain_bytes"}
 GROUPS: dict[str, Take] = {"prefetch at 1 row": _prefetch_at(0),
                            "prefetch at 2+ rows": _prefetch_at(1),
                            **{name: _knob(knob) for name, knob in _KNOBS.items()}}

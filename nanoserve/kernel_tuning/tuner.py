@@ -12,6 +12,8 @@ each):
   weights (first each hint at two distances, then the best hint's distances);
 - the wide threshold: from how many rows the wide form / pairs kernel beats streaming;
 - decode attention: the hint of the KV rows' prefetch, at one long context and 8 short ones;
+  then the keys its walk reads a step (1, 2 or 4 tiles; the 32-key tile, and so every bit,
+  stays), at those and at a batch of 32 short contexts;
 - the tier, where the CPU runs more than one and `NANOSERVE_CPU_ISA` leaves it open: the tier
   measured faster on the model's weights at 1 and 64 rows runs from the next start (a process
   runs one tier, chosen before its first kernel loads: `preferred_tier`).
@@ -42,6 +44,7 @@ import nanoserve.native as native
 from nanoserve.kernel_tuning.result import Row, TuneResult
 from nanoserve.kernel_tuning.schedule import (
     AMX_MIN_ROWS,
+    ATTENTION_BLOCK_TOKENS,
     ATTENTION_HINTS,
     DEFAULT,
     PAIRS_MIN_ROWS,
@@ -60,9 +63,8 @@ from nanoserve.kernel_tuning.step_check import (
 from nanoserve.kernel_tuning.timing import Timed, best_threshold, choose, time_interleaved
 from nanoserve.kernel_tuning.tune_cache import cache_file, machine_key, read_entries, write_entries
 from nanoserve.kernel_tuning.workloads import (
-    LONG_CONTEXT,
-    SHORT_BATCH,
-    SHORT_CONTEXT,
+    BLOCK_SWEEPS,
+    HINT_SWEEPS,
     AttentionWork,
     StepWeights,
     attention_work,
@@ -194,9 +196,14 @@ class _Run:
             name = f"{self.tier} wide {'+'.join(step.layouts)} {where}"
             classes.append(_Class(name, partial(self._wide, step, name), self._set_wide))
         if attention is not None:
-            classes.append(_Class(attention.name, partial(self._attention, attention,
-                                                          attention.name),
-                                  self._set_attention))
+            hint = partial(self._attention, attention, attention.name, "attention_hint",
+                           ATTENTION_HINTS, HINT_SWEEPS, "hint", str.upper)
+            classes.append(_Class(attention.name, hint, self._set_attention))
+            name = attention.name.replace("attention", "attention blocking", 1)
+            block = partial(self._attention, attention, name, "attention_block_tokens",
+                            ATTENTION_BLOCK_TOKENS, BLOCK_SWEEPS, "block_tokens",
+                            lambda keys: f"{keys} keys a step")
+            classes.append(_Class(name, block, self._set_attention_block))
         if (step.weights and len(native.available_auto_tiers()) > 1
                 and not native.tier_is_forced()):
             classes.append(_Class("tier", partial(self._tier, step), self._set_tier))
@@ -324,26 +331,31 @@ class _Run:
         self.result.schedule = replace(self.result.schedule,
                                        wide_min_rows=int(entry["wide_min_rows"]))
 
-    # -- decode attention -----------------------------------------------------------------------
-    def _attention(self, work: AttentionWork, name: str) -> dict[str, Any]:
+    # -- decode attention: the KV rows' prefetch hint; the keys its walk reads a step ---------
+    def _attention(self, work: AttentionWork, name: str, knob: str, candidates: tuple[Any, ...],
+                   sweeps: tuple[tuple[int, int], ...], entry_key: str,
+                   label: Callable[[Any], str]) -> dict[str, Any]:
         base = self.result.schedule
-        long, short = work.sweep(1, LONG_CONTEXT), work.sweep(SHORT_BATCH, SHORT_CONTEXT)
+        runs = [work.sweep(batch, context) for batch, context in sweeps]
 
-        def run(hint: str) -> None:
-            native.set_kernel_schedule(replace(base, attention_hint=hint).flat())
-            long()
-            short()
+        def run(value: Any) -> None:
+            native.set_kernel_schedule(replace(base, **{knob: value}).flat())
+            for sweep in runs:
+                sweep()
 
-        timed = time_interleaved(list(ATTENTION_HINTS), run, ROUNDS)
-        chosen = choose(timed, DEFAULT.attention_hint)
-        # (the long context and the short ones each read every cache row once)
-        self._rows(name, timed, chosen, lambda t: f"{2 * work.num_bytes / t / 1e9:.1f} GB/s",
-                   str.upper)
+        timed = time_interleaved(list(candidates), run, ROUNDS)
+        chosen = choose(timed, getattr(DEFAULT, knob))
+        rate = len(sweeps) * work.num_bytes  # (each sweep reads every cache row once)
+        self._rows(name, timed, chosen, lambda t: f"{rate / t / 1e9:.1f} GB/s", label)
         native.set_kernel_schedule(base.flat())
-        return {"hint": chosen}
+        return {entry_key: chosen}
 
     def _set_attention(self, entry: dict[str, Any]) -> None:
         self.result.schedule = replace(self.result.schedule, attention_hint=str(entry["hint"]))
+
+    def _set_attention_block(self, entry: dict[str, Any]) -> None:
+        self.result.schedule = replace(self.result.schedule,
+                                       attention_block_tokens=int(entry["block_tokens"]))
 
     # -- the tier (from the next start) ---------------------------------------------------------
     def _tier(self, step: StepWeights) -> dict[str, Any]:

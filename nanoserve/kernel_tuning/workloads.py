@@ -3,8 +3,8 @@
 - `StepWeights`: the model's packed weights, swept in a step's order at a number of
   activation rows, as a step reads them: at one row, gigabytes of a larger model stream from
   DRAM, and the prefetch decides how fast.
-- `AttentionWork`: decode attention over every layer's cache at one long context and at a batch
-  of short ones, on synthetic caches of the model's shape and the cache's dtype, with their
+- `AttentionWork`: decode attention over every layer's cache at one long context and at
+  batches of short ones, on synthetic caches of the model's shape and the cache's dtype, with their
   blocks scattered as a paged cache's are.
 """
 
@@ -24,6 +24,10 @@ from nanoserve.model.quant_linear import QuantizedWeight
 
 LONG_CONTEXT = 4096
 SHORT_CONTEXT, SHORT_BATCH = 512, 8
+BATCHED_CONTEXT, BATCHED_BATCH = 128, 32  # (each sweep reads 4,096 tokens' rows)
+# (batch, context) of the attention classes' sweeps: the prefetch hint's, the walk step's
+HINT_SWEEPS = ((1, LONG_CONTEXT), (SHORT_BATCH, SHORT_CONTEXT))
+BLOCK_SWEEPS = (*HINT_SWEEPS, (BATCHED_BATCH, BATCHED_CONTEXT))
 
 
 @dataclass
@@ -110,8 +114,7 @@ class AttentionWork:
             self._caches = [(torch.zeros(self.cache_shape, dtype=self.dtype),
                              torch.zeros(self.cache_shape, dtype=self.dtype))
                             for _ in range(self.num_layers)]
-        block_size = self.cache_shape[2]
-        blocks = context // block_size
+        blocks = _blocks(context, self.cache_shape[2])
         order = torch.randperm(self.cache_shape[1], generator=torch.Generator()
                                .manual_seed(0))[: batch * blocks]
         table = order.to(torch.int32).reshape(batch, blocks)
@@ -138,9 +141,14 @@ def attention_work(runner: Any, model: CausalLM) -> AttentionWork | None:
         return None
     k_cache = runner.kv_caches[0][0]  # [Hkv, blocks, block_size, row]
     num_kv_heads, _, block_size, row = k_cache.shape
-    blocks = max(LONG_CONTEXT, SHORT_CONTEXT * SHORT_BATCH) // block_size
+    blocks = max(batch * _blocks(context, block_size) for batch, context in BLOCK_SWEEPS)
     return AttentionWork(module, (num_kv_heads, blocks, block_size, row), k_cache.dtype,
                          len(model.decoder_layers), model.arch.num_heads, model.arch.head_dim)
+
+
+def _blocks(context: int, block_size: int) -> int:
+    """The cache blocks a context of `context` tokens takes."""
+    return -(-context // block_size)
 
 
 def l3_bytes() -> int | None:

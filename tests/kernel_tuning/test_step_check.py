@@ -55,6 +55,7 @@ class Slowed:
 
     steps: DecodeSteps
     costs: dict[str, float]
+    tuned: Schedule = TUNED
 
     @property
     def batches(self) -> list[int]:
@@ -69,19 +70,19 @@ class Slowed:
         module = native.load_kernels("decode_layers")
         running = Schedule.from_flat(module.get_schedule())
         cost = BASE_S + sum(cost for group, cost in self.costs.items()
-                            if with_groups(running, [group]) == with_groups(TUNED, [group]))
+                            if with_groups(running, [group]) == with_groups(self.tuned, [group]))
         time.sleep(max(0.0, began + cost - time.perf_counter()))
 
 
 def slowed_check(int8_tiny_llama: Any, costs: dict[str, float], tuned: Schedule = TUNED) -> Any:
     with decode_steps(int8_tiny_llama.runner, batches=(1, 8)) as steps:
         assert steps is not None
-        return check_steps(tuned, Slowed(steps, costs), math.inf, rounds=7)
+        return check_steps(tuned, Slowed(steps, costs, tuned), math.inf, rounds=7)
 
 
 def test_the_groups_cover_every_knob() -> None:
     other = Schedule(tuple((Prefetch("t0", 2048), Prefetch("none", 0)) for _ in DEFAULT.weights),
-                     "t2", 64, 4, 8, 20, 4096)
+                     "t2", 64, 4, 8, 20, 4096, 128)
     assert with_groups(other, list(GROUPS)) == other
     assert with_groups(other, []) == DEFAULT
     assert changed_groups(TUNED) == ["prefetch at 1 row", "wide threshold",
@@ -135,6 +136,22 @@ def test_a_confirmed_schedule_is_kept_whole_and_a_refuted_one_not_at_all(
     slower = slowed_check(int8_tiny_llama, {"attention prefetch": 0.05}, replace(DEFAULT,
                                                                          attention_hint="nta"))
     assert slower.schedule == DEFAULT and slower.reverted_groups == ["attention prefetch"]
+
+
+def test_an_attention_step_the_steps_refute_is_reverted_and_one_they_confirm_kept(
+        int8_tiny_llama: Any) -> None:
+    """The walk step of decode attention (attention_block_tokens) is a group of its own."""
+    blocked = replace(DEFAULT, wide_min_rows=32, attention_block_tokens=128)
+    assert changed_groups(blocked) == ["wide threshold", "attention blocking"]
+    refuted = slowed_check(int8_tiny_llama, {"wide threshold": -0.025,
+                                             "attention blocking": 0.05}, blocked)
+    assert refuted.kept_groups == ["wide threshold"]
+    assert refuted.schedule == replace(DEFAULT, wide_min_rows=32)
+    text = "\n".join(format_step_check(refuted, ["S8H"]))
+    assert "attention blocking 128 (built-in 32)" in text
+    alone = replace(DEFAULT, attention_block_tokens=64)
+    confirmed = slowed_check(int8_tiny_llama, {"attention blocking": -0.025}, alone)
+    assert confirmed.kept_groups == ["attention blocking"] and confirmed.schedule == alone
 
 
 def test_a_check_of_the_builtin_schedule_times_it_once_a_batch(int8_tiny_llama: Any) -> None:

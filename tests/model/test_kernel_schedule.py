@@ -22,6 +22,7 @@ from test_quant_kernels import ALL_TYPES, TYPE_IDS, make_raw
 from nanoserve import native
 from nanoserve.kernel_tuning.schedule import (
     AMX_MIN_ROWS,
+    ATTENTION_BLOCK_TOKENS,
     ATTENTION_HINTS,
     DEFAULT,
     GRAIN_BYTES,
@@ -126,7 +127,8 @@ def test_an_lm_heads_products_are_the_same_under_every_schedule(ggml_type: int) 
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int8])
-def test_decode_attention_is_the_same_under_every_attention_hint(dtype: torch.dtype) -> None:
+def test_decode_attention_is_the_same_under_every_attention_schedule(dtype: torch.dtype) -> None:
+    """Every prefetch hint, at every walk step (test_attention_blocking.py: the steps alone)."""
     (module,) = modules("paged_attention")
     heads, kv_heads, dim, block, blocks = 8, 2, 64, 16, 64
     row = dim + 4 if dtype == torch.int8 else dim  # an int8 row carries its scale
@@ -148,23 +150,28 @@ def test_decode_attention_is_the_same_under_every_attention_hint(dtype: torch.dt
     expected = torch.empty_like(q)
     module.decode_attention(q, k, v, table, lens, dim ** -0.5, expected)
     for hint in ATTENTION_HINTS:
-        native.set_kernel_schedule(dataclasses.replace(DEFAULT, attention_hint=hint).flat())
-        out = torch.empty_like(q)
-        module.decode_attention(q, k, v, table, lens, dim ** -0.5, out)
-        assert torch.equal(out, expected), hint
+        for tokens in ATTENTION_BLOCK_TOKENS:
+            native.set_kernel_schedule(dataclasses.replace(
+                DEFAULT, attention_hint=hint, attention_block_tokens=tokens).flat())
+            out = torch.empty_like(q)
+            module.decode_attention(q, k, v, table, lens, dim ** -0.5, out)
+            assert torch.equal(out, expected), (hint, tokens)
 
 
 def model_schedules() -> list[Schedule]:
     """Schedules that move every knob of a one-region decode at once, and each knob alone."""
     out = [dataclasses.replace(DEFAULT, spin_us=spin) for spin in SPIN_US]
     out += [dataclasses.replace(DEFAULT, attention_hint=hint) for hint in ATTENTION_HINTS]
-    for p in prefetch_candidates()[::5]:
+    out += [dataclasses.replace(DEFAULT, attention_block_tokens=t)
+            for t in ATTENTION_BLOCK_TOKENS[1:]]
+    for i, p in enumerate(prefetch_candidates()[::5]):
         s = DEFAULT
         for ggml_type in (8, 3):
             s = s.with_prefetch(LAYOUT_OF_TYPE[ggml_type], 1, p).with_prefetch(
                 LAYOUT_OF_TYPE[ggml_type], 8, p)
         out.append(dataclasses.replace(s, wide_min_rows=64, grain_bytes=4096, spin_us=0,
-                                       pairs_min_rows=1))
+                                       pairs_min_rows=1, attention_block_tokens=(
+                                           ATTENTION_BLOCK_TOKENS[i % 3])))
     return out
 
 
