@@ -18,6 +18,7 @@
 #include <optional>
 
 #include "fused_rows.h"
+#include "gated_rows.h"
 
 namespace {
 
@@ -216,4 +217,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gelu_tanh_mul", &gelu_tanh_mul, "gelu_tanh(gate) * up for gate_up [T, 2I] -> [T, I]");
   m.def("rope_store", &rope_store,
         "qkv bias, q/k norm, RoPE of q and k, k/v written to the paged cache; returns q");
+  // a hybrid's gates (gated_rows.h, which hybrid_layers.cpp's stack runs too)
+  m.def("gated_rms_norm", &gated_rows::gated_rms_norm,
+        "RMSNorm of each head of x [T, H * D] with weight [D], times silu(z) [T, H * D]");
+  m.def("sigmoid_mul", &gated_rows::sigmoid_mul, "x * sigmoid(gate), both [T, N]");
 }

@@ -5,22 +5,22 @@
 // Every call is the one the Python layer makes, in its order: the fused kernels through the
 // dispatcher (`nanoserve::*` ops that quant_matmul.cpp, fused_ops.cpp and paged_attention.cpp
 // register), the DeltaNet mixer through delta_net.h's own `delta_rule` (the function the
-// `delta_rule` extension runs), and, where the Python layer runs a PyTorch op, the same ATen op
-// on the same view (at::rms_norm, at::silu, at::sigmoid, mul, cat, contiguous copies): the
-// hidden states, caches and states are the Python loop's bit for bit
-// (tests/model/test_hybrid_native.py). A DeltaNet layer (hybrid_layers.py's
-// BoundDeltaNetLayer.forward):
+// `delta_rule` extension runs), the two gates through gated_rows.h's functions (the ones the
+// fused table's `gated_rms_norm` and `sigmoid_mul` run), and, where the Python layer runs a
+// PyTorch op, the same ATen op on the same view (cat, contiguous copies): the hidden states,
+// caches and states are the Python loop's bit for bit (tests/model/test_hybrid_native.py). A
+// DeltaNet layer (hybrid_layers.py's BoundDeltaNetLayer.forward):
 //
 //   x = add_rms_norm(h, delta, input_norm)          (rms_norm before the first layer)
 //   qkv | z = x Win;  b | a = x Wba
 //   core = delta_rule(qkv, a, b, its conv, the step's states)   (states updated in place)
-//   x = add_rms_norm(h, (rms_norm(core per value head, norm) * silu(z)) Wout, post_norm)
+//   x = add_rms_norm(h, gated_rms_norm(core, z, norm) Wout, post_norm)   (per value head)
 //   delta = silu_mul(x Wgate_up) Wdown
 //
 // and a full attention layer (llama.py's BoundDecoderLayer._forward_gated):
 //
 //   x = add_rms_norm(h, delta, input_norm);  q = rope_store(x Wqkv)   (k, v into the cache)
-//   attn = decode_attention(q, cache) * sigmoid(x Wgate)     (no gate: attention alone)
+//   attn = sigmoid_mul(decode_attention(q, cache), x Wgate)  (no gate: attention alone)
 //   x = add_rms_norm(h, attn Wo, post_norm);  delta = silu_mul(x Wgate_up) Wdown
 //
 // and add_rms_norm(h, delta, final_norm) after the last. Each op is its own call (as
@@ -36,8 +36,9 @@
 #include <tuple>
 #include <vector>
 
-#include "dispatcher_ops.h"
 #include "delta_net.h"
+#include "dispatcher_ops.h"
+#include "gated_rows.h"
 
 namespace {
 
@@ -173,9 +174,8 @@ class HybridStack {
                                    st.snapshots, num_key_heads_, v_heads_tiled_);
     }
     // the gated norm: per value head, RMSNorm with its weight, then * silu(z)
-    at::Tensor z = proj.slice(1, conv_dim).reshape({-1, dv});
-    at::Tensor gated = at::rms_norm(core.view({-1, dv}), {dv}, w.norm, eps_) * at::silu(z);
-    return matmul(f, gated.view({core.size(0), value_dim}), w.out_proj);
+    return matmul(f, gated_rows::gated_rms_norm(core, proj.slice(1, conv_dim), w.norm, eps_),
+                  w.out_proj);
   }
 
   // _forward_gated's attention: x [T, hidden] -> o's output [T, hidden]; k and v written to
@@ -190,7 +190,7 @@ class HybridStack {
     f.attention.call(q, w.k_cache, w.v_cache, st.block_table, st.context_lens,
                      1.0 / std::sqrt(static_cast<double>(D)), attn, 0);
     at::Tensor flat = attn.view({tokens, H * D});
-    if (!w.gate.empty()) flat = flat * at::sigmoid(matmul(f, x, w.gate));
+    if (!w.gate.empty()) flat = gated_rows::sigmoid_mul(flat, matmul(f, x, w.gate));
     return matmul(f, flat, w.o);
   }
 

@@ -15,12 +15,18 @@ What each computes, against the plain PyTorch ops it replaces (layer_ops.py's EX
       at `cache_index`, as `write_kv_cache` there does.
       qkv's k and v columns are left holding the rotated k and biased v (prefill chunks that
       attend to themselves read them there).
+  gated_rms_norm(x, z, w, eps)    F.rms_norm(x per head of w's D, (D,), w, eps) * F.silu(z)
+                                  (a Gated DeltaNet's output norm)                  [T, H * D]
+  sigmoid_mul(x, gate)            x * torch.sigmoid(gate) (Qwen3.5's attention gate) [T, N]
 
-tests/model/test_fused_ops.py holds each to the plain ops: norms and gates within 1e-5 relative
-(another summation order, another exp polynomial), RoPE within 1e-6, v exactly and k in a
-float16 cache within one float16 step (a k that differs in its last float32 bit may round the
-other way). All five take float32 activations and run on one thread below ~32K elements (a
-decode of a few dozen rows), on both above.
+The last two (csrc/gated_rows.h) are hybrid_layers.cpp's too: its stack and the Python layers
+then give the same bits, whatever vector code PyTorch's own ops would pick on this CPU.
+
+tests/model/test_fused_ops.py (and test_gated_rows.py the last two) holds each to the plain
+ops: norms and gates within 1e-5 relative (another summation order, another exp polynomial),
+RoPE within 1e-6, v exactly and k in a float16 cache within one float16 step (a k that differs
+in its last float32 bit may round the other way). All take float32 activations and run on one
+thread below ~32K elements (a decode of a few dozen rows), on both above.
 
 Why: the plain layer runs ~25 PyTorch ops between its four matmuls, each a few microseconds of
 dispatch, allocation and Python for a few hundred floats at batch 1, and at batch 64 its own
@@ -53,7 +59,7 @@ def kernels() -> ModuleType | None:
 
 @dataclass(frozen=True)
 class FusedOps:
-    """The kernel's five calls, plain or each inside a profiler scope (`bench step` sees them
+    """The kernel's calls, plain or each inside a profiler scope (`bench step` sees them
     only that way; choosing once per step keeps the check off every call)."""
 
     rms_norm: Callable[..., torch.Tensor]
@@ -61,6 +67,8 @@ class FusedOps:
     silu_mul: Callable[..., torch.Tensor]
     gelu_tanh_mul: Callable[..., torch.Tensor]
     rope_store: Callable[..., torch.Tensor]
+    gated_rms_norm: Callable[..., torch.Tensor]
+    sigmoid_mul: Callable[..., torch.Tensor]
     is_profiled: bool
 
 
@@ -68,7 +76,8 @@ class FusedOps:
 def fused_ops(profiled: bool = False) -> FusedOps:
     native = kernels()
     assert native is not None, "check kernels() before choosing the fused path"
-    names = ("rms_norm", "add_rms_norm", "silu_mul", "gelu_tanh_mul", "rope_store")
+    names = ("rms_norm", "add_rms_norm", "silu_mul", "gelu_tanh_mul", "rope_store",
+             "gated_rms_norm", "sigmoid_mul")
     calls = {name: getattr(native, name) for name in names}
     if profiled:
         calls = {name: _scoped(f"nanoserve::{name}", call) for name, call in calls.items()}

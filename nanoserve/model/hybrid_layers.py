@@ -18,7 +18,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.model.arch import ArchConfig
@@ -36,7 +35,8 @@ class HybridStates:
     sequences). Sequence n's tokens are rows [query_start[n], query_start[n + 1])."""
 
     conv_states: torch.Tensor  # [slots, linear layers, conv_dim, conv_kernel - 1] float32
-    ssm_states: torch.Tensor  # [slots, linear layers, value heads, key dim, value dim] float32
+    ssm_states: torch.Tensor  # [slots, linear layers, value heads, key dim, value dim] float32,
+    # bfloat16 or float16 (--mamba-ssm-cache-dtype)
     slots: torch.Tensor  # [N] int32: each sequence's live state
     query_start: torch.Tensor  # [N + 1] int32
     snapshots: torch.Tensor  # [T] int32: -1, or the slot the state after token t is copied to
@@ -84,13 +84,15 @@ class BoundDeltaNetLayer:
     """A DeltaNetLayer's weights bound to an op table (see the module)."""
 
     __slots__ = ("act", "add_rms_norm", "all_reduce", "ba_proj", "conv_weight", "down",
-                 "dt_bias", "gate_up", "in_proj", "input_norm", "is_local", "kv_group", "layer",
-                 "moe", "neg_exp_a", "norm", "num_heads", "out_proj", "post_norm", "rms_norm",
-                 "shape", "splits")
+                 "dt_bias", "gate_up", "gated_rms_norm", "in_proj", "input_norm", "is_local",
+                 "kv_group", "layer", "moe", "neg_exp_a", "norm", "num_heads", "out_proj",
+                 "post_norm", "rms_norm", "shape", "splits")
 
     def __init__(self, layer: DeltaNetLayer, table: OpTable, group: TensorParallelGroup
                  ) -> None:
         self.rms_norm, self.add_rms_norm = table.rms_norm, table.add_rms_norm
+        # the fused table's is gated_rows.h's, as the native stack's (hybrid_native.py)
+        self.gated_rms_norm = table.gated_rms_norm
         self.act = (table.gelu_tanh_mul if layer.features.activation == GELU_TANH
                     else table.silu_mul)
         self.input_norm, self.post_norm = layer.input_layernorm, layer.post_attention_layernorm
@@ -125,12 +127,8 @@ class BoundDeltaNetLayer:
                               self.conv_weight, self.neg_exp_a, self.dt_bias,
                               states.conv_states, states.ssm_states, self.layer, states.slots,
                               states.query_start, states.snapshots, self.shape)  # [T, value_dim]
-        shape = self.shape
-        # the gated norm: per value head, RMSNorm with its weight, then * silu(z) (float32)
-        heads = core.view(-1, shape.value_head_dim)
-        gated = F.rms_norm(heads, (shape.value_head_dim,), self.norm, eps) * F.silu(
-            z.reshape(-1, shape.value_head_dim))
-        out = self.out_proj(gated.view(core.shape[0], shape.value_dim))
+        # the gated norm: per value head, RMSNorm with its weight, then * silu(z)
+        out = self.out_proj(self.gated_rms_norm(core, z, self.norm, eps))  # [T, hidden]
         x = self.add_rms_norm(hidden, self.all_reduce(out), self.post_norm, eps)
         if self.moe is not None:
             return self.all_reduce(self.moe(x))

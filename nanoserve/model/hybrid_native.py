@@ -5,9 +5,11 @@ every layer in turn, then the final norm: hybrid_layers.py's `BoundDeltaNetLayer
 the Gated DeltaNet layers (its mixer through the same C++ function the `delta_rule` extension
 runs, `csrc/delta_net.h`) and llama.py's gated attention (`_forward_gated`) for the others.
 The stack makes the Python layers' calls in their order: the fused kernels through the
-dispatcher and, where a Python layer runs PyTorch ops (the gated norm, the attention's output
-gate, the splits' copies), the same ATen ops. So the hidden states, caches and DeltaNet states
-are the Python loop's bit for bit (tests/model/test_hybrid_native.py). The step's
+dispatcher, the two gates (the DeltaNet's gated norm, the attention's sigmoid gate) through
+`csrc/gated_rows.h`, whose functions the fused table's `gated_rms_norm` and `sigmoid_mul` run
+too (a fixed float order of our own: PyTorch's ops pick their vector code by CPU), and where
+the Python layer copies (the splits), the same ATen op. So the hidden states, caches and
+DeltaNet states are the Python loop's bit for bit (tests/model/test_hybrid_native.py). The step's
 `HybridStates` (its live slots, query_start and snapshot slots) go to every DeltaNet layer as
 they go in the Python loop, so a prefix hit, a snapshot or a draft's states are written alike.
 

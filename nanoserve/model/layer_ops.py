@@ -79,6 +79,20 @@ class LayerCalls:
     down: Matmul  # [T, intermediate] -> [T, hidden]
 
 
+def _gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float
+                    ) -> torch.Tensor:
+    """A Gated DeltaNet's output norm: x, z [T, H * D]; each head of D = weight's size
+    RMS-normed with `weight`, then * silu(z) (transformers' Qwen3_5RMSNormGated)."""
+    dim = weight.shape[0]
+    normed = F.rms_norm(x.reshape(-1, dim), (dim,), weight, eps) * F.silu(z.reshape(-1, dim))
+    return normed.view(x.shape)
+
+
+def _sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """Qwen3.5's attention output gate: x * sigmoid(gate), both [T, N]."""
+    return x * torch.sigmoid(gate)
+
+
 @dataclass(frozen=True)
 class OpTable:
     """The calls every layer shares, and how one layer's weights are bound."""
@@ -93,6 +107,10 @@ class OpTable:
     is_fused: bool
     # one matmul weight -> its call, as `bind` makes them (a MoE layer's experts: moe.py)
     bind_matmul: Callable[[Any], Matmul] = bind_matmul
+    # a hybrid's gates (Qwen3.5): (x, z, weight, eps) -> [T, H * D], (x, gate) -> [T, N]
+    gated_rms_norm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float],
+                             torch.Tensor] = _gated_rms_norm
+    sigmoid_mul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = _sigmoid_mul
 
 
 # -- exact: plain PyTorch ---------------------------------------------------------------------
@@ -212,4 +230,5 @@ def fused_table(profiled: bool = False) -> OpTable:
                    silu_mul=kernels.silu_mul, gelu_tanh_mul=kernels.gelu_tanh_mul,
                    rope_tables=_fused_rope_tables,
                    bind=functools.partial(_bind_fused, kernels=kernels), is_fused=True,
-                   bind_matmul=functools.partial(bind_matmul, profiled=profiled))
+                   bind_matmul=functools.partial(bind_matmul, profiled=profiled),
+                   gated_rms_norm=kernels.gated_rms_norm, sigmoid_mul=kernels.sigmoid_mul)

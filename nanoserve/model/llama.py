@@ -100,7 +100,7 @@ class BoundDecoderLayer:
     __slots__ = ("add_rms_norm", "all_reduce", "attn_gate", "attn_output_norm", "down",
                  "forward", "gate_up", "input_norm", "is_local", "kv_group", "mlp_output_norm",
                  "moe", "o", "post_norm", "q_scale", "qkv", "rms_norm", "rope_store",
-                 "silu_mul", "window")
+                 "sigmoid_mul", "silu_mul", "window")
 
     def __init__(self, layer: DecoderLayer, table: OpTable, group: TensorParallelGroup,
                  index: int = 0, kv_group: int = 0) -> None:
@@ -124,6 +124,7 @@ class BoundDecoderLayer:
         self.q_scale = features.q_scale  # (1.0: q is left as it is)
         self.attn_gate = (None if layer.attn_gate_proj is None
                           else table.bind_matmul(layer.attn_gate_proj))
+        self.sigmoid_mul = table.sigmoid_mul  # (_forward_gated's)
         self.forward = (self._forward_sandwich if features.has_sandwich_norms
                         else self._forward if self.attn_gate is None else self._forward_gated)
 
@@ -160,7 +161,8 @@ class BoundDecoderLayer:
         q, k, v = self.rope_store(self.qkv(x), step, k_cache, v_cache)
         attn = step.attend(q, k, v, k_cache, v_cache, step.meta, stored=True,
                            window=self.window)  # [T, H * D]
-        attn = attn * torch.sigmoid(attn_gate(x))
+        # the fused table's gate is gated_rows.h's, as the hybrid stack's (hybrid_native.py)
+        attn = self.sigmoid_mul(attn, attn_gate(x))
         x = self.add_rms_norm(hidden, self.all_reduce(self.o(attn)), self.post_norm, eps)
         if self.moe is not None:
             return self.all_reduce(self.moe(x))

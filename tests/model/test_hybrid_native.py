@@ -109,8 +109,10 @@ def _outputs(path: str, quantization: str, is_native: bool, run: Any, **engine_a
     engine = make_engine(path, quantization=quantization, **engine_args)
     engine.runner.plan.use_native_layers = is_native
     got = run(engine)
-    stack = engine.runner.plan.layer_stack
-    assert (type(stack).__name__ == "HybridStack") if is_native else stack is None
+    # (not `is None` for the Python loop's: a kernel-tuning step check at the engine's start,
+    # from a cached schedule, may have built the stack before the loop was chosen)
+    if is_native:
+        assert type(engine.runner.plan.layer_stack).__name__ == "HybridStack"
     return got, engine
 
 
