@@ -21,6 +21,8 @@ GiB = 1 << 30
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 QUANTIZATION_MODES = ("auto", "gguf", "int8", "fp16", "none")
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "int8")
+# a hybrid model's recurrent DeltaNet state (engine/state_pool.py); vLLM's names, "auto" = float32
+MAMBA_SSM_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULING_POLICIES = ("fcfs", "priority")  # the waiting queue's order (engine/scheduler.py)
 POOLING_METHODS = ("last", "mean")  # how embeddings pool hidden states (engine/pooler.py)
 KERNEL_TUNING_MODES = ("cached", "force", "off")  # the CPU kernels' schedule (kernel_tuning/)
@@ -134,6 +136,10 @@ class CacheConfig:
     # a hybrid model's DeltaNet states are snapshotted for the prefix cache every this many
     # tokens (vLLM's name; engine/state_cache.py), and at each prompt's last full block
     mamba_block_size: int = 256
+    # the element type of a hybrid model's recurrent DeltaNet states (vLLM's name; the conv
+    # states stay float32): "auto" = "float32", or "bfloat16" / "float16", half the bytes,
+    # rounded after every token (model/delta_net_ops.py)
+    mamba_ssm_cache_dtype: str = "auto"
     # the prefix cache's disk tier (engine/kv_disk.py): its folder (None: off) and its size
     kv_cache_disk: str | None = None
     kv_cache_disk_bytes: int = 16 * GiB
@@ -144,6 +150,10 @@ class CacheConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not one of "
                              f"{list(KV_CACHE_DTYPES)}")
+        if self.mamba_ssm_cache_dtype not in MAMBA_SSM_CACHE_DTYPES:
+            raise ValueError(f"mamba_ssm_cache_dtype (--mamba-ssm-cache-dtype) "
+                             f"{self.mamba_ssm_cache_dtype!r} is not one of "
+                             f"{list(MAMBA_SSM_CACHE_DTYPES)}")
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from nanoserve.config import (
     KERNEL_TUNING_MODES,
     KV_CACHE_DTYPES,
     LOAD_BALANCE_METHODS,
+    MAMBA_SSM_CACHE_DTYPES,
     POOLING_METHODS,
     QUANTIZATION_MODES,
     SCHEDULING_POLICIES,
@@ -117,6 +118,12 @@ class EngineArgs:
         CacheConfig.mamba_block_size, "hybrid models (Qwen3.5): the tokens between two "
         "snapshots of a sequence's Gated DeltaNet states, where a cached prefix can end (a "
         "prompt's last two full blocks are kept too) (default: %(default)s)", type=int)
+    mamba_ssm_cache_dtype: str = _arg(
+        CacheConfig.mamba_ssm_cache_dtype, "hybrid models (Qwen3.5): the element type of the "
+        "Gated DeltaNet recurrent states: auto (float32) | float32 | bfloat16 | float16 (half "
+        "the state memory, so twice the prefix-cache snapshots; the state rounded after every "
+        "token, which moves logprobs slightly; the conv states stay float32) "
+        "(default: %(default)s)", choices=MAMBA_SSM_CACHE_DTYPES)
     kv_cache_disk: str | None = _arg(
         CacheConfig.kv_cache_disk, "a folder for the prefix cache's disk tier: blocks evicted "
         "from RAM (and every cached block at shutdown) are kept there, by their prefix's hash "
@@ -236,6 +243,7 @@ class EngineArgs:
                 else int(self.kv_cache_memory_gb * GiB),
                 enable_prefix_caching=self.enable_prefix_caching,
                 kv_cache_dtype=self.kv_cache_dtype, mamba_block_size=self.mamba_block_size,
+                mamba_ssm_cache_dtype=self.mamba_ssm_cache_dtype,
                 kv_cache_disk=self.kv_cache_disk,
                 kv_cache_disk_bytes=int(self.kv_cache_disk_gb * GiB)),
             scheduler=self._scheduler_config(),

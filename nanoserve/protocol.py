@@ -304,6 +304,9 @@ class StepOutput(msgspec.Struct, array_like=True):
     pooled: list[np.ndarray] = []
     # the slots added this step whose sequence a custom logits processor keeps from drafts
     draft_refusing_slots: list[int] = []
+    # per sampling request (num_sample_rows order), the next drafts of a drafter that runs in
+    # the worker (the model's MTP head: engine/mtp_drafter.py); [] without one
+    draft_token_ids: list[list[int]] = []
 
 
 _ARRAY_EXT = 1  # msgpack extension code of a numpy array

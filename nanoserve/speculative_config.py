@@ -1,6 +1,10 @@
 """`--speculative-config` / `LLM(speculative_config=...)`, as vLLM spells it: a JSON object with
 a `method` and that method's fields; absent means no speculation. Bad values fail at start-up
-with a message naming the field, the value and what is allowed."""
+with a message naming the field, the value and what is allowed.
+
+The methods: `ngram` and `suffix` draft without a model (nanoserve/spec/); `mtp` runs the
+checkpoint's own multi-token-prediction head (Qwen3.5's `mtp.*`: engine/mtp_drafter.py). vLLM's
+older per-model names for it (`qwen3_next_mtp`, ...) are read as `mtp`, as vLLM reads them."""
 
 from __future__ import annotations
 
@@ -13,13 +17,17 @@ METHOD_FIELDS = {  # the fields each method reads (vLLM's names)
     "ngram": (*_COMMON, "prompt_lookup_min", "prompt_lookup_max"),
     "suffix": (*_COMMON, "suffix_decoding_max_tree_depth", "suffix_decoding_max_spec_factor",
                "suffix_decoding_min_token_prob", "suffix_decoding_max_cached_requests"),
+    "mtp": _COMMON,
 }
+# vLLM's per-model names of its MTP method, which it maps to "mtp"
+MTP_ALIASES = ("qwen3_next_mtp", "qwen3_5_mtp", "qwen3_5_moe_mtp")
 MAX_SPECULATIVE_TOKENS = 16
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """A model-free proposer and its settings (nanoserve/spec/)."""
+    """A proposer and its settings: a model-free one (nanoserve/spec/) or the model's own MTP
+    head (`mtp`)."""
 
     method: str
     num_speculative_tokens: int = 4
@@ -63,6 +71,8 @@ class SpeculativeConfig:
                 raise ValueError(f"--speculative-config must be a JSON object: {e}") from None
         if not isinstance(value, dict):
             raise ValueError(f"speculative_config must be an object, got {value!r}")
+        if value.get("method") in MTP_ALIASES:
+            value = {**value, "method": "mtp"}
         method = value.get("method")
         if method not in METHOD_FIELDS:
             raise ValueError(f"speculative_config.method must be one of "
@@ -80,6 +90,14 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config.{key} must be {wanted.__name__}, "
                                  f"got {given!r}")
         return cls(**value)
+
+
+def uses_mtp(spec: Any) -> bool:
+    """Whether a scheduler's `draft_proposer` (a config, or its dict as msgpack brings it to
+    an engine process) asks for the model's MTP head."""
+    if isinstance(spec, SpeculativeConfig):
+        return spec.method == "mtp"
+    return isinstance(spec, dict) and spec.get("method") == "mtp"
 
 
 def _check_range(name: str, value: int, low: int, high: int) -> None:

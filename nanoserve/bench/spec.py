@@ -320,7 +320,9 @@ def _levels(text: str) -> list[int]:
 def add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="the model to serve (default: the default)")
     p.add_argument("--methods", default="off,ngram,suffix",
-                   help="speculative methods to compare against off (default: %(default)s)")
+                   help="speculative methods to compare against off (default: %(default)s); "
+                   "mtp runs the model's own MTP head (a checkpoint with mtp.* weights: on "
+                   "random weights it drafts noise, its acceptance ~0)")
     p.add_argument("--num-speculative-tokens", type=int, default=4,
                    help="draft tokens per step, nanoserve's and llama-server's")
     p.add_argument("--copy-concurrency", default="1",

@@ -1,8 +1,9 @@
 // Gated DeltaNet's mixer (Qwen3.5's linear attention) for a flat batch of sequences: the causal
 // depthwise conv with SiLU, then the gated delta rule token by token over each sequence's
 // state in the pools, with snapshots of the state copied out where asked. What it computes,
-// the contract and the measured figures: nanoserve/model/delta_net_ops.py. float32; AVX2 + FMA,
-// built only for the avx2 tier (one binary, so one set of bits, on every CPU).
+// the contract and the measured figures: nanoserve/model/delta_net_ops.py. float32 arithmetic
+// (the recurrent state stored float32, bfloat16 or float16: --mamba-ssm-cache-dtype); AVX2 + FMA
+// + F16C, built only for the avx2 tier (one binary, so one set of bits, on every CPU).
 //
 // Bits. A token's output and the states after it depend only on its sequence's earlier tokens:
 // each token is one step of the recurrence (no chunked form), every sum runs in one fixed
@@ -22,7 +23,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
+#include <type_traits>
 
 #include "simd_exp.h"
 #include "simd_reduce.h"
@@ -35,7 +36,8 @@ constexpr int64_t kMaxHeadDim = kConvChannels;
 
 struct Problem {
   const float *qkv, *a, *b, *conv_weight, *neg_exp_a, *dt_bias;
-  float *conv_states, *ssm_states;
+  float* conv_states;
+  void* ssm_states;  // float, or a 16-bit State's storage (below)
   const int32_t *slots, *query_start, *snapshots;
   float *conv_out, *gates, *core;  // [T, conv_dim], [T, value_heads, 2], [T, value_dim]
   int64_t num_seqs, conv_dim, kernel, key_heads, value_heads, dk, dv;
@@ -47,8 +49,10 @@ struct Problem {
   float* conv_of(int64_t slot) const {  // [conv_dim, kernel - 1]
     return conv_states + slot * conv_slot_stride + conv_layer_offset;
   }
-  float* ssm_of(int64_t slot, int64_t head) const {  // [dk, dv]
-    return ssm_states + slot * ssm_slot_stride + ssm_layer_offset + head * dk * dv;
+  template <typename T>
+  T* ssm_of(int64_t slot, int64_t head) const {  // [dk, dv]
+    return static_cast<T*>(ssm_states) + slot * ssm_slot_stride + ssm_layer_offset +
+           head * dk * dv;
   }
   int64_t key_head_of(int64_t head) const {
     return tiled ? head % key_heads : head / (value_heads / key_heads);
@@ -143,6 +147,56 @@ inline void conv_block(const Problem& p, int64_t n, int64_t c0, int64_t width) {
   if (len > 0) save_state(live, len - 1);
 }
 
+// ---- the recurrent state's storage (--mamba-ssm-cache-dtype) ------------------------------
+
+// A 16-bit state is widened to float32 as a call reads it, and rounded to the nearest value
+// of its type (ties to even, as torch's conversions round) after every token, so a token's bits
+// still do not depend on how its sequence was cut into calls: a snapshot holds exactly the state
+// the next token reads. Between, the arithmetic is the float32 state's. Each type: load 8
+// values as float32, round 8 float32s to the nearest value of the type (still float32), store 8
+// float32s the type holds exactly.
+struct FloatState {
+  using Storage = float;
+  static __m256 load(const float* x) { return _mm256_loadu_ps(x); }
+  static __m256 round(__m256 x) { return x; }
+  static void store(float* x, __m256 v) { _mm256_storeu_ps(x, v); }
+};
+
+struct BFloat16State {  // the upper 16 bits of a float32
+  using Storage = uint16_t;
+  static __m256 load(const uint16_t* x) {
+    const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
+  }
+  static __m256 round(__m256 x) {  // torch's round_to_nearest_even; NaN stays a NaN
+    const __m256i bits = _mm256_castps_si256(x);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    const __m256i up = _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff)));
+    const __m256 rounded =
+        _mm256_castsi256_ps(_mm256_and_si256(up, _mm256_set1_epi32(int32_t(0xffff0000u))));
+    return _mm256_blendv_ps(rounded, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000)),
+                            _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+  }
+  static void store(uint16_t* x, __m256 v) {
+    const __m256i h = _mm256_srli_epi32(_mm256_castps_si256(v), 16);
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(h, h), 0x08);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(x), _mm256_castsi256_si128(packed));
+  }
+};
+
+struct Float16State {  // F16C's conversions, rounding to nearest even
+  using Storage = uint16_t;
+  static __m256 load(const uint16_t* x) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
+  }
+  static __m256 round(__m256 x) {
+    return _mm256_cvtph_ps(_mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
+  }
+  static void store(uint16_t* x, __m256 v) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(x), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+  }
+};
+
 // ---- phase 2: the recurrence, per (sequence, value head) ----------------------------------
 
 // Columns are independent through the whole recurrence (column j of S needs only v[j] and the
@@ -154,14 +208,15 @@ inline void conv_block(const Problem& p, int64_t n, int64_t c0, int64_t width) {
 // thread measures (12.6 ms, whether strips or tokens are the outer loop). On two threads the
 // strip-outer loop takes 8.1-9.2 ms, the token-outer one (all of S per token) 13.0 ms.
 
-// Pass 1 over a strip (S at its first column): S *= decay, kv_mem = sum_i S[i] k[i].
+// Pass 1 over a strip (S at its first column, rows `stride` floats apart): S *= decay,
+// kv_mem = sum_i S[i] k[i].
 template <int W>
-inline void decay_and_read(float* S, int64_t dk, int64_t dv, __m256 decay, const float* k,
+inline void decay_and_read(float* S, int64_t dk, int64_t stride, __m256 decay, const float* k,
                            float* kv_mem) {
   __m256 acc[W];
   for (int w = 0; w < W; ++w) acc[w] = _mm256_setzero_ps();
   for (int64_t i = 0; i < dk; ++i) {
-    float* row = S + i * dv;
+    float* row = S + i * stride;
     const __m256 ki = _mm256_set1_ps(k[i]);
     for (int w = 0; w < W; ++w) {
       const __m256 s = _mm256_mul_ps(_mm256_loadu_ps(row + 8 * w), decay);
@@ -172,51 +227,74 @@ inline void decay_and_read(float* S, int64_t dk, int64_t dv, __m256 decay, const
   for (int w = 0; w < W; ++w) _mm256_storeu_ps(kv_mem + 8 * w, acc[w]);
 }
 
-// Pass 2 over the same strip: S[i] += k[i] delta, o = sum_i S[i] q[i].
-template <int W>
-inline void update_and_read(float* S, int64_t dk, int64_t dv, const float* k, const float* q,
-                            const float* delta, float* o) {
+// Pass 2 over the same strip: S[i] += k[i] delta, o = sum_i S[i] q[i]; S is kept as State
+// rounds it (o reads it before).
+template <typename State, int W>
+inline void update_and_read(float* S, int64_t dk, int64_t stride, const float* k,
+                            const float* q, const float* delta, float* o) {
   __m256 d[W], acc[W];
   for (int w = 0; w < W; ++w) {
     d[w] = _mm256_loadu_ps(delta + 8 * w);
     acc[w] = _mm256_setzero_ps();
   }
   for (int64_t i = 0; i < dk; ++i) {
-    float* row = S + i * dv;
+    float* row = S + i * stride;
     const __m256 ki = _mm256_set1_ps(k[i]), qi = _mm256_set1_ps(q[i]);
     for (int w = 0; w < W; ++w) {
       const __m256 s = _mm256_fmadd_ps(ki, d[w], _mm256_loadu_ps(row + 8 * w));
-      _mm256_storeu_ps(row + 8 * w, s);
+      _mm256_storeu_ps(row + 8 * w, State::round(s));
       acc[w] = _mm256_fmadd_ps(s, qi, acc[w]);
     }
   }
   for (int w = 0; w < W; ++w) _mm256_storeu_ps(o + 8 * w, acc[w]);
 }
 
+// Rows [0, dk) of a strip of 8W columns, `from` to `to` (row strides in elements).
+template <int W, typename From, typename To>
+inline void copy_strip(const typename From::Storage* from, int64_t from_stride,
+                       typename To::Storage* to, int64_t to_stride, int64_t dk) {
+  for (int64_t i = 0; i < dk; ++i)
+    for (int w = 0; w < W; ++w)
+      To::store(to + i * to_stride + 8 * w, From::load(from + i * from_stride + 8 * w));
+}
+
 // Sequence n, value head h, columns [j0, j0 + 8W): every token of the sequence, in order, on
-// the live state.
-template <int W>
+// the live state: in place if it is float32, else on a float32 copy of the strip that is
+// written back once the tokens are done (rounded already, so exactly).
+template <typename State, int W>
 inline void recur_strip(const Problem& p, int64_t n, int64_t h, int64_t j0) {
+  using T = typename State::Storage;
+  constexpr bool kInPlace = std::is_same_v<State, FloatState>;
   const int64_t dk = p.dk, dv = p.dv, C = p.conv_dim, key_dim = p.key_dim();
   const int64_t kh = p.key_head_of(h);
   float delta[8 * W];  // kv_mem first
-  float* S = p.ssm_of(p.slots[n], h) + j0;
+  T* live = p.ssm_of<T>(p.slots[n], h) + j0;
+  float copy[kInPlace ? 1 : kMaxHeadDim * 8 * W];  // [dk, 8W]
+  float* S;
+  int64_t stride;
+  if constexpr (kInPlace) {
+    S = live, stride = dv;
+  } else {
+    S = copy, stride = 8 * W;
+    copy_strip<W, State, FloatState>(live, dv, S, stride, dk);
+  }
   for (int64_t t = p.query_start[n]; t < p.query_start[n + 1]; ++t) {
     const float* row = p.conv_out + t * C;  // q and k normalised by phase 1
     const float *q = row + kh * dk, *k = row + key_dim + kh * dk;
     const float* gate = p.gates + (t * p.value_heads + h) * 2;  // decay, beta
-    decay_and_read<W>(S, dk, dv, _mm256_set1_ps(gate[0]), k, delta);
+    decay_and_read<W>(S, dk, stride, _mm256_set1_ps(gate[0]), k, delta);
     const float* v = row + 2 * key_dim + h * dv + j0;
     const __m256 beta = _mm256_set1_ps(gate[1]);
     for (int w = 0; w < W; ++w)  // delta = (v - kv_mem) * beta
       _mm256_storeu_ps(delta + 8 * w, _mm256_mul_ps(
           _mm256_sub_ps(_mm256_loadu_ps(v + 8 * w), _mm256_loadu_ps(delta + 8 * w)), beta));
-    update_and_read<W>(S, dk, dv, k, q, delta, p.core + t * p.value_heads * dv + h * dv + j0);
+    update_and_read<State, W>(S, dk, stride, k, q, delta,
+                              p.core + t * p.value_heads * dv + h * dv + j0);
     const int32_t snapshot = p.snapshots[t];
-    if (snapshot < 0) continue;
-    float* copy = p.ssm_of(snapshot, h) + j0;
-    for (int64_t i = 0; i < dk; ++i) std::memcpy(copy + i * dv, S + i * dv, 8 * W * sizeof(float));
+    if (snapshot >= 0)
+      copy_strip<W, FloatState, State>(S, stride, p.ssm_of<T>(snapshot, h) + j0, dv, dk);
   }
+  if constexpr (!kInPlace) copy_strip<W, FloatState, State>(S, stride, live, dv, dk);
 }
 
 inline void check_float(const torch::Tensor& x, std::initializer_list<int64_t> sizes,
@@ -225,6 +303,16 @@ inline void check_float(const torch::Tensor& x, std::initializer_list<int64_t> s
                   x.sizes() == torch::IntArrayRef(sizes),
               name, " must be a contiguous float32 CPU tensor of shape ",
               torch::IntArrayRef(sizes), ", not ", x.sizes());
+}
+
+// The recurrent state: contiguous, on the CPU, float32, bfloat16 or float16.
+inline void check_state(const torch::Tensor& x, std::initializer_list<int64_t> sizes) {
+  const auto type = x.scalar_type();
+  TORCH_CHECK(x.device().is_cpu() && x.is_contiguous() &&
+                  x.sizes() == torch::IntArrayRef(sizes) &&
+                  (type == torch::kFloat32 || type == torch::kBFloat16 || type == torch::kHalf),
+              "ssm_states must be a contiguous float32, bfloat16 or float16 CPU tensor of shape ",
+              torch::IntArrayRef(sizes), ", not ", x.scalar_type(), " ", x.sizes());
 }
 
 inline const int32_t* check_index(const torch::Tensor& x, int64_t numel, int64_t lowest,
@@ -242,7 +330,8 @@ inline const int32_t* check_index(const torch::Tensor& x, int64_t numel, int64_t
 
 // core [T, value_heads * dv]: the gated delta rule's output of every token (before the gated
 // norm); conv_states [slots, layers, conv_dim, K - 1] and ssm_states [slots, layers,
-// value_heads, dk, dv] updated in place at `layer`, and copied at snapshots (delta_net_ops.py).
+// value_heads, dk, dv] (float32, bfloat16 or float16) updated in place at `layer`, and copied
+// at snapshots (delta_net_ops.py).
 inline torch::Tensor delta_rule(torch::Tensor qkv, torch::Tensor a, torch::Tensor b,
                          torch::Tensor conv_weight, torch::Tensor neg_exp_a,
                          torch::Tensor dt_bias, torch::Tensor conv_states,
@@ -270,7 +359,7 @@ inline torch::Tensor delta_rule(torch::Tensor qkv, torch::Tensor a, torch::Tenso
   check_float(neg_exp_a, {H}, "neg_exp_a");
   check_float(dt_bias, {H}, "dt_bias");
   check_float(conv_states, {num_slots, layers, C, K - 1}, "conv_states");
-  check_float(ssm_states, {num_slots, layers, H, dk, dv}, "ssm_states");
+  check_state(ssm_states, {num_slots, layers, H, dk, dv});
   const int64_t N = slots.numel();
   const int32_t* starts = check_index(query_start, N + 1, 0, T + 1, "query_start");
   TORCH_CHECK(starts[0] == 0 && starts[N] == T, "query_start must run from 0 to ", T);
@@ -282,7 +371,7 @@ inline torch::Tensor delta_rule(torch::Tensor qkv, torch::Tensor a, torch::Tenso
   const Problem p{qkv.data_ptr<float>(), a.data_ptr<float>(), b.data_ptr<float>(),
                   conv_weight.data_ptr<float>(), neg_exp_a.data_ptr<float>(),
                   dt_bias.data_ptr<float>(), conv_states.data_ptr<float>(),
-                  ssm_states.data_ptr<float>(),
+                  ssm_states.data_ptr(),
                   check_index(slots, N, 0, num_slots, "slots"), starts,
                   check_index(snapshots, T, -1, num_slots, "snapshots"),
                   conv_out.data_ptr<float>(), gates.data_ptr<float>(), core.data_ptr<float>(),
@@ -302,12 +391,21 @@ inline torch::Tensor delta_rule(torch::Tensor qkv, torch::Tensor a, torch::Tenso
   // of their own: the same at a prefill, slower at a decode on two Zen 5 threads, 2.5 against
   // 1.8 ms for 32 sequences, 72 against 54 us for one.)
   const int64_t wide = dv / 32, strips = wide + dv % 32 / 8;
-  for_each_item(N * H, [&](int64_t item) {
-    const int64_t n = item / H, h = item % H;
-    for (int64_t strip = 0; strip < wide; ++strip) recur_strip<4>(p, n, h, 32 * strip);
-    for (int64_t strip = wide; strip < strips; ++strip)
-      recur_strip<1>(p, n, h, 32 * wide + 8 * (strip - wide));
-  });
+  auto recur = [&](auto state) {
+    using State = decltype(state);
+    for_each_item(N * H, [&](int64_t item) {
+      const int64_t n = item / H, h = item % H;
+      for (int64_t strip = 0; strip < wide; ++strip) recur_strip<State, 4>(p, n, h, 32 * strip);
+      for (int64_t strip = wide; strip < strips; ++strip)
+        recur_strip<State, 1>(p, n, h, 32 * wide + 8 * (strip - wide));
+    });
+  };
+  if (ssm_states.scalar_type() == torch::kBFloat16)
+    recur(BFloat16State{});
+  else if (ssm_states.scalar_type() == torch::kHalf)
+    recur(Float16State{});
+  else
+    recur(FloatState{});
   return core;
 }
 

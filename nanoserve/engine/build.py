@@ -50,7 +50,8 @@ def build_engine_core(config: EngineConfig, *, engine_tokenizer: bool = False) -
                           config.model.torch_device, loaded.eos_token_ids,
                           ReasoningTokens.of(loaded.tokenizer),
                           load_processor_classes(config.sampler.logits_processors))
-        worker = Worker(runner, sampler)
+        worker = Worker(runner, sampler,
+                        None if config.model.zero_cost_runner else rank0.drafter)
         executor: Executor = (InProcessExecutor(worker) if ranks is None
                               else TPExecutor(worker, ranks))
         core = EngineCore(config, executor, loaded.info(), rank0.num_blocks)

@@ -30,6 +30,7 @@ from nanoserve.config import (
 from nanoserve.engine.block_table import BlockTable
 from nanoserve.engine.drafts import (
     hand_over_finished,
+    hand_over_step_drafts,
     load_draft_proposer,
     propose_drafts,
     record_drafts,
@@ -284,6 +285,8 @@ class EngineCore:
                       [len(s.draft_token_ids) for s in sampling], out.num_accepted)
         if self.proposer is not None:
             hand_over_finished(self.proposer, [s.request for s in sampling])
+            hand_over_step_drafts(self.proposer, [s.request for s in sampling],
+                                  out.draft_token_ids)
         self._update_stats(sched.num_tokens)
         outputs = failed
         for s, tokens, row in zip(sampling, committed, first_rows.tolist(), strict=True):

@@ -4,9 +4,11 @@ tokens of each running request that can take them (speculative decoding).
 A proposer gets data, never engine objects: the sequence's `SequenceData` (params, prompt and
 output token ids, seed) and how many drafts it may propose. Whatever it proposes, the output is
 the same: a draft is kept only where it equals the token the target model draws there
-(sample/verify.py), so a bad proposer costs time, never tokens. The model-free ones are named
-by `--speculative-config` (`ngram`, `suffix`: nanoserve/spec/); any other loads by
-'module:Class' (`--draft-proposer`, `LLM(draft_proposer=...)`), as logits processors do.
+(sample/verify.py), so a bad proposer costs time, never tokens. `--speculative-config` names
+the model-free ones (`ngram`, `suffix`: nanoserve/spec/) and the model's MTP head (`mtp`,
+whose drafts the worker computes and the step's output brings: `hand_over_step_drafts`); any
+other loads by 'module:Class' (`--draft-proposer`, `LLM(draft_proposer=...)`), as logits
+processors do.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from nanoserve.engine.request import Request, RequestStatus
 from nanoserve.plugins import import_named
 from nanoserve.protocol import SchedulerStats
 from nanoserve.sample.sequence import SequenceData
+from nanoserve.spec.mtp import MtpProposer
 from nanoserve.spec.ngram import NgramProposer
 from nanoserve.spec.suffix import SuffixProposer
 from nanoserve.speculative_config import SpeculativeConfig
@@ -89,6 +92,16 @@ def hand_over_finished(proposer: DraftProposer, requests: Sequence[Request]) -> 
             finished(sequence_of(request))
 
 
+def hand_over_step_drafts(proposer: DraftProposer, requests: Sequence[Request],
+                          drafts: Sequence[list[int]]) -> None:
+    """The drafts the worker computed after a step (`StepOutput.draft_token_ids`, one list
+    per sampling request in `requests`' order), to a proposer that takes them
+    (`take_step_drafts`: the MTP head's)."""
+    take = getattr(proposer, "take_step_drafts", None)
+    if take is not None:
+        take([r.slot for r in requests], drafts)
+
+
 class DraftProposer(Protocol):
     """Proposes up to `num_tokens` tokens to follow a sequence's output so far. A proposer
     that learns across requests may also have `request_finished(seq)`, called with each
@@ -118,7 +131,10 @@ def load_draft_proposer(spec: Any) -> DraftProposer | None:
 
 
 def model_free_proposer(config: SpeculativeConfig) -> DraftProposer:
-    """The proposer `--speculative-config` names (nanoserve/spec/)."""
+    """The proposer `--speculative-config` names (nanoserve/spec/); for `mtp`, the core's
+    side of the worker's MTP head."""
+    if config.method == "mtp":
+        return MtpProposer()
     if config.method == "ngram":
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
     return SuffixProposer(config.suffix_decoding_max_tree_depth,

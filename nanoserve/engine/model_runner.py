@@ -71,11 +71,12 @@ GPU_MEMORY_FRACTION = 0.9
 
 def kv_cache_num_blocks(budget: int | None, arch: ArchConfig, block_size: int,
                         dtype: torch.dtype, device: torch.device, *, max_num_seqs: int,
-                        context_len: int) -> int:
+                        context_len: int, num_draft_layers: int = 0) -> int:
     """The blocks a cache of `dtype` gets from `budget` bytes (None: on the CPU 1 GiB, or the
     blocks `max_num_seqs` sequences of `context_len` tokens fill if fewer; on a GPU 90 % of
-    its free memory). A block holds one KV layer group's layers (model/kv_groups.py)."""
-    block_bytes = kv_bytes_per_block(arch, block_size, dtype)
+    its free memory). A block holds one KV layer group's layers (model/kv_groups.py), and
+    `num_draft_layers` more (an MTP head's: engine/mtp_drafter.py)."""
+    block_bytes = kv_bytes_per_block(arch, block_size, dtype, num_draft_layers)
     if budget is None:
         if device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
@@ -87,13 +88,15 @@ def kv_cache_num_blocks(budget: int | None, arch: ArchConfig, block_size: int,
     return max(1, budget // block_bytes)
 
 
-def kv_bytes_per_block(arch: ArchConfig, block_size: int, dtype: torch.dtype) -> int:
+def kv_bytes_per_block(arch: ArchConfig, block_size: int, dtype: torch.dtype,
+                       num_draft_layers: int = 0) -> int:
     """Bytes of one block's keys and values over a KV layer group's layers (every layer,
     for a model of one group), in a cache of `dtype`; where groups' rows differ in shape
-    (Gemma 4) a block holds rows of each shape (model/kv_groups.py), and costs them all."""
+    (Gemma 4) a block holds rows of each shape (model/kv_groups.py), and costs them all.
+    `num_draft_layers`: an MTP head's layers, whose rows every block holds too."""
     element_size = torch.empty((), dtype=dtype).element_size()
     groups = kv_layer_groups(arch)
-    return sum(2 * groups.group_size * block_size * num_kv_heads
+    return sum(2 * (groups.group_size + num_draft_layers) * block_size * num_kv_heads
                * cache_row_elements(head_dim, dtype) * element_size
                for num_kv_heads, head_dim in groups.distinct_shapes(
                    (arch.num_kv_heads, arch.head_dim)))
@@ -104,10 +107,12 @@ class ModelRunner:
 
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int,
                  device: torch.device, dtype: torch.dtype, *,
-                 use_native_layers: bool = True, num_state_slots: int = 0) -> None:
+                 use_native_layers: bool = True, num_state_slots: int = 0,
+                 ssm_dtype: torch.dtype = torch.float32) -> None:
         """`use_native_layers`: let the attention backend's native layer stack run the
         layers where it can (False: `--enforce-eager`, the Python layer loop);
-        `num_state_slots`: a hybrid model's DeltaNet state slots (engine/state_pool.py)."""
+        `num_state_slots`: a hybrid model's DeltaNet state slots and `ssm_dtype` their
+        recurrent states' element type (engine/state_pool.py)."""
         arch = model.arch
         self.model = model
         # how the layers run: the op table and the native stack (model/forward_plan.py)
@@ -137,8 +142,8 @@ class ModelRunner:
         self.attention = select_attention_backend(device, dtype, block_size=block_size,
                                                   num_kv_heads=arch.num_kv_heads,
                                                   num_blocks=num_blocks)
-        self.state_pool = (StatePool(arch, num_state_slots, device) if model.is_hybrid
-                           else None)
+        self.state_pool = (StatePool(arch, num_state_slots, device, ssm_dtype)
+                           if model.is_hybrid else None)
         # a vision model's tower, run once per distinct image (engine/image_encoder.py)
         self.image_encoder = (None if model.vision is None else ImageEncoder(
             model.vision, model.normalize_image, device, dtype_of(model)))

@@ -20,7 +20,7 @@ def state_snapshots_for(config: EngineConfig, arch: ArchConfig,
                         num_blocks: int) -> StateSnapshots | None:
     """A hybrid model's snapshot bookkeeping, over the pool's slots after the live ones; None
     where there are none (no DeltaNet layers, or no prefix cache)."""
-    count = num_snapshot_slots(arch, num_blocks, config.cache.enable_prefix_caching)
+    count = num_snapshot_slots(arch, num_blocks, config.cache)
     if not count:
         return None
     return StateSnapshots(config.scheduler.max_num_seqs, count, config.cache.block_size,
@@ -35,9 +35,7 @@ def draft_states_for(config: EngineConfig, arch: ArchConfig,
     if arch.linear is None or not num_drafts:
         return None
     live = config.scheduler.max_num_seqs
-    return DraftStates(live + num_snapshot_slots(arch, num_blocks,
-                                                 config.cache.enable_prefix_caching),
-                       num_drafts)
+    return DraftStates(live + num_snapshot_slots(arch, num_blocks, config.cache), num_drafts)
 
 
 def plan_states(sched: SchedulerOutput, step: StepInput, states: StateSnapshots | None,

@@ -17,6 +17,7 @@ import time
 import torch
 
 from nanoserve.engine.model_runner import ModelRunner
+from nanoserve.engine.mtp_drafter import MtpDrafter
 from nanoserve.engine.pooler import Pooler
 from nanoserve.engine.zero_cost_runner import ZeroCostRunner
 from nanoserve.profiling import scope
@@ -31,9 +32,13 @@ class Worker:
     """A model runner (model + KV cache) and, on rank 0, a sampler, driven one `StepInput` at
     a time."""
 
-    def __init__(self, runner: ModelRunner | ZeroCostRunner, sampler: Sampler | None) -> None:
+    def __init__(self, runner: ModelRunner | ZeroCostRunner, sampler: Sampler | None,
+                 drafter: MtpDrafter | None = None) -> None:
+        """`drafter`: the model's MTP head, run after each draw (`--speculative-config
+        '{"method": "mtp"}'`), its drafts sent back with the step's output."""
         self.runner = runner
         self.sampler = sampler
+        self.drafter = drafter
         self.output_token_ids: dict[int, list[int]] = {}  # by slot, the worker's own copy
         self.pooler = Pooler()  # prefill-only requests' vectors (and means' running sums)
 
@@ -50,7 +55,8 @@ class Worker:
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:
-        """Rank 0's step: the forward, pooling, the grammar mask and the draw."""
+        """Rank 0's step: the forward, pooling, the grammar mask, the draw and (with a
+        drafter) the next drafts."""
         sampler = self.sampler
         assert sampler is not None, "a rank without a sampler follows the steps (follow)"
         # 1) slots: the released ones are cleared before the new ones are written
@@ -85,8 +91,15 @@ class Worker:
                                             step.draft_token_ids, step.num_sample_rows)
             sampled = sampler.sample(logits, batch)
         self._append_committed(step, sampled.token_ids, sampled.num_accepted)
+        sample_seconds = time.perf_counter() - start
+        # 4) the next drafts, from the model's MTP head (it reads this step's states and draws)
+        drafts: list[list[int]] = []
+        if self.drafter is not None:
+            with scope("nanoserve.mtp"):
+                drafts = self.drafter.propose(step, hidden, sampled.token_ids,
+                                              sampled.num_accepted)
         return StepOutput(sampled.token_ids, sampled.num_accepted, sampled.logprobs, prompts,
-                          time.perf_counter() - start, pooled, refusing)
+                          sample_seconds, pooled, refusing, drafts)
 
     def _append_committed(self, step: StepInput, token_ids: list[int],
                           num_accepted: list[int]) -> None:

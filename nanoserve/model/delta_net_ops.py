@@ -16,6 +16,14 @@ S *= exp(g), delta = (v - S^T k) * beta, S += k delta^T, o = S^T q. Value head j
 both states are left past the sequence's tokens, and where snapshots[t] >= 0 both states as they
 stand after token t are copied to that slot (no live slot of the call: threads write both).
 
+State types (--mamba-ssm-cache-dtype, engine/state_pool.py). The conv state is float32; S is
+float32, bfloat16 or float16. A 16-bit S is read as float32, every op runs in float32 as for a
+float32 S, and after each token S is rounded to its type (nearest, ties to even, as torch's
+`.to` rounds): o of a token reads S before that rounding, the next token after it. Rounding
+every token, not once a call (vLLM's GPU kernels keep S in float32 through a call), keeps a
+token's bits independent of chunks and of a resume from a snapshot. With a float32 S nothing is
+rounded: the bits are those of a float32 pool.
+
 Why a hand kernel: a token's bits must not depend on how its sequence was cut into calls or what
 shares the call (the prefix cache resumes from snapshots, and a resumed prompt must continue bit
 for bit). So tokens go one at a time through the recurrent form, never the chunked form (whose
@@ -63,8 +71,8 @@ def delta_rule(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_weight:
                query_start: torch.Tensor, snapshots: torch.Tensor,
                shape: LinearAttentionConfig) -> torch.Tensor:
     """core [T, value_dim] (see the module); the C++ kernel for CPU tensors where it loads,
-    else `delta_rule_reference`. Tensors contiguous float32; slots, query_start and snapshots
-    int32 CPU tensors."""
+    else `delta_rule_reference`. Tensors contiguous float32 (ssm_states float32, bfloat16 or
+    float16); slots, query_start and snapshots int32 CPU tensors."""
     if qkv.device.type == "cpu" and fits_kernel(shape):
         native = kernels()
         if native is not None:
@@ -141,12 +149,14 @@ def _recur(conv: torch.Tensor, gates: _Gates, key_heads: torch.Tensor,
            layer: int, snapshot_slots: list[int], out: torch.Tensor) -> None:
     """The gated delta rule over one sequence's L tokens (conv [L, conv_dim] before SiLU), token
     by token, as transformers' torch_recurrent_gated_delta_rule; `state` [value_heads, dk, dv]
-    updated in place. Every op, the transcendental ones included, runs on one token's tensors:
+    updated in place, in float32 and rounded to a 16-bit state's type after each token (see
+    the module). Every op, the transcendental ones included, runs on one token's tensors:
     a CPU op's vector loop and its scalar tail round differently, so an op over a whole chunk
     would give a token bits that depend on its place in the chunk."""
     heads, dk, dv = shape.num_value_heads, shape.key_head_dim, shape.value_head_dim
     scale = dk ** -0.5
-    s = state.clone()
+    s = state.to(torch.float32, copy=True)
+    rounds = state.dtype != torch.float32
     for i in range(conv.shape[0]):
         q, k, v = F.silu(conv[i]).split([shape.key_dim, shape.key_dim, shape.value_dim])
         q_i = (_l2norm(q.view(-1, dk)) * scale)[key_heads]  # [value_heads, dk]
@@ -157,6 +167,8 @@ def _recur(conv: torch.Tensor, gates: _Gates, key_heads: torch.Tensor,
         delta = (v.view(heads, dv) - kv_mem) * beta[:, None]
         s = s + k_i[..., None] * delta[:, None, :]
         out[i] = (s * q_i[..., None]).sum(dim=-2).view(-1)
+        if rounds:
+            s = s.to(state.dtype).float()
         if snapshot_slots[i] >= 0:
             ssm_states[snapshot_slots[i], layer].copy_(s)
     state.copy_(s)

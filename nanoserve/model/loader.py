@@ -34,6 +34,7 @@ from nanoserve.model.model_path import (  # noqa: F401 (the loader's names for t
     default_model_path,
     resolve_model_path,
 )
+from nanoserve.model.mtp import MtpHead, divert_mtp, load_mtp_head
 from nanoserve.model.parallel import TensorParallelGroup
 from nanoserve.model.quantization import resolve_mode
 from nanoserve.model.rope import (
@@ -91,6 +92,8 @@ class LoadedModel:
     eos_token_ids: tuple[int, ...]
     generation_config: dict[str, Any] = field(default_factory=dict)
     quantization: str = "none"  # the resolved mode the matmul weights are held in
+    # the checkpoint's MTP head, where `load_model` was asked to keep it and it has one
+    mtp_head: MtpHead | None = None
 
     def info(self) -> ModelInfo:
         """All of it but the weights."""
@@ -118,13 +121,15 @@ def gguf_arch(gguf: GGUFFile) -> ArchConfig:
 def load_model(model: str | None, device: torch.device, dtype: torch.dtype,
                max_positions: int | None = None, quantization: str = "auto",
                group: TensorParallelGroup | None = None,
-               engine_tokenizer: bool = False, mmproj: str | None = None) -> LoadedModel:
+               engine_tokenizer: bool = False, mmproj: str | None = None,
+               keep_mtp: bool = False) -> LoadedModel:
     """Read weights, tokenizer and generation defaults; put the model on `device` in `dtype`,
     its matmul weights held as `quantization` says (model/quantization.py). With a `group` of
     several ranks, only this rank's shard of the weights (shard.py). With `engine_tokenizer`,
     the tokenizer is only what an engine process reads (no text in or out: tokenizer.py).
     A vision tower comes with it where the checkpoint has one, or from `mmproj` (llama.cpp's
-    projector GGUF), with its image processor's normalization (model/vision/)."""
+    projector GGUF), with its image processor's normalization (model/vision/). `keep_mtp`:
+    load a safetensors checkpoint's `mtp.*` head too (model/mtp.py; dropped otherwise)."""
     path = resolve_model_path(model)
     # a GGUF file's blocks, or a safetensors checkpoint's MXFP4 experts (gpt-oss), run as
     # they are stored where the mode allows
@@ -132,6 +137,7 @@ def load_model(model: str | None, device: torch.device, dtype: torch.dtype,
     block = LOAD_QUANTIZED_BLOCK.get(mode, 1)  # a rank's columns come in whole blocks of it
     rope_factors = None
     generation_config: dict[str, Any] = {}
+    mtp_tensors: dict[str, ReadTensor] = {}
     if path.is_dir():
         arch = ArchConfig.from_hf_config(json.loads((path / "config.json").read_text()))
         tensors: Iterator[tuple[str, ReadTensor]] = read_safetensors_dir(path, arch, group,
@@ -141,6 +147,7 @@ def load_model(model: str | None, device: torch.device, dtype: torch.dtype,
         gen_file = path / "generation_config.json"
         if gen_file.exists():
             generation_config = json.loads(gen_file.read_text())
+        tensors = divert_mtp(tensors, mtp_tensors if keep_mtp else None)
         if arch.norms_are_offsets:  # a GGUF file holds them as weights already
             tensors = offset_norms_as_weights(tensors)
     else:
@@ -154,6 +161,8 @@ def load_model(model: str | None, device: torch.device, dtype: torch.dtype,
         generation_config = gguf_sampling_defaults(gguf.metadata)
     net = CausalLM(arch, group)
     load_into(net, tensors, dtype, device, mode)
+    mtp_head = (load_mtp_head(mtp_tensors, net.arch, dtype, device, mode) if mtp_tensors
+                else None)
     positions = max_positions or arch.max_position_embeddings
     if arch.gemma4 is None:
         net.rotary = RotaryEmbedding(inverse_frequencies(arch, rope_factors), positions, dtype,
@@ -176,7 +185,7 @@ def load_model(model: str | None, device: torch.device, dtype: torch.dtype,
     name = DEFAULT_MODEL_NAME if model in DEFAULT_MODEL_ALIASES else str(model)
     return LoadedModel(net, net.arch, tokenizer, path, name,
                        _eos_token_ids(arch, tokenizer, generation_config), generation_config,
-                       mode)
+                       mode, mtp_head)
 
 
 def _eos_token_ids(arch: ArchConfig, tokenizer: Any,

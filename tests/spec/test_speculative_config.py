@@ -32,7 +32,7 @@ def test_vllm_spelling_parses_from_json_and_dicts() -> None:
 @pytest.mark.parametrize(("value", "message"), [
     ("{oops", "must be a JSON object"),
     ("[1]", "must be an object"),
-    ('{"method": "eagle"}', "method must be one of ngram, suffix, got 'eagle'"),
+    ('{"method": "eagle"}', "method must be one of ngram, suffix, mtp, got 'eagle'"),
     ('{"num_speculative_tokens": 4}', "method must be one of"),
     ('{"method": "ngram", "suffix_decoding_max_tree_depth": 8}',
      "suffix_decoding_max_tree_depth is not a field of method 'ngram'"),
