@@ -45,18 +45,22 @@ inline __m256 gelu_tanh_times(__m256 g, __m256 u) {
 
 // One row of a gated MLP's product: gate_up [2n] (gate, then up) -> out [n] = Times(gate, up),
 // 8 lanes at a time and a masked tail (silu_mul_row: Llama's gate; gelu_tanh_mul_row: Gemma's).
+// out [n] = Times(a, b), 8 lanes at a time and a masked tail (`out` may be `a` or `b`).
 template <__m256 (*Times)(__m256, __m256)>
-inline void gated_mul_row(const float* gate_up, int64_t n, float* out) {
-  const float* gate = gate_up;
-  const float* up = gate_up + n;
+inline void binary_row(const float* a, const float* b, int64_t n, float* out) {
   int64_t i = 0;
   for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(out + i, Times(_mm256_loadu_ps(gate + i), _mm256_loadu_ps(up + i)));
+    _mm256_storeu_ps(out + i, Times(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i)));
   if (i < n) {
     const __m256i m = tail_mask(n - i);
-    _mm256_maskstore_ps(out + i, m, Times(_mm256_maskload_ps(gate + i, m),
-                                          _mm256_maskload_ps(up + i, m)));
+    _mm256_maskstore_ps(out + i, m, Times(_mm256_maskload_ps(a + i, m),
+                                          _mm256_maskload_ps(b + i, m)));
   }
+}
+
+template <__m256 (*Times)(__m256, __m256)>
+inline void gated_mul_row(const float* gate_up, int64_t n, float* out) {
+  binary_row<Times>(gate_up, gate_up + n, n, out);
 }
 
 inline void silu_mul_row(const float* gate_up, int64_t n, float* out) {

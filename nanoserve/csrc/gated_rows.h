@@ -64,14 +64,7 @@ inline __m256 sigmoid_times(__m256 g, __m256 x) {
 // One row: out [n] = x * sigmoid(gate) (torch.sigmoid's 1 / (1 + exp(-g)), then the product).
 // `out` may be `x`.
 inline void sigmoid_mul_row(const float* x, const float* gate, int64_t n, float* out) {
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(out + i, sigmoid_times(_mm256_loadu_ps(gate + i), _mm256_loadu_ps(x + i)));
-  if (i < n) {
-    const __m256i m = tail_mask(n - i);
-    _mm256_maskstore_ps(out + i, m, sigmoid_times(_mm256_maskload_ps(gate + i, m),
-                                                  _mm256_maskload_ps(x + i, m)));
-  }
+  fused_rows::binary_row<sigmoid_times>(gate, x, n, out);
 }
 
 // ---- the calls over [T, N] tensors (fused_ops.cpp's and the hybrid stack's) ---------------

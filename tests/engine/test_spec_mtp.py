@@ -14,12 +14,12 @@ drafts are kept in runs and rejected elsewhere. Real weights' acceptance needs r
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from test_spec_hybrid import PROMPTS, assert_drafts_kept_and_rejected
 
 from nanoserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from nanoserve.engine.build import build_engine_core
@@ -133,20 +133,6 @@ def outputs(core: EngineCore, prompts: dict[str, list[int]], params: SamplingPar
     return got
 
 
-def random_ids(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, VOCAB) for _ in range(n)]
-
-
-def assert_drafts_kept_and_rejected(core: EngineCore) -> None:
-    stats = core.stats
-    assert stats.spec_decode_num_draft_tokens > 0, "no drafts were proposed"
-    assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens, (
-        f"want some drafts kept and some rejected: {stats.spec_decode_num_accepted_tokens} "
-        f"of {stats.spec_decode_num_draft_tokens}")
-
-
-PROMPTS = {f"p{i}": random_ids(9 + 5 * i, seed=10 + i) * 2 for i in range(4)}
 
 
 # -- the reference: vLLM's formula in plain PyTorch, transformers' layer as the head's --------
