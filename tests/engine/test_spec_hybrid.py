@@ -38,13 +38,11 @@ SEEDED = SamplingParams(temperature=0.1, top_p=0.9, seed=5, max_tokens=30, ignor
                         logprobs=2)
 
 
-@pytest.fixture(scope="module")
-def echo_qwen35(tmp_path_factory: pytest.TempPathFactory, default_tokenizer: Any) -> Path:
+def write_echo_qwen35(path: Path, tokenizer: Any) -> Path:
     """The tiny hybrid (three Gated DeltaNet layers per full attention one, 8 layers), tied
-    embeddings, its o_proj, out_proj and down_proj damped."""
+    embeddings, its o_proj, out_proj and down_proj damped, written to `path`."""
     import transformers
 
-    path = tmp_path_factory.mktemp("echo-qwen35")
     config = transformers.Qwen3_5TextConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=8,
         max_position_embeddings=1024, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
@@ -60,8 +58,13 @@ def echo_qwen35(tmp_path_factory: pytest.TempPathFactory, default_tokenizer: Any
             if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight")):
                 param.mul_(ECHO_DAMPING)
     model.save_pretrained(path)
-    default_tokenizer.save_pretrained(path)
+    tokenizer.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def echo_qwen35(tmp_path_factory: pytest.TempPathFactory, default_tokenizer: Any) -> Path:
+    return write_echo_qwen35(tmp_path_factory.mktemp("echo-qwen35"), default_tokenizer)
 
 
 def engine(path: Path, method: str | None, *, num_blocks: int = 256,

@@ -19,7 +19,14 @@ from typing import Any
 
 import pytest
 import torch
-from test_spec_hybrid import PROMPTS, assert_drafts_kept_and_rejected
+from test_spec_hybrid import (
+    ECHO_DAMPING,
+    GREEDY,
+    PROMPTS,
+    SEEDED,
+    assert_drafts_kept_and_rejected,
+    write_echo_qwen35,
+)
 
 from nanoserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from nanoserve.engine.build import build_engine_core
@@ -28,42 +35,16 @@ from nanoserve.engine.drafts import sequence_of
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.speculative_config import SpeculativeConfig
 
-VOCAB = 49152  # the default model's tokenizer
-ECHO_DAMPING = 0.22
 NUM_DRAFTS = 3
 MTP_LAYER_SOURCE = 7  # the tiny model's last full-attention layer, the head's layer's start
-GREEDY = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, logprobs=2)
-SEEDED = SamplingParams(temperature=0.1, top_p=0.9, seed=5, max_tokens=30, ignore_eos=True,
-                        logprobs=2)
-
-
-def _config() -> Any:
-    import transformers
-
-    return transformers.Qwen3_5TextConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=8,
-        max_position_embeddings=1024, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
-        initializer_range=0.05, tie_word_embeddings=True, linear_num_key_heads=2,
-        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
-        linear_conv_kernel_dim=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
 
 
 def _write(path: Path, tokenizer: Any, with_mtp: bool, copying: bool = True) -> Path:
     """The echoing tiny Qwen3.5 (test_spec_hybrid.py's), and with `with_mtp` a head: one that
     mostly copies (`copying`), or a random one whose layer weighs as much as its input."""
-    import transformers
     from safetensors.torch import load_file, save_file
 
-    torch.manual_seed(67)
-    model = transformers.AutoModelForCausalLM.from_config(_config())
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.uniform_(0.5, 1.5)
-            if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight")):
-                param.mul_(ECHO_DAMPING)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    write_echo_qwen35(path, tokenizer)
     if with_mtp:
         file = path / "model.safetensors"
         tensors = load_file(str(file))

@@ -127,16 +127,23 @@ def test_a_prefix_hit_equals_a_cold_run_in_bfloat16(qwen35_dir: Any) -> None:
     chunked = engine(path, "bfloat16", max_num_batched_tokens=7)
     history = random_ids(150, seed=300)
     for turn in range(3):
-        (tokens, logprobs, cached), = outputs(warm, {f"t{turn}": history}, params).values()
-        (cold_tokens, cold_logprobs, _), = outputs(cold, {f"t{turn}": history},
-                                                   params).values()
-        assert (tokens, logprobs) == (cold_tokens, cold_logprobs), f"turn {turn}"
+        tokens, logprobs, cached = warm_equals_cold(warm, cold, history, turn, params)
         if turn:
             assert cached >= len(history) - 40, f"turn {turn}: {cached} of {len(history)}"
         (chunked_tokens, chunked_logprobs, _), = outputs(chunked, {f"t{turn}": history},
                                                          params).values()
         assert (chunked_tokens, chunked_logprobs) == (tokens, logprobs), f"turn {turn}, chunked"
         history = history + tokens + random_ids(20, seed=301 + turn)
+
+
+def warm_equals_cold(warm: EngineCore, cold: EngineCore, history: list[int], turn: int,
+                     params: SamplingParams) -> tuple[list[int], list[Any], int]:
+    """One turn on both engines: the warm one's tokens, logprobs and cached prompt tokens,
+    its tokens and logprobs asserted equal to the cold one's."""
+    (tokens, logprobs, cached), = outputs(warm, {f"t{turn}": history}, params).values()
+    (cold_tokens, cold_logprobs, _), = outputs(cold, {f"t{turn}": history}, params).values()
+    assert (tokens, logprobs) == (cold_tokens, cold_logprobs), f"turn {turn}"
+    return tokens, logprobs, cached
 
 
 @pytest.mark.parametrize("method", ["ngram", "suffix"])
@@ -156,10 +163,7 @@ def test_prefix_hits_inside_verify_chunks_in_bfloat16(echo_qwen35: Path) -> None
     history = random_ids(40, seed=300)
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, logprobs=2)
     for turn in range(3):
-        (tokens, logprobs, cached), = outputs(warm, {f"t{turn}": history}, params).values()
-        (cold_tokens, cold_logprobs, _), = outputs(cold, {f"t{turn}": history},
-                                                   params).values()
-        assert (tokens, logprobs) == (cold_tokens, cold_logprobs), f"turn {turn}"
+        tokens, _, cached = warm_equals_cold(warm, cold, history, turn, params)
         if turn:
             assert cached >= len(history) - 16 - 5, f"turn {turn}: {cached} of {len(history)}"
         history = history + tokens + random_ids(5, seed=301 + turn)
