@@ -141,8 +141,30 @@ class SamplingParams:
     # vLLM's request `priority` (its own argument there): with --scheduling-policy priority,
     # lower first, ties by arrival (engine/scheduler.py); 0 under fcfs
     priority: int = 0
+    # llama.cpp's samplers, in llama-server's names and with its defaults, all off by default.
+    # Where they act (nanoserve/sample/): DRY and the penalties' window on the logits with the
+    # penalties (every row); top-n-sigma, typical-p, XTC and mirostat in the draw, so only at
+    # temperature > 0 (temperature 0 is greedy, vLLM's meaning).
+    # The penalties' window: None vLLM's (repetition over prompt and output, frequency and
+    # presence over the output); N > 0 llama.cpp's (all three over the last N tokens of prompt
+    # and output), -1 the whole context so, 0 no penalties
+    repeat_last_n: int | None = None
+    typical_p: float = 1.0
+    top_n_sigma: float = -1.0
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
+    mirostat: int = 0
+    mirostat_tau: float = 5.0
+    mirostat_eta: float = 0.1
+    dry_multiplier: float = 0.0
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = -1
+    dry_sequence_breakers: list[str] | None = None  # None: llama.cpp's ["\n", ":", "\"", "*"]
     # filled by update_from_tokenizer (the frontend), read by the sampler
     bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
+    # DRY's breakers as token sequences [head, *tail] (llama.cpp's processed breakers)
+    dry_breaker_token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -158,6 +180,8 @@ class SamplingParams:
         if self.temperature < SAMPLING_EPS:  # greedy: truncation means nothing
             self.temperature = 0.0
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+            self.typical_p, self.top_n_sigma, self.xtc_probability, self.mirostat = \
+                1.0, -1.0, 0.0, 0
         if self.top_k == -1:
             self.top_k = 0
         if self.logit_bias:
@@ -208,9 +232,34 @@ class SamplingParams:
                "true or false")
         _check(isinstance(self.priority, int) and -MAX_INT64 - 1 <= self.priority <= MAX_INT64,
                "priority", self.priority, "a 64-bit integer")
+        self._validate_llama_samplers()
         if self.extra_args:  # they cross to the engine as msgpack, whose integers are 64-bit
             wide = _wide_int(self.extra_args)
             _check(wide is None, "extra_args", wide, "JSON whose integers fit in 64 bits")
+
+    def _validate_llama_samplers(self) -> None:
+        if self.repeat_last_n is not None:
+            _check(-1 <= self.repeat_last_n <= MAX_INT64, "repeat_last_n", self.repeat_last_n,
+                   "-1 (the whole context), 0 (no penalties) or a positive window")
+        _check(0.0 < self.typical_p <= 1.0, "typical_p", self.typical_p, "in (0, 1] (1 is off)")
+        _check(-MAX_FLOAT32 <= self.top_n_sigma <= MAX_FLOAT32, "top_n_sigma", self.top_n_sigma,
+               "a finite number (<= 0 is off)")
+        for name in ("xtc_probability", "xtc_threshold"):
+            _check(0.0 <= getattr(self, name) <= 1.0, name, getattr(self, name), "in [0, 1]")
+        _check(self.mirostat in (0, 1, 2), "mirostat", self.mirostat,
+               "0 (off), 1 (Mirostat) or 2 (Mirostat 2.0)")
+        for name in ("mirostat_tau", "mirostat_eta", "dry_multiplier"):
+            _check(0.0 <= getattr(self, name) <= MAX_FLOAT32, name, getattr(self, name),
+                   ">= 0 and finite")
+        _check(1.0 <= self.dry_base <= MAX_FLOAT32, "dry_base", self.dry_base,
+               ">= 1 and finite")
+        _check(0 <= self.dry_allowed_length <= MAX_INT64, "dry_allowed_length",
+               self.dry_allowed_length, ">= 0")
+        _check(-1 <= self.dry_penalty_last_n <= MAX_INT64, "dry_penalty_last_n",
+               self.dry_penalty_last_n, "-1 (the whole context), 0 (off) or a positive window")
+        for breaker in self.dry_sequence_breakers or ():
+            _check(isinstance(breaker, str) and breaker != "", "dry_sequence_breakers", breaker,
+                   "a list of non-empty strings")
 
     # -- derived ------------------------------------------------------------------------------
     @property
@@ -219,8 +268,25 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or self.repetition_penalty != 1.0)
+        return self.repeat_last_n != 0 and (
+            self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0)
+
+    @property
+    def has_penalty_window(self) -> bool:
+        """The penalties look at a window of prompt and output (llama.cpp's), not vLLM's."""
+        return self.has_penalties and self.repeat_last_n is not None
+
+    @property
+    def uses_dry(self) -> bool:
+        return self.dry_multiplier > 0.0 and self.dry_penalty_last_n != 0
+
+    @property
+    def uses_llama_draw(self) -> bool:
+        """Top-n-sigma, typical-p, XTC or mirostat changes this request's draw."""
+        return not self.is_greedy and (
+            self.typical_p < 1.0 or self.top_n_sigma > 0.0 or self.mirostat != 0
+            or (self.xtc_probability > 0.0 and self.xtc_threshold <= 0.5))
 
     @property
     def is_truncated(self) -> bool:

@@ -27,10 +27,12 @@ import torch
 
 from nanoserve.reasoning_section import ReasoningTokens
 from nanoserve.sample.admission import SamplingAdmission
+from nanoserve.sample.dry import apply_dry
 from nanoserve.sample.fused import UNDECIDED, draw_rows, load_sampling_kernels
 from nanoserve.sample.logits_processor import LogitsProcessor, ProcessorBatch
 from nanoserve.sample.logprobs import TokenLogprobs, gather_logprobs
 from nanoserve.sample.noise import row_keys
+from nanoserve.sample.penalty_window import apply_penalty_window
 from nanoserve.sample.sequence import SequenceData
 from nanoserve.sample.stages import (
     NEG_INF,
@@ -139,6 +141,8 @@ class Sampler:
         apply_min_tokens(logits, state, batch)
         apply_logit_bias(logits, state, batch)
         apply_penalties(logits, state, batch, self.kernels)
+        apply_penalty_window(logits, state, batch)
+        apply_dry(logits, state, batch)
         self._apply_processors(logits, batch)
         apply_thinking_budget(logits, state, batch)
         # 3) greedy rows take the argmax of the processed logits; random rows are drawn
@@ -200,7 +204,9 @@ class Sampler:
         is_left = np.ones(num_rows, dtype=bool)  # rows for the PyTorch path (boolean masks:
         # np.setdiff1d and union1d cost ~0.1 ms each on 32 rows)
         if self.kernels is not None and logits.device.type == "cpu" and logits.stride(1) == 1:
-            is_left = is_random & state.uses["logprobs_processed"][batch.slots]
+            # the C++ path draws vLLM's samplers only: llama.cpp's draw samplers stay here
+            is_left = is_random & (state.uses["logprobs_processed"][batch.slots]
+                                   | state.uses["llama_draw"][batch.slots])
             rows = np.flatnonzero(~is_left)
             drawn = draw_rows(self.kernels, logits, batch, state, rows)
             token_ids.index_copy_(0, torch.from_numpy(rows), torch.from_numpy(drawn))

@@ -20,8 +20,9 @@ from nanoserve.sample.truncation import NEG_INF, min_p_threshold
 from nanoserve.sampling_params import SamplingParams
 
 # stages whose rows are chosen per step
-STAGES = ("allowed", "bad_words", "min_tokens", "logit_bias", "penalties", "thinking",
-          "random", "truncated", "logprobs_raw", "logprobs_processed")
+STAGES = ("allowed", "bad_words", "min_tokens", "logit_bias", "penalties", "penalty_window",
+          "dry", "thinking", "random", "truncated", "llama_draw", "logprobs_raw",
+          "logprobs_processed")
 
 
 class SamplingState:
@@ -89,6 +90,9 @@ class SamplingState:
         uses = self.uses
         uses["random"][slot] = not p.is_greedy
         uses["truncated"][slot] = not p.is_greedy and p.is_truncated
+        # llama.cpp's draw samplers (top-n-sigma, typical-p, XTC, mirostat): the PyTorch path
+        uses["llama_draw"][slot] = p.uses_llama_draw
+        uses["dry"][slot] = p.uses_dry
         uses["bad_words"][slot] = bool(p.bad_words_token_ids)
         uses["min_tokens"][slot] = p.min_tokens > 0 and bool(stop_ids_for_min_tokens)
         self.min_tokens_stop_ids[slot] = stop_ids_for_min_tokens
@@ -138,12 +142,15 @@ class SamplingState:
 
     def _write_penalties(self, seq: SequenceData) -> None:
         slot, p = seq.slot, seq.params
-        self.uses["penalties"][slot] = p.has_penalties
-        if not p.has_penalties:
-            return
+        # a window (llama.cpp's repeat_last_n) counts its tokens each step from the history
+        # (penalty_window.py); vLLM's penalties keep counts in the [slots, vocab] tables
+        self.uses["penalty_window"][slot] = p.has_penalty_window
+        self.uses["penalties"][slot] = p.has_penalties and not p.has_penalty_window
         self.presence[slot] = p.presence_penalty
         self.frequency[slot] = p.frequency_penalty
         self.repetition[slot] = p.repetition_penalty
+        if not self.uses["penalties"][slot]:
+            return
         # counted here once; each step then adds its sampled token (update_after_sample)
         counts = self.output_counts[slot]
         counts.zero_()
