@@ -11,6 +11,7 @@ import enum
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
+from nanoserve.dry_breakers import dry_breaker_token_ids
 from nanoserve.reasoning_section import STARTS, ReasoningStart
 
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy (vLLM)
@@ -21,6 +22,7 @@ MAX_LOGPROBS = 20  # the server's default cap on top-N logprobs
 # allows 1e308) would fail in the engine's step and stop the engine for every request.
 MAX_FLOAT32 = 3.4028234663852886e38
 MAX_INT64 = 2**63 - 1
+MAX_DRY_BREAKERS = 64  # each costs the API process a scan of the vocabulary (~10 ms) once
 # generation_config.json keys that give request defaults (vLLM's `--generation-config auto`)
 GENERATION_CONFIG_FIELDS = {
     "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
@@ -257,7 +259,10 @@ class SamplingParams:
                self.dry_allowed_length, ">= 0")
         _check(-1 <= self.dry_penalty_last_n <= MAX_INT64, "dry_penalty_last_n",
                self.dry_penalty_last_n, "-1 (the whole context), 0 (off) or a positive window")
-        for breaker in self.dry_sequence_breakers or ():
+        breakers = self.dry_sequence_breakers or []
+        _check(len(breakers) <= MAX_DRY_BREAKERS, "dry_sequence_breakers", len(breakers),
+               f"at most {MAX_DRY_BREAKERS} strings (each is matched against the vocabulary)")
+        for breaker in breakers:
             _check(isinstance(breaker, str) and breaker != "", "dry_sequence_breakers", breaker,
                    "a list of non-empty strings")
 
@@ -314,7 +319,8 @@ class SamplingParams:
                    f"<= {max_logprobs} (--max-logprobs)")
 
     def update_from_tokenizer(self, tokenizer: Any) -> None:
-        """Tokenize `bad_words` as vLLM does: each word as written and with a leading space.
+        """Tokenize `bad_words` as vLLM does: each word as written and with a leading space;
+        with DRY on, turn its sequence breakers into token sequences (dry_breakers.py).
 
         vLLM keeps the spaced spelling only when it has as many tokens as the plain one, which
         lets " told" (one token) through when "told" is two; we ban every distinct spelling.
@@ -327,6 +333,10 @@ class SamplingParams:
                 self.bad_words_token_ids.append(plain)
             if spaced and spaced != plain:
                 self.bad_words_token_ids.append(spaced)
+        self.dry_breaker_token_ids = []
+        if self.uses_dry:  # llama.cpp's processed breakers (a vocabulary scan, cached)
+            self.dry_breaker_token_ids = dry_breaker_token_ids(tokenizer,
+                                                               self.dry_sequence_breakers)
 
     @classmethod
     def from_generation_config(cls, generation_config: dict[str, Any],

@@ -74,7 +74,8 @@ class LLM:
     def _submit(self, processor: OutputProcessor, text: str | None, token_ids: list[int],
                 params: SamplingParams) -> str:
         """Register a request with the output path and its sample(s) with the engine."""
-        if params.bad_words and not params.bad_words_token_ids:
+        if ((params.bad_words and not params.bad_words_token_ids)
+                or (params.uses_dry and not params.dry_breaker_token_ids)):
             params.update_from_tokenizer(self.tokenizer)
         if params.structured_outputs is not None:
             # a bad grammar is a ValueError naming the field now, not a request that the

@@ -204,7 +204,9 @@ def test_bad_infill_requests_get_a_400_naming_the_field(fim_server: RunningServe
                                                         tiny_model_dir: Any) -> None:
     cases = [({"input_suffix": "b"}, "input_prefix"),
              ({"input_prefix": [10**9], "input_suffix": ""}, "input_prefix"),
-             ({"input_prefix": "a", "input_suffix": "b", "mirostat": 2}, "mirostat"),
+             ({"input_prefix": "a", "input_suffix": "b", "mirostat": 3}, "mirostat"),
+             ({"input_prefix": "a", "input_suffix": "b", "dynatemp_range": 0.5},
+              "dynatemp_range"),
              ({"input_prefix": "a", "input_suffix": "b", "n_predict": -2}, "n_predict")]
     for body, field in cases:
         reply = httpx.post(fim_server.url + "/infill", json=body, timeout=60)

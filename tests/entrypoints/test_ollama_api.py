@@ -290,15 +290,18 @@ def test_refusals_are_ollamas_error_shape(server: RunningServer, path: str,
 
 
 @pytest.mark.parametrize(("options", "says"), [
-    ({"typical_p": 0.5}, "options.typical_p=0.5 asks for locally typical sampling"),
-    ({"tfs_z": 0.9}, "options.tfs_z"),
-    ({"mirostat": 2, "mirostat_tau": 5.0}, "options.mirostat=2 asks for Mirostat"),
-    ({"repeat_penalty": 1.2, "repeat_last_n": 64}, "options.repeat_last_n=64"),
+    ({"tfs_z": 0.9}, "options.tfs_z=0.9 asks for tail-free sampling"),
     ({"presence_penalty": 0.5, "penalize_newline": False}, "options.penalize_newline"),
+    # llama.cpp's samplers are run, their ranges checked in this API's words
+    ({"typical_p": 1.5}, "options.typical_p must be in (0, 1]"),
+    ({"mirostat": 3}, "options.mirostat must be 0 (off), 1 (Mirostat) or 2"),
+    ({"repeat_last_n": -2}, "options.repeat_last_n must be -1"),
+    ({"dry_multiplier": 0.8, "dry_base": 0.5}, "options.dry_base must be >= 1"),
 ])
 def test_options_that_would_change_sampling_are_refused_by_name(
         client: ollama.Client, options: dict[str, Any], says: str) -> None:
-    """An option this server does not implement is a 400 naming it, never dropped."""
+    """An option this server does not implement, or a value out of its range, is a 400
+    naming it, never dropped."""
     with pytest.raises(ollama.ResponseError) as refused:
         client.generate(model=MODEL, prompt="Hi", options=options)
     assert refused.value.status_code == 400 and says in refused.value.error
@@ -314,9 +317,10 @@ def test_options_at_their_neutral_values_change_nothing(client: ollama.Client) -
                "num_keep": 4, "num_thread": 2, "num_batch": 512}
     assert client.generate(model=MODEL, prompt="The sky is",
                            options={**GREEDY, "num_predict": 8, **neutral}).response == plain
-    # a window over the whole context is what the penalties here do: accepted
-    assert client.generate(model=MODEL, prompt="The sky is", options={
-        **GREEDY, "num_predict": 8, "repeat_penalty": 1.1, "repeat_last_n": -1}).done
+    # a window over the whole context, and Ollama's default window of 64
+    for window in (-1, 64, None):
+        assert client.generate(model=MODEL, prompt="The sky is", options={
+            **GREEDY, "num_predict": 8, "repeat_penalty": 1.1, "repeat_last_n": window}).done
 
 
 def test_a_body_without_the_json_type_is_read_as_json(server: RunningServer) -> None:

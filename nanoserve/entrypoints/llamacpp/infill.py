@@ -35,6 +35,10 @@ from nanoserve.entrypoints.serving.infill_prompt import (
     mixed_ids,
     plain_tokenizer,
 )
+from nanoserve.entrypoints.serving.llama_sampler_fields import (
+    llama_samplers,
+    with_llama_defaults,
+)
 from nanoserve.entrypoints.serving.request_params import sampling_params
 from nanoserve.entrypoints.serving.server_context import ServerContext
 from nanoserve.entrypoints.serving.token_limits import resolve_max_tokens
@@ -131,7 +135,7 @@ def prepare_infill(ctx: ServerContext, req: InfillRequest) -> tuple[list[int], S
         if value < least:
             raise bad_request(f"{name} must be at least {least}, got {value}", name)
     for name, value in unsupported_samplers(req):
-        raise bad_request(f"{name} is not supported on /infill yet (got {value}); leave it at "
+        raise bad_request(f"{name} is not supported on /infill (got {value}); leave it at "
                           "its off value", name)
     plain = plain_tokenizer(ctx.tokenizer)
     prefix = mixed_ids(req.input_prefix, plain)
@@ -153,6 +157,8 @@ def prepare_infill(ctx: ServerContext, req: InfillRequest) -> tuple[list[int], S
     fields = SamplingInput(
         max_tokens=max_tokens, max_tokens_is_cap=True, temperature=req.temperature,
         top_p=req.top_p, top_k=req.top_k or -1, min_p=req.min_p,
+        repetition_penalty=req.repeat_penalty,
+        llama_samplers=with_llama_defaults(llama_samplers(req)),
         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
         seed=None if req.seed < 0 else req.seed, stop=req.stop or None,
         ignore_eos=req.ignore_eos, stream=req.stream)

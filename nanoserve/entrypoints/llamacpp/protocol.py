@@ -2,8 +2,9 @@
 differ from OpenAI's: temperature 0.8, top_k 40, top_p 0.95, min_p 0.05), the fields editors
 send (llama.vscode: `n_indent`, `t_max_predict_ms`, `samplers`, `cache_prompt`,
 `response_fields`). Unknown fields are ignored, as llama-server ignores them; a sampler this
-server does not run yet, set to anything but its off value, is a 400 naming it (serving
-checks `unsupported_samplers`)."""
+server does not run (dynamic temperature, `n_probs`), set to anything but its off value, is a
+400 naming it (serving checks `unsupported_samplers`); llama.cpp's samplers are run
+(llama_sampler_fields.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any
 from pydantic import Field
 
 from nanoserve.entrypoints.serving.api_models import OpenAIModel, ResponseModel, documented
+from nanoserve.entrypoints.serving.llama_sampler_fields import LlamaSamplerFields
 from nanoserve.sampling_params import MAX_INT64
 
 _MIXED: dict[str, Any] = {"anyOf": [{"type": "string"},
@@ -26,7 +28,7 @@ class ExtraChunk(OpenAIModel):
     filename: str = "tmp"
 
 
-class InfillRequest(OpenAIModel):
+class InfillRequest(LlamaSamplerFields):
     model: str | None = None
     input_prefix: str | list[str | int] = Field(json_schema_extra=_MIXED)
     input_suffix: str | list[str | int] = Field(json_schema_extra=_MIXED)
@@ -49,31 +51,20 @@ class InfillRequest(OpenAIModel):
     t_max_predict_ms: int = documented(0, minimum=0)
     return_tokens: bool = False
     response_fields: list[str] | None = None  # only these fields ("a/b": nested) in the reply
-    # accepted as llama-server does: the prefix cache is always on here, and the sampler chain
-    # is this server's (top-k, top-p, min-p, temperature)
+    repeat_penalty: float = documented(1.0, exclusiveMinimum=0)  # vLLM's repetition_penalty
+    # accepted as llama-server does: the prefix cache is always on here, and the sampler
+    # chain's order is this server's (`samplers` is not read: sampling_params.py's order)
     cache_prompt: bool = True
     samplers: list[str] | str | None = None
     id_slot: int | None = None
-    # llama-server's samplers not run here yet: their off values (anything else is a 400)
-    repeat_penalty: float = 1.0
-    typical_p: float = 1.0
-    mirostat: int = 0
-    dry_multiplier: float = 0.0
-    xtc_probability: float = 0.0
-    top_n_sigma: float = -1.0
+    # llama-server's, not run here: their off values (anything else is a 400)
     dynatemp_range: float = 0.0
     n_probs: int = 0
 
 
 def unsupported_samplers(req: InfillRequest) -> list[tuple[str, Any]]:
-    """The samplers `req` turns on that this server does not run yet: (field, value)."""
-    on = [("repeat_penalty", req.repeat_penalty, req.repeat_penalty != 1.0),
-          ("typical_p", req.typical_p, req.typical_p < 1.0),
-          ("mirostat", req.mirostat, req.mirostat != 0),
-          ("dry_multiplier", req.dry_multiplier, req.dry_multiplier != 0.0),
-          ("xtc_probability", req.xtc_probability, req.xtc_probability > 0.0),
-          ("top_n_sigma", req.top_n_sigma, req.top_n_sigma >= 0.0),
-          ("dynatemp_range", req.dynatemp_range, req.dynatemp_range != 0.0),
+    """The settings `req` turns on that this server does not run: (field, value)."""
+    on = [("dynatemp_range", req.dynatemp_range, req.dynatemp_range != 0.0),
           ("n_probs", req.n_probs, req.n_probs > 0)]
     return [(name, value) for name, value, is_on in on if is_on]
 

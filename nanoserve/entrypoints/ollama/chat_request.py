@@ -56,6 +56,10 @@ from nanoserve.entrypoints.serving.chat_input import (
     data_url,
 )
 from nanoserve.entrypoints.serving.errors import bad_request
+from nanoserve.entrypoints.serving.llama_sampler_fields import (
+    llama_samplers,
+    with_llama_defaults,
+)
 
 
 def chat_input(req: OllamaChatRequest, model: str, can_think: bool) -> ChatInput:
@@ -102,7 +106,8 @@ def sampling_input(req: OllamaChatRequest | OllamaGenerateRequest) -> SamplingIn
         temperature=options.temperature, top_p=options.top_p, top_k=options.top_k,
         min_p=options.min_p, repetition_penalty=options.repeat_penalty,
         presence_penalty=options.presence_penalty, frequency_penalty=options.frequency_penalty,
-        seed=options.seed, stop=options.stop or None, stream=req.stream)
+        seed=options.seed, stop=options.stop or None, stream=req.stream,
+        llama_samplers=with_llama_defaults(llama_samplers(options)))
 
 
 def response_format(value: str | dict[str, Any] | None) -> ResponseFormatInput:

@@ -16,10 +16,11 @@ import re
 from typing import Any
 
 from nanoserve.entrypoints.serving.error_shape import ErrorShape
+from nanoserve.entrypoints.serving.llama_sampler_fields import LLAMA_SAMPLER_FIELDS
 
 API_PREFIX = "/api/"
 _OPTIONS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "presence_penalty",
-            "frequency_penalty")
+            "frequency_penalty", *LLAMA_SAMPLER_FIELDS)
 _RENAMES = [(re.compile(rf"^{name}\b"), f"options.{name}") for name in _OPTIONS] + [
     (re.compile(r"^repetition_penalty\b"), "options.repeat_penalty"),
     (re.compile(r"^max_tokens\b"), "options.num_predict"),

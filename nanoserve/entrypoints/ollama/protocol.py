@@ -13,6 +13,7 @@ from typing import Any
 from pydantic import Field
 
 from nanoserve.entrypoints.serving.api_models import OpenAIModel, documented
+from nanoserve.entrypoints.serving.llama_sampler_fields import LlamaSamplerFields
 
 # keep_alive: a Go duration string or a number of seconds (keep_alive.py checks the value)
 _KEEP_ALIVE: dict[str, Any] = {"anyOf": [{"type": "string"}, {"type": "number"},
@@ -25,11 +26,12 @@ _THINK: dict[str, Any] = {"anyOf": [{"type": "boolean"},
                                     {"type": "null"}]}
 
 
-class OllamaOptions(OpenAIModel):
-    """`options`: the sampling ones Ollama documents; those this server does not implement are
-    accepted at their neutral value and refused otherwise (`sampling_options.py`). Others, such
-    as `num_gpu` or `num_thread`, set up Ollama's runner and are accepted and ignored here: the
-    model is loaded already."""
+class OllamaOptions(LlamaSamplerFields):
+    """`options`: the sampling ones Ollama documents (its `typical_p`, `mirostat*` and
+    `repeat_last_n` among llama.cpp's samplers, whose other llama-server names are taken too);
+    those this server does not implement are accepted at their neutral value and refused
+    otherwise (`sampling_options.py`). Others, such as `num_gpu` or `num_thread`, set up
+    Ollama's runner and are accepted and ignored here: the model is loaded already."""
 
     temperature: float | None = None
     top_k: int | None = None
@@ -43,12 +45,7 @@ class OllamaOptions(OpenAIModel):
     frequency_penalty: float | None = None
     num_ctx: int | None = documented(None, minimum=1)
     # not implemented: accepted at their neutral values only (sampling_options.py)
-    typical_p: float | None = None
     tfs_z: float | None = None
-    mirostat: int | None = None
-    mirostat_tau: float | None = None  # read only with mirostat
-    mirostat_eta: float | None = None  # read only with mirostat
-    repeat_last_n: int | None = None
     penalize_newline: bool | None = None
     num_keep: int | None = None  # nothing is shifted out of the context here to keep
 

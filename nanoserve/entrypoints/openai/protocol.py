@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import ConfigDict, Field, field_validator
 
 from nanoserve.entrypoints.serving.api_models import OpenAIModel, documented
+from nanoserve.entrypoints.serving.llama_sampler_fields import LlamaSamplerFields
 from nanoserve.sampling_params import MAX_FLOAT32, MAX_INT64
 
 # OpenAI's rule for function names (letters, digits, `_`, `-`; at most 64), plus `.`, which
@@ -35,8 +36,9 @@ class StreamOptions(OpenAIModel):
     continuous_usage_stats: bool = False
 
 
-class SamplingFields(OpenAIModel):
-    """Fields shared by /v1/completions and /v1/chat/completions."""
+class SamplingFields(LlamaSamplerFields):
+    """Fields shared by /v1/completions and /v1/chat/completions (llama-server's samplers
+    among them, as its OpenAI routes take them)."""
 
     model: str | None = None
     n: int = documented(1, minimum=1)  # at most --max-n (limits.py)

@@ -10,6 +10,7 @@ from nanoserve.entrypoints.serving.chat_input import (
     SamplingInput,
     StreamOptions,
 )
+from nanoserve.entrypoints.serving.llama_sampler_fields import llama_samplers
 
 
 def sampling_input(req: SamplingFields, *, max_tokens: int | None,
@@ -32,6 +33,7 @@ def sampling_input(req: SamplingFields, *, max_tokens: int | None,
         prompt_logprobs=req.prompt_logprobs, logprobs_mode=req.logprobs_mode,
         thinking_token_budget=req.thinking_token_budget, extra_args=req.extra_args,
         cache_salt=req.cache_salt, return_progress=req.return_progress, priority=req.priority,
+        llama_samplers=llama_samplers(req),
         stream=req.stream,
         stream_options=None if options is None else StreamOptions(
             options.include_usage, options.continuous_usage_stats))

@@ -160,6 +160,8 @@ class SamplingInput:
     cache_salt: str | None = None  # vLLM's: only requests with this salt share cached blocks
     return_progress: bool = False  # llama-server's: a stream reports the prompt's progress
     priority: int = 0  # vLLM's (--scheduling-policy priority): lower first
+    # llama.cpp's samplers the request set, by SamplingParams' names (llama_sampler_fields.py)
+    llama_samplers: dict[str, Any] = field(default_factory=dict)
     stream: bool = False
     stream_options: StreamOptions | None = None
 

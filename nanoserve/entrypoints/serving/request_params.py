@@ -55,7 +55,8 @@ def sampling_params(ctx: ServerContext, fields: SamplingInput, *, max_tokens: in
         extra_args=fields.extra_args, cache_salt=fields.cache_salt, output_kind=output_kind,
         # only a stream can send progress (llama-server ignores it otherwise too)
         return_progress=fields.return_progress and fields.stream,
-        structured_outputs=structured, is_call_list=is_call_list, priority=fields.priority)
+        structured_outputs=structured, is_call_list=is_call_list, priority=fields.priority,
+        **fields.llama_samplers)
     try:
         check_priority(fields.priority, ctx.engine.ready.scheduling_policy)
         params = SamplingParams.from_generation_config(ctx.generation_defaults, **explicit)
@@ -71,7 +72,7 @@ def sampling_params(ctx: ServerContext, fields: SamplingInput, *, max_tokens: in
         raise bad_request("thinking_token_budget needs a model with reasoning tags "
                           "(<think> and </think> tokens); this model has none",
                           "thinking_token_budget")
-    if params.bad_words:
+    if params.bad_words or params.uses_dry:  # their words as token ids
         params.update_from_tokenizer(ctx.tokenizer)
     return params
 
