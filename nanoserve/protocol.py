@@ -187,6 +187,7 @@ class NewSequence(msgspec.Struct, array_like=True):
     prompt_token_ids: list[int]
     output_token_ids: list[int]  # non-empty after a preemption: the output so far
     seed: int  # the seed of its draws: params.seed, or drawn at admission
+    mirostat_mu: float | None = None  # after a preemption: mirostat's mu where it stopped
 
 
 class PromptLogprobsRows(msgspec.Struct, array_like=True):
@@ -307,6 +308,8 @@ class StepOutput(msgspec.Struct, array_like=True):
     # per sampling request (num_sample_rows order), the next drafts of a drafter that runs in
     # the worker (the model's MTP head: engine/mtp_drafter.py); [] without one
     draft_token_ids: list[list[int]] = []
+    # slot -> mirostat's mu after this step's committed tokens (mirostat slots that sampled)
+    mirostat_mu: dict[int, float] = {}
 
 
 _ARRAY_EXT = 1  # msgpack extension code of a numpy array

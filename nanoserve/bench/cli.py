@@ -38,6 +38,11 @@ def add_bench_commands(bench: argparse.ArgumentParser, build_llm: LLMFactory) ->
     samp.add_argument("--batch-sizes", default="1,32,256")
     samp.add_argument("--repeats", type=int, default=10)
     samp.add_argument("--skip-step-share", action="store_true")
+    samp.add_argument("--mix", choices=("vllm", "llama"), default="vllm",
+                      help="llama: llama.cpp's samplers (DRY, window, typical-p, top-n-sigma, "
+                           "XTC, Mirostat) against the vLLM mix, one sampler (sampler_llama.py)")
+    samp.add_argument("--history", type=int, default=1024,
+                      help="with --mix llama: each row's prompt tokens (default: %(default)s)")
     EngineArgs.add_cli_args(samp)
     samp.set_defaults(func=partial(_run_sampler, build_llm=build_llm))
 
@@ -239,6 +244,10 @@ def _run_throughput(args: argparse.Namespace, build_llm: LLMFactory) -> int:
 
 
 def _run_sampler(args: argparse.Namespace, build_llm: LLMFactory) -> int:
+    if args.mix == "llama":
+        from nanoserve.bench.sampler_llama import run_llama_mix_bench
+
+        return run_llama_mix_bench(args, build_llm)
     from nanoserve.bench.sampler import run_sampler_bench
 
     return run_sampler_bench(args, build_llm)

@@ -154,7 +154,7 @@ def multinomial_batch(logits: torch.Tensor, params: list[SamplingParams]) -> tor
     return torch.where(greedy, logits.argmax(-1), tokens)
 
 
-def _time_sample(sampler: Sampler, logits: torch.Tensor, buffer: torch.Tensor,
+def time_sample(sampler: Sampler, logits: torch.Tensor, buffer: torch.Tensor,
                  batch: SamplingBatch) -> float:
     """Seconds of one `sample` call on fresh logits (the copy is not timed: the sampler edits
     its logits in place, and the engine hands it a new tensor each step)."""
@@ -202,7 +202,7 @@ def run_sampler_bench(args: argparse.Namespace, build_llm: LLMFactory) -> int:
         for use_kernels in (True, False):  # C++ path (fused.py) where it builds, then PyTorch
             sampler, seqs = make_sampler(params, vocab, use_kernels)
             rows = sampler.make_batch(np.arange(batch))
-            timers.append(partial(_time_sample, sampler, logits, torch.empty_like(logits), rows))
+            timers.append(partial(time_sample, sampler, logits, torch.empty_like(logits), rows))
             repeats.append(args.repeats)
         timers.append(partial(_time_call, partial(per_row_loop, logits, params, seqs)))
         timers.append(partial(_time_call, partial(multinomial_batch, logits, params)))

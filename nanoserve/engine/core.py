@@ -254,7 +254,7 @@ class EngineCore:
         step = build_step_input(
             sched.scheduled, self.block_table, self.kv_cache.block_size,
             [NewSequence(r.slot, r.params, r.prompt_token_ids, list(r.output_token_ids),
-                         r.sampling_seed) for r in sched.admitted
+                         r.sampling_seed, r.mirostat_mu) for r in sched.admitted
              if r.slot is not None and not r.is_pooling],
             released, self._fill_grammars(sampling), self.block_tables[1:],
             self.model_info.arch.attends_images_both_ways)
@@ -268,11 +268,13 @@ class EngineCore:
                                          time.perf_counter() - started)
         self.stats.sample_seconds += out.sample_seconds
         self._collect_prompt_logprobs(sched.scheduled, step, out)
-        if out.draft_refusing_slots:
-            refusing = set(out.draft_refusing_slots)
-            for s in sched.scheduled:
-                if s.request.slot in refusing:
-                    s.request.refuses_drafts = True
+        refusing = set(out.draft_refusing_slots)
+        if refusing or out.mirostat_mu:  # what the worker's sampler says of its slots
+            for request in (s.request for s in sched.scheduled):
+                held = request.slot
+                assert held is not None, "a scheduled request holds a slot"
+                request.refuses_drafts |= held in refusing
+                request.mirostat_mu = out.mirostat_mu.get(held, request.mirostat_mu)
         # 4) commit each request's tokens (1 + its accepted drafts), finish those that stop
         first_rows = np.cumsum(step.num_sample_rows) - step.num_sample_rows  # [requests]
         new_token_ids = [out.sampled_token_ids[row : row + taken]

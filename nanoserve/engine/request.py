@@ -76,6 +76,9 @@ class Request:
         # a custom logits processor of its sampler slot cannot see draft rows (the worker
         # says so when the slot is added: StepOutput.draft_refusing_slots)
         self.refuses_drafts = False
+        # mirostat's mu after the committed output (the worker's, each step): a preempted
+        # request's sampler slot starts again from it (None: not sampled with mirostat yet)
+        self.mirostat_mu: float | None = None
         # prefill only: what to pool once the prompt is computed, and how ("last" | "mean";
         # a "score" request reads the last position whatever the engine's --pooling)
         self.pooling_params = pooling_params

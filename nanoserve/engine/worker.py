@@ -68,7 +68,8 @@ class Worker:
             output_ids = list(new.output_token_ids)
             self.output_token_ids[new.slot] = output_ids
             sampler.add_request(SequenceData(new.slot, new.params, new.prompt_token_ids,
-                                             output_ids, new.seed))
+                                             output_ids, new.seed,
+                                             mirostat_mu=new.mirostat_mu))
         # the core decides drafts; which new slots a custom processor keeps from them is the
         # sampler's to know (a processor's add_request), so it goes back with the output
         refusing = [new.slot for new in step.new_sequences
@@ -99,7 +100,7 @@ class Worker:
                 drafts = self.drafter.propose(step, hidden, sampled.token_ids,
                                               sampled.num_accepted)
         return StepOutput(sampled.token_ids, sampled.num_accepted, sampled.logprobs, prompts,
-                          sample_seconds, pooled, refusing, drafts)
+                          sample_seconds, pooled, refusing, drafts, sampled.mirostat_mu)
 
     def _append_committed(self, step: StepInput, token_ids: list[int],
                           num_accepted: list[int]) -> None:

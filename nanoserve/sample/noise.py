@@ -81,3 +81,11 @@ def uniform_noise(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
 def gumbel_noise(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     """Gumbel(0, 1) noise: argmax(logits + noise) samples from softmax(logits)."""
     return gumbel_from_hashes(token_hashes(keys, token_ids))
+
+
+def row_uniforms(seeds: torch.Tensor, positions: torch.Tensor, salt: int) -> torch.Tensor:
+    """One uniform in (0, 1) per row [R], float32, for a row's own decisions (XTC's coin):
+    the uniform of token 0 under the key of (seed ^ salt, position). A salt gives a stream
+    apart from the draw's noise, whose keys mix the seed itself; `salt` fits in an int64."""
+    keys = row_keys(seeds ^ salt, positions)
+    return uniform_noise(keys, torch.zeros(1, dtype=torch.int64, device=keys.device))[:, 0]

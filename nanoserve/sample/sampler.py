@@ -4,7 +4,8 @@ Pipeline, in vLLM's order (bias adds and penalties scale, so the order is part o
 contract): raw logprobs -> float32 -> allowed_token_ids, bad_words -> min_tokens, logit_bias
 -> repetition/frequency/presence penalties -> custom processors -> thinking budget ->
 temperature (greedy rows take the argmax here) -> min-p -> top-k/top-p -> the draw ->
-processed logprobs; then the drafts each window accepts (verify.py). Each stage touches only
+processed logprobs (rows with llama.cpp's draw samplers: llama_draw.py's chain from
+temperature on); then the drafts each window accepts (verify.py). Each stage touches only
 the rows that use it; a stage no row uses costs a numpy lookup. No Python loop over the batch
 except where a stage needs a request's token history (bad_words, thinking budget), and then
 only over the rows that use it. A draft row (a request's window of draft tokens, one row per
@@ -20,7 +21,7 @@ logits) and rows the C++ path leaves undecided, and both draw the same tokens.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -29,6 +30,7 @@ from nanoserve.reasoning_section import ReasoningTokens
 from nanoserve.sample.admission import SamplingAdmission
 from nanoserve.sample.dry import apply_dry
 from nanoserve.sample.fused import UNDECIDED, draw_rows, load_sampling_kernels
+from nanoserve.sample.llama_draw import LlamaDrawState
 from nanoserve.sample.logits_processor import LogitsProcessor, ProcessorBatch
 from nanoserve.sample.logprobs import TokenLogprobs, gather_logprobs
 from nanoserve.sample.noise import row_keys
@@ -56,6 +58,8 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]  # one per row; None where not asked
     # per request (per row when the batch has no windows): 1 + its drafts accepted
     num_accepted: list[int]
+    # the mirostat slots of the step: their mu after its committed tokens
+    mirostat_mu: dict[int, float] = field(default_factory=dict)
 
 
 class Sampler:
@@ -69,6 +73,7 @@ class Sampler:
         self.device = device
         self.eos_token_ids = eos_token_ids
         self.state = SamplingState(num_slots, vocab_size, device, reasoning)
+        self.llama = LlamaDrawState(num_slots, device)  # llama.cpp's draw samplers, mu
         self.processors = [cls(num_slots, vocab_size, device) for cls in processor_classes or ()]
         self.processor_uses = [np.zeros(num_slots, dtype=bool) for _ in self.processors]
         self.kernels = load_sampling_kernels(device) if use_kernels else None
@@ -85,11 +90,13 @@ class Sampler:
         stop_ids = list(dict.fromkeys(
             [*([] if params.ignore_eos else self.eos_token_ids), *params.stop_token_ids]))
         self.state.add_request(seq, stop_ids)
+        self.llama.add_request(seq)
         for processor, uses in zip(self.processors, self.processor_uses, strict=True):
             uses[seq.slot] = processor.add_request(seq)
 
     def remove_request(self, slot: int) -> None:
         self.state.remove_request(slot)
+        self.llama.remove_request(slot)
         for processor, uses in zip(self.processors, self.processor_uses, strict=True):
             if uses[slot]:
                 processor.remove_request(slot)
@@ -166,7 +173,8 @@ class Sampler:
             state.update_after_sample(batch.slots, batch.slots_gpu, token_ids, token_ids_cpu)
         return SamplerOutput(token_ids_cpu,
                              self._logprobs(batch, token_ids, raw_rows, raw, processed_rows,
-                                            final), num_accepted)
+                                            final), num_accepted,
+                             self.llama.commit(batch, num_accepted))
 
     def _is_plain(self, batch: SamplingBatch) -> bool:
         """Every row greedy, without logprobs, stages, processors or drafts."""
@@ -252,14 +260,18 @@ class Sampler:
     def _draw(self, logits: torch.Tensor, batch: SamplingBatch, rows: np.ndarray,
               need_final: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Temperature, truncation and the draw for the random rows -> their tokens [r], and
-        (if asked) their final logits [r, V]."""
+        (if asked) their final logits [r, V]. Rows with llama.cpp's draw samplers take
+        llama_draw.py's chain; the others vLLM's (truncation.py)."""
         state = self.state
         device = logits.device
         drawn = torch.empty(len(rows), dtype=torch.int64, device=device)
         final = torch.empty(len(rows), logits.shape[1], device=device) if need_final else None
-        truncated = state.uses["truncated"][batch.slots[rows]]
-        for group, is_truncated in ((np.nonzero(~truncated)[0], False),
-                                    (np.nonzero(truncated)[0], True)):
+        slots_cpu = batch.slots[rows]
+        is_llama = state.uses["llama_draw"][slots_cpu]
+        truncated = state.uses["truncated"][slots_cpu] & ~is_llama
+        for group, kind in ((np.flatnonzero(~truncated & ~is_llama), "full"),
+                            (np.flatnonzero(truncated), "truncated"),
+                            (np.flatnonzero(is_llama), "llama")):
             if not len(group):
                 continue
             at = torch.from_numpy(group).to(device)  # positions among the random rows
@@ -269,18 +281,26 @@ class Sampler:
                 state.temperature.index_select(0, slots)[:, None])
             keys = row_keys(state.seed.index_select(0, slots),
                             batch.positions.index_select(0, index))
-            if not is_truncated:
+            if kind == "full":
                 drawn[at] = draw_full(scaled, keys)
                 if final is not None:
                     final[at] = scaled
                 continue
+            if kind == "llama":
+                drawn[at], final_llama = self.llama.draw(scaled, rows[group], batch, state, keys)
+                if final is not None:
+                    final[at] = final_llama
+                continue
             ids, vals = truncate(scaled, state.top_k.index_select(0, slots),
                                  state.top_p.index_select(0, slots),
                                  state.log_min_p.index_select(0, slots),
-                                 max_top_k=int(state.top_k_cpu[batch.slots[rows[group]]].max()))
+                                 max_top_k=int(state.top_k_cpu[slots_cpu[group]].max()))
             drawn[at] = draw_candidates(ids, vals, keys)
             if final is not None:
-                final[at] = torch.full_like(scaled, NEG_INF).scatter_(1, ids, vals)
+                # amax: a row's candidates may end in padding (id 0 at -inf, truncate's
+                # widening for other rows), which must not overwrite token 0's value
+                final[at] = torch.full_like(scaled, NEG_INF).scatter_reduce_(1, ids, vals,
+                                                                             "amax")
         return drawn, final
 
     def _logprobs(self, batch: SamplingBatch, token_ids: torch.Tensor, raw_rows: np.ndarray,

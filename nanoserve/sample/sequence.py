@@ -27,3 +27,6 @@ class SequenceData:
     # who asked: the digest of the API key the request presented ("" without one); draft
     # proposers that learn across requests keep what they learn per tenant
     tenant: str = ""
+    # mirostat's mu after the committed output (None: a fresh request, mu starts at 2 * tau);
+    # the engine keeps it across a preemption (StepOutput.mirostat_mu)
+    mirostat_mu: float | None = None
