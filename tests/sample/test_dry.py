@@ -21,7 +21,13 @@ from nanoserve.dry_breakers import (
     dry_breaker_token_ids,
     token_texts,
 )
-from nanoserve.sample.dry import DryBreakers, _reverse_z, apply_dry, repeat_lengths
+from nanoserve.sample.dry import (
+    DryBreakers,
+    _doubling_lengths,
+    _reverse_z,
+    apply_dry,
+    repeat_lengths,
+)
 from nanoserve.sample.penalty_window import apply_penalty_window
 from nanoserve.sampling_params import SamplingParams
 
@@ -235,6 +241,38 @@ def test_repeat_lengths_equal_the_z_algorithm() -> None:
         cap = rng.choice([0, 1, 3, 64, 65, 1000])
         assert np.array_equal(repeat_lengths(history, cap),
                               np.minimum(_reverse_z(history.tolist()), cap))
+
+
+def test_the_prefix_doubling_equals_the_z_algorithm() -> None:
+    """The gallop's fallback alone, on random and near-periodic histories (one or two tokens
+    changed), at caps below, at and past powers of two and the history."""
+    rng = random.Random(7)
+    for _ in range(300):
+        n = rng.randint(2, 130)
+        stretch = [rng.randrange(4) for _ in range(rng.randint(1, 9))]
+        history = (stretch * n)[:n] if rng.random() < 0.6 else random_history(rng, n)
+        for _ in range(rng.randint(0, 2)):
+            history[rng.randrange(n)] = rng.randrange(4)
+        tokens = np.array(history, dtype=np.int64)
+        want = _reverse_z(history)
+        for cap in (0, 1, 2, 3, 4, 31, 32, 33, n - 1, n, 1000):
+            assert np.array_equal(_doubling_lengths(tokens, cap), np.minimum(want, cap))
+            assert np.array_equal(repeat_lengths(tokens, cap), np.minimum(want, cap))
+
+
+@pytest.mark.parametrize(("stretch", "base"), [([7], 1.1), ([7], 1.75), ([3, 1, 4], 1.1),
+                                               (list(range(2, 15)), 1.05)])
+def test_long_loops_equal_llama_cpp(stretch: list[int], base: float) -> None:
+    """Loops long enough for the prefix doubling to take over (1.1: the exponent clamps at
+    930, past the history; 1.75: at 158), with a breaker inside the history or none."""
+    history = (stretch * 700)[:700]
+    row = np.linspace(-2, 2, VOCAB, dtype=np.float32)
+    for breakers in ([], [[15]]):
+        p = dry_params(breakers, dry_base=base, dry_allowed_length=3)
+        tokens = [*history[:200], 15, *history[200:]] if breakers else history
+        got = run_dry(p, tokens[:9], tokens[9:], torch.from_numpy(row)[None])
+        assert np.array_equal(got.numpy(), ref_dry(row, tokens, breakers, p))
+        assert (got.numpy() < row).sum() == 1
 
 
 def test_draft_rows_equal_one_token_decodes() -> None:
