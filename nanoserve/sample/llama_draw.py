@@ -43,9 +43,12 @@ row. The engine carries each slot's mu back with the step (StepOutput.mirostat_m
 preempted request resumes with it (SequenceData.mirostat_mu).
 
 Rows that ask for processed logprobs get the post-sampler logits: s, -inf where cut.
-Cost: the chain sorts as much of a row as its survivors need (the whole vocabulary where
-min-p and top-k do not cut: typical-p needs every survivor), mirostat 1 sorts the whole row;
-only the rows that ask for these samplers pay it.
+Cost: the chain sorts as much of a row as its survivors need; typical-p where min-p and
+top-k do not cut (it needs every survivor) sorts the row's values only, for its sums, and its
+kept set from the few tokens whose shift is smallest (llama_filters.typical_whole). Mirostat
+finds its kept set among the best tokens, widened as needed, and draws the noise of the kept
+tokens only. Every shortcut gives the same kept set and token as the plain computation; only
+the rows that ask for these samplers pay any of it.
 """
 
 from __future__ import annotations
@@ -55,12 +58,13 @@ import torch
 
 from nanoserve.sample.llama_filters import (
     NEG_INF,
-    mirostat_log2_p,
+    mirostat_masses,
     mirostat_v1_keep,
     mirostat_v2_keep,
     top_n_sigma,
     top_p_survivors,
     typical,
+    typical_whole,
     xtc,
     zipf_exponents,
 )
@@ -92,6 +96,8 @@ class LlamaDrawState:
         # which samplers a slot uses (host): a step skips the ones no row uses
         self.uses = {name: np.zeros(num_slots, dtype=bool)
                      for name in ("top_n_sigma", "typical", "top_p", "xtc")}
+        # typical-p with no min-p or top-k before it: llama_filters.typical_whole
+        self.typical_whole = np.zeros(num_slots, dtype=bool)
         # the step's mirostat rows (batch rows, host) and the mu after each one's draw
         self._rows: np.ndarray | None = None
         self._mu_after = zeros()[:0]
@@ -104,6 +110,8 @@ class LlamaDrawState:
         self.mirostat[slot] = p.mirostat if llama else 0
         self.uses["top_n_sigma"][slot] = llama and p.top_n_sigma > 0.0
         self.uses["typical"][slot] = llama and p.typical_p < 1.0
+        self.typical_whole[slot] = (llama and p.typical_p < 1.0 and p.min_p <= 0.0
+                                    and p.top_k <= 0)
         self.uses["top_p"][slot] = llama and p.top_p < 1.0
         self.uses["xtc"][slot] = llama and p.xtc_probability > 0.0 and p.xtc_threshold <= 0.5
         self.typical_p[slot] = p.typical_p
@@ -116,6 +124,7 @@ class LlamaDrawState:
 
     def remove_request(self, slot: int) -> None:
         self.mirostat[slot] = 0
+        self.typical_whole[slot] = False
         for flags in self.uses.values():
             flags[slot] = False
 
@@ -125,22 +134,25 @@ class LlamaDrawState:
         temperature-scaled logits, keys [r] their noise keys -> (token ids [r], final logits
         [r, V]: scaled with -inf where cut). Keeps the mirostat rows' new mu for `commit`."""
         slots = batch.slots[rows]
-        drawn = torch.empty(len(rows), dtype=torch.int64, device=scaled.device)
-        final = torch.empty_like(scaled)
         miro = np.flatnonzero(self.mirostat[slots] > 0)
         chain = np.flatnonzero(self.mirostat[slots] == 0)
-        if len(chain):
-            at = torch.from_numpy(chain).to(scaled.device)
-            ids, vals = self._chain(scaled.index_select(0, at), rows[chain], batch, state)
-            drawn[at] = draw_candidates(ids, vals, keys.index_select(0, at))
-            # amax: padding candidates (id 0 at -inf) must not overwrite token 0
-            final[at] = torch.full_like(final[at], NEG_INF).scatter_reduce_(1, ids, vals,
-                                                                            "amax")
         self._rows = rows[miro] if len(miro) else None
-        if len(miro):
-            at = torch.from_numpy(miro).to(scaled.device)
-            drawn[at], final[at], self._mu_after = self._mirostat(
-                scaled.index_select(0, at), rows[miro], batch, keys.index_select(0, at))
+        if not len(miro):  # one kind of row (the usual step): no copies in and out
+            ids, vals = self._chain(scaled, rows, batch, state)
+            return draw_candidates(ids, vals, keys), _scatter_final(scaled, ids, vals)
+        if not len(chain):
+            drawn, final, self._mu_after = self._mirostat(scaled, rows, batch, keys)
+            return drawn, final
+        drawn = torch.empty(len(rows), dtype=torch.int64, device=scaled.device)
+        final = torch.empty_like(scaled)
+        at = torch.from_numpy(chain).to(scaled.device)
+        part = scaled.index_select(0, at)
+        ids, vals = self._chain(part, rows[chain], batch, state)
+        drawn[at] = draw_candidates(ids, vals, keys.index_select(0, at))
+        final[at] = _scatter_final(part, ids, vals)
+        at = torch.from_numpy(miro).to(scaled.device)
+        drawn[at], final[at], self._mu_after = self._mirostat(
+            scaled.index_select(0, at), rows[miro], batch, keys.index_select(0, at))
         return drawn, final
 
     def _chain(self, scaled: torch.Tensor, rows: np.ndarray, batch: SamplingBatch,
@@ -149,14 +161,36 @@ class LlamaDrawState:
         cut."""
         slots = batch.slots[rows]
         slots_gpu = torch.from_numpy(slots).to(scaled.device)
-        if self.uses["top_n_sigma"][slots].any():
+        sigma = np.flatnonzero(self.uses["top_n_sigma"][slots])
+        if len(sigma) == len(rows):
             scaled = top_n_sigma(scaled, self.top_n_sigma.index_select(0, slots_gpu))
-        ids, vals = truncate(scaled, state.top_k.index_select(0, slots_gpu),
-                             torch.ones(len(rows), device=scaled.device),  # top-p comes later
-                             state.log_min_p.index_select(0, slots_gpu),
-                             max_top_k=int(state.top_k_cpu[slots].max()))
-        if self.uses["typical"][slots].any():
-            vals = typical(ids, vals, self.typical_p.index_select(0, slots_gpu))
+        elif len(sigma):  # only the rows that use it (top_n_sigma leaves n <= 0 rows alone)
+            at = torch.from_numpy(sigma).to(scaled.device)
+            scaled = scaled.index_copy(0, at, top_n_sigma(
+                scaled.index_select(0, at), self.top_n_sigma.index_select(0, slots_gpu[at])))
+        # typical-p on whole rows (no min-p, no top-k): typical_whole, without truncate's sort
+        whole = self.typical_whole[slots]
+        parts = []
+        if whole.any():
+            part = np.flatnonzero(whole)
+            at = torch.from_numpy(part).to(scaled.device)
+            part_slots = slots_gpu.index_select(0, at)
+            parts.append((part, *typical_whole(
+                scaled if whole.all() else scaled.index_select(0, at),
+                self.typical_p.index_select(0, part_slots))))
+        if not whole.all():
+            part = np.flatnonzero(~whole)
+            at = torch.from_numpy(part).to(scaled.device)
+            part_slots = slots_gpu.index_select(0, at)
+            ids, vals = truncate(scaled if not whole.any() else scaled.index_select(0, at),
+                                 state.top_k.index_select(0, part_slots),
+                                 torch.ones(len(part), device=scaled.device),  # top-p later
+                                 state.log_min_p.index_select(0, part_slots),
+                                 max_top_k=int(state.top_k_cpu[slots[part]].max()))
+            if self.uses["typical"][slots[part]].any():
+                vals = typical(ids, vals, self.typical_p.index_select(0, part_slots))
+            parts.append((part, ids, vals))
+        ids, vals = parts[0][1:] if len(parts) == 1 else _merge_rows(len(rows), *parts)
         if self.uses["top_p"][slots].any():
             vals = top_p_survivors(vals, state.top_p.index_select(0, slots_gpu))
         if self.uses["xtc"][slots].any():
@@ -179,10 +213,8 @@ class LlamaDrawState:
         slots_gpu = torch.from_numpy(slots).to(device)
         is_v1 = torch.from_numpy(self.mirostat[slots] == 1).to(device)
         tau, eta = self.tau.index_select(0, slots_gpu), self.eta.index_select(0, slots_gpu)
-        log2_p, weights = mirostat_log2_p(scaled)
+        top, weights, log_z = mirostat_masses(scaled)
         zipf = zipf_exponents(scaled) if bool(is_v1.any()) else None
-        # the noise does not depend on mu: one Gumbel-max score per token for every pass
-        scores = scaled + gumbel_noise(keys, torch.arange(scaled.shape[1], device=device))
         offsets = (np.zeros(len(rows), dtype=np.int64) if batch.offsets is None
                    else batch.offsets[rows])
         mu = self.mu.index_select(0, slots_gpu)
@@ -197,17 +229,23 @@ class LlamaDrawState:
             # no windows: every row at once, without copies
             at = slice(None) if len(level) == len(rows) else index
             mu_here = mu[at]
-            kept = mirostat_v2_keep(scaled[at], log2_p[at], mu_here)
+            kept = mirostat_v2_keep(scaled[at], top[at], log_z[at], mu_here)
             if zipf is not None:
-                s_hat, ordered, size = (x[at] for x in zipf)
+                s_hat, size = (x[at] for x in zipf)
                 kept = torch.where(is_v1[at][:, None], mirostat_v1_keep(
-                    scaled[at], s_hat, ordered, size, mu_here), kept)
+                    scaled[at], s_hat, size, mu_here), kept)
             keep[at] = kept
-            tokens = scores[at].masked_fill(~kept, NEG_INF).argmax(dim=-1)  # first: lowest id
-            drawn[at] = tokens
+            # Gumbel-max over the kept tokens only (in id order: the first max, the lowest id)
+            ids, inside = _kept_ids(kept)
+            scores = scaled[at].gather(1, ids) + gumbel_noise(keys[at], ids)
+            tokens = ids.gather(1, scores.masked_fill(~inside, NEG_INF).argmax(dim=-1,
+                                                                                keepdim=True))
+            drawn[at] = tokens[:, 0]
             # surprise of the drawn token under the distribution renormalized over `kept`
-            kept_mass = (weights[at] * kept).cumsum(dim=-1)[:, -1]
-            chosen = weights[at].gather(1, tokens[:, None])[:, 0]
+            # (the sum in id order, as over the whole row with zeros where cut)
+            kept_mass = weights[at].gather(1, ids).masked_fill(~inside, 0.0).cumsum(
+                dim=-1)[:, -1]
+            chosen = weights[at].gather(1, tokens)[:, 0]
             surprise = -torch.log2(chosen / kept_mass)
             mu_after[at] = mu_here - eta[at] * (surprise - tau[at])
         return drawn, scaled.masked_fill(~keep, NEG_INF), mu_after
@@ -231,3 +269,37 @@ class LlamaDrawState:
         values = self._mu_after.index_select(0, torch.from_numpy(where[last]).to(self.device))
         self.mu[torch.from_numpy(slots).to(self.device)] = values
         return dict(zip(slots.tolist(), values.tolist(), strict=True))
+
+
+def _merge_rows(rows: int, *parts: tuple[np.ndarray, torch.Tensor, torch.Tensor]
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Candidates (ids, vals) of row subsets (host rows, ids, vals) -> one [rows, K], padded
+    with id 0 at -inf."""
+    width = max(ids.shape[1] for _, ids, _ in parts)
+    device = parts[0][1].device
+    ids = torch.zeros(rows, width, dtype=torch.int64, device=device)
+    vals = torch.full((rows, width), NEG_INF, dtype=parts[0][2].dtype, device=device)
+    for at, some_ids, some_vals in parts:
+        index = torch.from_numpy(at).to(device)
+        ids[index, : some_ids.shape[1]] = some_ids
+        vals[index, : some_vals.shape[1]] = some_vals
+    return ids, vals
+
+
+def _kept_ids(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """keep [r, V] -> (each row's kept token ids in ascending order [r, K], padded with id 0;
+    which entries are real [r, K]), K the most kept in a row."""
+    counts = keep.sum(dim=-1)
+    width = max(int(counts.max()), 1)
+    row, col = keep.nonzero(as_tuple=True)  # row-major: ascending ids within a row
+    starts = counts.cumsum(dim=0) - counts
+    ids = torch.zeros(keep.shape[0], width, dtype=torch.int64, device=keep.device)
+    ids[row, torch.arange(len(row), device=keep.device) - starts[row]] = col
+    inside = torch.arange(width, device=keep.device)[None, :] < counts[:, None]
+    return ids, inside
+
+
+def _scatter_final(scaled: torch.Tensor, ids: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
+    """The final logits [r, V] of candidates (ids, vals): -inf but at the candidates. amax:
+    padding candidates (id 0 at -inf) must not overwrite token 0."""
+    return torch.full_like(scaled, NEG_INF).scatter_reduce_(1, ids, vals, "amax")

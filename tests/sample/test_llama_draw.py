@@ -269,3 +269,56 @@ def test_processed_logprobs_keep_token_0_when_other_rows_widen() -> None:
     for row in (0, 2):
         entry = out.logprobs[row]
         assert entry is not None and entry.top_ids == [0] and entry.top_logprobs[0] > -1.0
+
+
+# -- the shortcuts against the plain computations they replace -----------------------------------
+def test_typical_whole_equals_typical_on_the_whole_row_when_it_must_widen() -> None:
+    """typical_whole (no sort of the tokens, candidates widened as needed) keeps exactly what
+    typical keeps on truncate's whole-row candidates, with the same values: flat rows whose
+    typical set passes the first widths (widths 2, 3, 7 force every widening, up to the
+    whole row), ties in the body and the shift, rows with holes (the narrow path) and rows
+    with holes beside rows without."""
+    from nanoserve.sample.llama_filters import top_n_sigma, typical, typical_whole
+    from nanoserve.sample.truncation import truncate
+
+    vocab, rows = 3000, 6
+    rng = np.random.default_rng(11)
+    flat = torch.from_numpy(rng.normal(0.0, 0.3, (rows, vocab)).astype(np.float32))
+    ties = torch.round(recorded_logits(rng, rows, vocab) * 2) / 2
+    holes = top_n_sigma(recorded_logits(rng, rows, vocab), torch.full((rows,), 1.0,
+                                                                      dtype=torch.float64))
+    mixed = torch.cat([flat[:3], holes[3:]])  # rows with and without holes, together
+    typical_p = torch.tensor([0.2, 0.5, 0.9, 0.95, 0.99, 0.999], dtype=torch.float64)
+    for logits in (flat, ties, holes, mixed):
+        ids, vals = truncate(logits, torch.zeros(rows, dtype=torch.int64), torch.ones(rows),
+                             torch.full((rows,), NEG_INF))
+        want = torch.full_like(logits, NEG_INF).scatter_reduce_(
+            1, ids, typical(ids, vals, typical_p), "amax")
+        for widths in ((64, 1024, 8192), (2, 3, 7), (1,)):
+            got_ids, got_vals = typical_whole(logits, typical_p, widths)
+            got = torch.full_like(logits, NEG_INF).scatter_reduce_(1, got_ids, got_vals, "amax")
+            assert torch.equal(got, want), widths
+            assert bool((got_vals[:, :-1] >= got_vals[:, 1:]).all())  # by value, descending
+    kept = (want > NEG_INF).sum(dim=-1)
+    assert int(kept.max()) > 7  # the last rows needed more than the small widths
+
+
+def test_top_n_sigma_float32_compare_at_the_floor() -> None:
+    """top_n_sigma compares float32 logits with the least float32 at or above the float64
+    floor: the same cut as the float64 compare, with the floor on a logit and one ulp either
+    side."""
+    from nanoserve.sample.llama_filters import fixed_sum, top_n_sigma
+
+    rng = np.random.default_rng(12)
+    logits = recorded_logits(rng, 4, 2000)
+    x = logits.double()
+    finite = x > NEG_INF
+    count = finite.sum(dim=-1).double()
+    mean = fixed_sum(x.masked_fill(~finite, 0.0)) / count
+    std = (fixed_sum((x - mean[:, None]).masked_fill(~finite, 0.0) ** 2) / count).sqrt()
+    top = logits.amax(dim=-1).double()
+    exact = (top - logits[:, 7].double()) / std  # the floor lands on (or next to) token 7
+    for n in (exact, torch.nextafter(exact, exact + 1), torch.nextafter(exact, exact - 1)):
+        floor = top - n * std
+        want = logits.masked_fill(logits.double() < floor[:, None], NEG_INF)
+        assert torch.equal(top_n_sigma(logits, n), want)

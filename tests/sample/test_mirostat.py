@@ -182,3 +182,28 @@ def test_seeded_mirostat_is_batch_invariant_and_survives_preemption(llama_dir: s
             temperature=0.0, max_tokens=40, ignore_eos=True))
     assert run_to_completion(tight, {"m": PROMPT}, SEEDED)["m"] == alone
     assert any(rid == "m" and num > 0 for rid, num in preempted), preempted
+
+
+def test_v2_kept_set_widens_and_equals_the_whole_row_compare() -> None:
+    """mirostat_v2_keep looks at the best 64 tokens first and widens while the last of them
+    is kept: the same set as -log2 p <= mu over the whole row, for mu keeping a few, more
+    than 64 (and more than 1,024) tokens, none (the best one, the lowest id among equals),
+    with ties at the top and in the body."""
+    from nanoserve.sample.llama_filters import mirostat_log2_p, mirostat_masses, mirostat_v2_keep
+
+    vocab = 5000
+    rng = np.random.default_rng(4)
+    logits = torch.from_numpy(rng.normal(0.0, 1.0, (5, vocab)).astype(np.float32))
+    logits = torch.round(logits * 8) / 8  # ties everywhere
+    logits[:, 10] = logits[:, 20] = logits.amax(dim=-1) + 1.0  # a tie at the top
+    logits[0, rng.choice(vocab, 50, replace=False)] = NEG_INF
+    top, _, log_z = mirostat_masses(logits)
+    surprise = -mirostat_log2_p(logits, top, log_z)
+    for mu_value in (0.5, 6.0, 11.5, 12.2, 30.0):
+        mu = torch.full((5,), mu_value, dtype=torch.float64)
+        want = surprise <= mu[:, None]
+        for row in range(5):
+            if not bool(want[row].any()):
+                want[row, 10] = True
+        assert torch.equal(mirostat_v2_keep(logits, top, log_z, mu), want), mu_value
+    assert int((surprise <= 12.2).sum(dim=-1).min()) > 1024  # that mu widened past 1,024
