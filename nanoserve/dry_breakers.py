@@ -20,8 +20,8 @@ The vocabulary's texts are read once per tokenizer (the default model's 49,152 t
 indexed by last byte) and each breaker's sequences kept per tokenizer (a scan: ~10 ms for a
 one-byte breaker, ~20 ms for a 40-byte one; 2 Zen 3 cores), so a request with the default
 breakers costs four dictionary lookups after the first. This module is the frontend's: it
-imports nothing of the engine, the sampler or the model (GPT-2's byte alphabet is repeated
-from model/tokenizer.py for that).
+imports nothing of the engine, the sampler or the model (GPT-2's byte alphabet comes from
+byte_alphabet.py, below both).
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
-from functools import cache
 from typing import Any
+
+from nanoserve.byte_alphabet import byte_alphabet
 
 DEFAULT_DRY_BREAKERS = ("\n", ":", '"', "*")  # llama.cpp's common_params_sampling
 MAX_BREAKER_BYTES = 40  # llama.cpp's MAX_CHAR_LEN: a longer breaker is cut
@@ -60,7 +61,7 @@ def token_texts(tokenizer: Any) -> list[bytes]:
     symbols = tokenizer.convert_ids_to_tokens(list(range(num_tokens)))
     added = {i: t.content for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items()}
     is_byte_level = _is_byte_level(tokenizer)
-    unicode_to_byte = {c: b for b, c in _byte_alphabet().items()}
+    unicode_to_byte = {c: b for b, c in byte_alphabet().items()}
     texts = []
     for token_id, symbol in enumerate(symbols):
         if token_id in added:
@@ -137,19 +138,3 @@ def _is_byte_level(tokenizer: Any) -> bool:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     decoder = getattr(backend, "decoder", None)
     return type(decoder).__name__ == "ByteLevel"
-
-
-@cache
-def _byte_alphabet() -> dict[int, str]:
-    """GPT-2's byte -> symbol map (bytes that print stand for themselves; the others move past
-    255, in order)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                 *range(ord("®"), ord("ÿ") + 1)]
-    symbols = list(printable)
-    extra = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            symbols.append(256 + extra)
-            extra += 1
-    return {b: chr(c) for b, c in zip(printable, symbols, strict=True)}

@@ -29,10 +29,10 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass
-from functools import cache
 from pathlib import Path
 from typing import Any
 
+from nanoserve.byte_alphabet import byte_alphabet
 from nanoserve.model.gemma4_tokenizer import gemma4_pipeline, gemma4_tokenizer, is_gemma4_vocabulary
 from nanoserve.model.gguf_file import GGUFFile
 from nanoserve.model.harmony_tokenizer import O200K_PATTERN, keep_harmony_format_tokens
@@ -170,21 +170,6 @@ def _has_fast_vocabulary(meta: dict[str, Any]) -> bool:
             and meta.get("tokenizer.ggml.pre", "default") in _FAST_PRE_TOKENIZERS)
 
 
-@cache
-def _byte_alphabet() -> dict[int, str]:
-    """GPT-2's byte -> printable character map (bytes that print stay; others move past 255)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                 *range(ord("®"), ord("ÿ") + 1)]
-    chars = list(printable)
-    extra = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return {b: chr(c) for b, c in zip(printable, chars, strict=True)}
-
-
 def _byte_level_tokenizer(meta: dict[str, Any]) -> Any:
     from transformers import PreTrainedTokenizerFast
 
@@ -206,7 +191,7 @@ def _byte_level_pipeline(meta: dict[str, Any]) -> tuple[Any, dict[str, str | Non
     added tokens (harmony_tokenizer.py)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, processors
 
-    alphabet = _byte_alphabet()
+    alphabet = byte_alphabet()
     spelled = set(alphabet.values())
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
     token_types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
