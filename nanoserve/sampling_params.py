@@ -27,6 +27,9 @@ MAX_DRY_BREAKERS = 64  # each costs the API process a scan of the vocabulary (~1
 GENERATION_CONFIG_FIELDS = {
     "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
     "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens",
+    # a GGUF's llama.cpp sampling defaults (model/frontend.py names them so)
+    **{name: name for name in ("repeat_last_n", "xtc_probability", "xtc_threshold", "mirostat",
+                               "mirostat_tau", "mirostat_eta")},
 }
 
 

@@ -22,6 +22,12 @@ _GGUF_SAMPLING_KEYS = {
     "general.sampling.temp": "temperature", "general.sampling.top_k": "top_k",
     "general.sampling.top_p": "top_p", "general.sampling.min_p": "min_p",
     "general.sampling.penalty_repeat": "repetition_penalty",
+    # llama.cpp's samplers, by SamplingParams' (llama-server's) names
+    "general.sampling.penalty_last_n": "repeat_last_n",
+    "general.sampling.xtc_probability": "xtc_probability",
+    "general.sampling.xtc_threshold": "xtc_threshold",
+    "general.sampling.mirostat": "mirostat", "general.sampling.mirostat_tau": "mirostat_tau",
+    "general.sampling.mirostat_eta": "mirostat_eta",
 }
 
 
