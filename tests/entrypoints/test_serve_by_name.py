@@ -9,6 +9,9 @@ through the OpenAI SDK as the same file served by its path does.
   quant (listing those offered), a gated repository without a token, offline without the file.
 
 The servers start together (each start is seconds of mostly one core; the machine has two).
+The references are the session's shared servers of the two files (shared_server.py: the default
+model with no flags, test_embeddings.py's; the tiny one by its path, test_chaos.py's), so the
+module starts only the servers by name.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from pathlib import Path
 import pytest
 from hub_server import LocalHub, checkpoint_repo_files, gguf_repo_files, start_hub
 from server_harness import RunningServer
+from shared_server import shared_server
 
 from nanoserve.model.model_path import default_model_path
 
@@ -75,29 +79,33 @@ def serve_fails(env: dict[str, str], *args: str) -> str:
 
 
 def test_each_spelling_serves_what_its_path_serves(
-        hub: LocalHub, hub_env: dict[str, str], tiny_model_dir: Callable[[str], Path]) -> None:
-    spellings = {  # the name given -> the file it must serve (by its path, for the reference)
-        GGUF_REPO: str(default_model_path()),
-        f"hf.co/{GGUF_REPO}:Q8_0": str(default_model_path()),
-        f"{GGUF_REPO}:q4_1": str(default_model_path()),  # the split one, quant in any case
-        TINY_REPO: str(tiny_model_dir("llama")),
+        hub: LocalHub, hub_env: dict[str, str], tiny_model_dir: Callable[[str], Path],
+        request: pytest.FixtureRequest) -> None:
+    default, tiny = str(default_model_path()), str(tiny_model_dir("llama"))
+    spellings = {  # the name given -> the file it must serve (served by itself: the reference)
+        GGUF_REPO: default,
+        f"hf.co/{GGUF_REPO}:Q8_0": default,
+        f"{GGUF_REPO}:q4_1": default,  # the split one, quant in any case
+        TINY_REPO: tiny,
     }
-    by_path = {path: RunningServer(path, wait=False)
-               for path in sorted(set(spellings.values()))}
     by_name = {name: RunningServer(name, wait=False, env=hub_env) for name in spellings}
     try:
-        for server in (*by_path.values(), *by_name.values()):
+        # (started, where this module runs first, while the servers by name start)
+        references = {default: shared_server(request), tiny: shared_server(request, tiny)}
+        for server in by_name.values():
             server.wait_healthy()
         for name, path in spellings.items():
             served = [m.id for m in by_name[name].client().models.list().data]
             assert served == [name], served  # vLLM's rule: served as it was named
-            assert answer(by_name[name], name) == answer(by_path[path], path), name
+            reference = references[path]
+            (reference_name,) = [m.id for m in reference.client().models.list().data]
+            assert answer(by_name[name], name) == answer(reference, reference_name), name
         split_parts = {r.file for r in hub.requests if r.server == "cdn"
                        and r.file and "-of-00003" in r.file}
         assert len(split_parts) == 3, split_parts  # every part of the split, fetched
         assert "pulling manifest" in by_name[TINY_REPO].output_tail(200)  # the progress
     finally:
-        for server in (*by_path.values(), *by_name.values()):
+        for server in by_name.values():
             server.stop()
     # offline: the checkpoint from the cache alone, no request to the hub
     hub.clear_log()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -195,11 +196,14 @@ def test_the_amx_tier_builds_and_says_why_it_cannot_run_here() -> None:
     assert "amx" not in native.available_auto_tiers()
 
 
-@pytest.mark.parametrize("kernel", sorted(native.TIERED_KERNELS))
-def test_the_avxvnni_tier_compiles_where_the_cpu_lacks_it(kernel: str) -> None:
-    """An AVX2 CPU without AVX-VNNI (the one CI runs) never loads the avxvnni tier, so its
-    source is checked here by the compiler alone, with the tier's own flags: a tier that does
-    not compile would otherwise first fail on a user's Alder Lake or Zen 5."""
+_AVXVNNI_TEST = "test_the_avxvnni_tier_compiles_where_the_cpu_lacks_it"
+
+
+@pytest.fixture(scope="module")
+def avxvnni_compiles(request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
+    """The compiler's check of every tiered kernel this run selected, all started at once: each
+    is one core's ~20-30 s in torch's headers, so two kernels on two cores take the time of one.
+    kernel -> its running `c++ -fsyntax-only`."""
     if not native.tier_missing("avxvnni"):
         pytest.skip("this CPU has AVX-VNNI: the tier runs here (the other tests)")
     if native.tier_missing("avx2") or native.missing_build_tool() is not None:
@@ -209,8 +213,26 @@ def test_the_avxvnni_tier_compiles_where_the_cpu_lacks_it(kernel: str) -> None:
     from torch.utils.cpp_extension import include_paths
 
     includes = [f"-I{p}" for p in [*include_paths(), sysconfig.get_paths()["include"]]]
-    out = subprocess.run(
+    selected = {item.callspec.params["kernel"] for item in request.session.items
+                if getattr(item, "originalname", None) == _AVXVNNI_TEST}
+    started = {kernel: subprocess.Popen(
         ["c++", "-fsyntax-only", *native.CPU_FLAGS, *native.TIER_COMPILE_FLAGS["avxvnni"],
          "-DNANOSERVE_CPU_TIER=avxvnni", "-DTORCH_EXTENSION_NAME=check", "-w", *includes,
-         str(native.CSRC_DIR / f"{kernel}.cpp")], capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr[-4000:]
+         str(native.CSRC_DIR / f"{kernel}.cpp")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for kernel in sorted(selected)}
+    yield started
+    for compile_check in started.values():
+        if compile_check.poll() is None:  # its test never ran (the run stopped early)
+            compile_check.kill()
+            compile_check.communicate()
+
+
+@pytest.mark.parametrize("kernel", sorted(native.TIERED_KERNELS))
+def test_the_avxvnni_tier_compiles_where_the_cpu_lacks_it(
+        kernel: str, avxvnni_compiles: dict[str, Any]) -> None:
+    """An AVX2 CPU without AVX-VNNI (the one CI runs) never loads the avxvnni tier, so its
+    source is checked here by the compiler alone, with the tier's own flags: a tier that does
+    not compile would otherwise first fail on a user's Alder Lake or Zen 5."""
+    compile_check = avxvnni_compiles[kernel]
+    _, stderr = compile_check.communicate()
+    assert compile_check.returncode == 0, stderr[-4000:]
