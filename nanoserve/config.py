@@ -86,8 +86,9 @@ class ModelConfig:
     # or "mean" of every position
     pooling: str = "last"
     # the CPU kernels' schedule (kernel_tuning/): "cached" (measured at the first start on a
-    # machine, then read from the cache), "force" (measured again), "off" (today's constants)
-    kernel_tuning: str = "cached"
+    # machine, then read from the cache), "force" (measured again), "off" (today's constants);
+    # NANOSERVE_KERNEL_TUNING sets the default (read when this module is imported)
+    kernel_tuning: str = os.environ.get("NANOSERVE_KERNEL_TUNING", "cached")
 
     # torch is imported where a device or dtype is made, not with this module: the CLI builds
     # its flags from these defaults, and `nanoserve --help` should not wait for torch.

@@ -17,6 +17,12 @@ import os
 for _name, _isa in (("ATEN_CPU_CAPABILITY", "avx2"), ("ONEDNN_MAX_CPU_ISA", "AVX2"),
                     ("MKL_ENABLE_INSTRUCTIONS", "AVX2")):
     os.environ.setdefault(_name, _isa)
+# The built-in kernel schedule for every engine and server a test starts, unless the test asks
+# for tuning (`kernel_tuning=` / `--kernel-tuning`, as tests/kernel_tuning/ does): a fresh
+# machine's first start times every shape class (up to a minute each for the default model and
+# Gemma 3), which would be paid once per shape inside the suite's first tests; the schedules
+# give the same bits (the tuner's and the tier tests hold them to it).
+os.environ.setdefault("NANOSERVE_KERNEL_TUNING", "off")
 
 from collections.abc import Callable  # noqa: E402 - the environment above comes first
 from pathlib import Path  # noqa: E402

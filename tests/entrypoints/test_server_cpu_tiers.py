@@ -32,8 +32,9 @@ def servers(request: pytest.FixtureRequest) -> Iterator[dict[str, RunningServer]
         pytest.skip(f"this CPU has only the avx2 tier (it lacks "
                     f"{', '.join(native.tier_missing(native.TIERS[-1]))})")
     isas = ["avx2", "auto", *(["amx-emu"] if not native.tier_missing("amx-emu") else [])]
-    started = {isa: RunningServer("--kv-cache-dtype", request.param,
-                                  env={"NANOSERVE_CPU_ISA": isa}, wait=False)
+    # the default tuning (the suite's servers run without it): "auto" is the tuner's tier
+    started = {isa: RunningServer("--kv-cache-dtype", request.param, "--kernel-tuning",
+                                  "cached", env={"NANOSERVE_CPU_ISA": isa}, wait=False)
                for isa in isas}
     try:
         for server in started.values():
