@@ -129,30 +129,37 @@ class LlamaDrawState:
             flags[slot] = False
 
     def draw(self, scaled: torch.Tensor, rows: np.ndarray, batch: SamplingBatch,
-             state: SamplingState, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+             state: SamplingState, keys: torch.Tensor, need_final: bool
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The batch's `rows` (host) that use llama.cpp's samplers: scaled [r, V] their
-        temperature-scaled logits, keys [r] their noise keys -> (token ids [r], final logits
-        [r, V]: scaled with -inf where cut). Keeps the mirostat rows' new mu for `commit`."""
+        temperature-scaled logits, keys [r] their noise keys -> (token ids [r], and with
+        `need_final` the final logits [r, V]: scaled with -inf where cut; else None). Keeps
+        the mirostat rows' new mu for `commit`."""
         slots = batch.slots[rows]
         miro = np.flatnonzero(self.mirostat[slots] > 0)
         chain = np.flatnonzero(self.mirostat[slots] == 0)
         self._rows = rows[miro] if len(miro) else None
         if not len(miro):  # one kind of row (the usual step): no copies in and out
             ids, vals = self._chain(scaled, rows, batch, state)
-            return draw_candidates(ids, vals, keys), _scatter_final(scaled, ids, vals)
+            return (draw_candidates(ids, vals, keys),
+                    _scatter_final(scaled, ids, vals) if need_final else None)
         if not len(chain):
-            drawn, final, self._mu_after = self._mirostat(scaled, rows, batch, keys)
+            drawn, final, self._mu_after = self._mirostat(scaled, rows, batch, keys,
+                                                          need_final)
             return drawn, final
         drawn = torch.empty(len(rows), dtype=torch.int64, device=scaled.device)
-        final = torch.empty_like(scaled)
+        final = torch.empty_like(scaled) if need_final else None
         at = torch.from_numpy(chain).to(scaled.device)
         part = scaled.index_select(0, at)
         ids, vals = self._chain(part, rows[chain], batch, state)
         drawn[at] = draw_candidates(ids, vals, keys.index_select(0, at))
-        final[at] = _scatter_final(part, ids, vals)
+        if final is not None:
+            final[at] = _scatter_final(part, ids, vals)
         at = torch.from_numpy(miro).to(scaled.device)
-        drawn[at], final[at], self._mu_after = self._mirostat(
-            scaled.index_select(0, at), rows[miro], batch, keys.index_select(0, at))
+        drawn[at], final_miro, self._mu_after = self._mirostat(
+            scaled.index_select(0, at), rows[miro], batch, keys.index_select(0, at), need_final)
+        if final is not None and final_miro is not None:
+            final[at] = final_miro
         return drawn, final
 
     def _chain(self, scaled: torch.Tensor, rows: np.ndarray, batch: SamplingBatch,
@@ -204,8 +211,10 @@ class LlamaDrawState:
         return ids, vals
 
     def _mirostat(self, scaled: torch.Tensor, rows: np.ndarray, batch: SamplingBatch,
-                  keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Mirostat rows -> (token ids [m], final logits [m, V], mu after each draw [m]).
+                  keys: torch.Tensor, need_final: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """Mirostat rows -> (token ids [m], final logits [m, V] or None without `need_final`,
+        mu after each draw [m]).
         One pass per window offset: row j of a window starts from row j - 1's new mu (the
         rows of a window are consecutive, so that is the previous mirostat row)."""
         device = scaled.device
@@ -220,7 +229,7 @@ class LlamaDrawState:
         mu = self.mu.index_select(0, slots_gpu)
         mu_after = torch.empty_like(mu)
         drawn = torch.empty(len(rows), dtype=torch.int64, device=device)
-        keep = torch.empty_like(scaled, dtype=torch.bool)
+        keep = torch.empty_like(scaled, dtype=torch.bool) if need_final else None
         for offset in range(int(offsets.max()) + 1):
             level = np.flatnonzero(offsets == offset)
             index = torch.from_numpy(level).to(device)
@@ -234,7 +243,8 @@ class LlamaDrawState:
                 s_hat, size = (x[at] for x in zipf)
                 kept = torch.where(is_v1[at][:, None], mirostat_v1_keep(
                     scaled[at], s_hat, size, mu_here), kept)
-            keep[at] = kept
+            if keep is not None:
+                keep[at] = kept
             # Gumbel-max over the kept tokens only (in id order: the first max, the lowest id)
             ids, inside = _kept_ids(kept)
             scores = scaled[at].gather(1, ids) + gumbel_noise(keys[at], ids)
@@ -248,7 +258,8 @@ class LlamaDrawState:
             chosen = weights[at].gather(1, tokens)[:, 0]
             surprise = -torch.log2(chosen / kept_mass)
             mu_after[at] = mu_here - eta[at] * (surprise - tau[at])
-        return drawn, scaled.masked_fill(~keep, NEG_INF), mu_after
+        final = None if keep is None else scaled.masked_fill(~keep, NEG_INF)
+        return drawn, final, mu_after
 
     def commit(self, batch: SamplingBatch, num_accepted: list[int]) -> dict[int, float]:
         """After the drafts are checked: each mirostat slot takes the mu after its last

@@ -18,17 +18,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-NEG_INF = float("-inf")
+from nanoserve.sample.truncation import NEG_INF, fixed_sum
+
 MIROSTAT_M = 100  # llama.cpp's m: the best tokens mirostat 1 fits its Zipf exponent on
 TYPICAL_WIDTHS = (64, 1024, 8192)  # typical_whole's candidates, then the whole vocabulary
-
-
-def fixed_sum(x: torch.Tensor) -> torch.Tensor:
-    """Each row's sum of x [r, V] (float64) in a fixed order: blocks of 128, then the blocks
-    (truncation.whole_mass's order), whatever the other rows or the thread count."""
-    if x.shape[1] % 128:
-        x = F.pad(x, (0, -x.shape[1] % 128))  # zeros add nothing
-    return x.view(x.shape[0], -1, 128).sum(dim=-1).sum(dim=-1)
 
 
 def _masses(vals: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -287,8 +287,9 @@ class Sampler:
                     final[at] = scaled
                 continue
             if kind == "llama":
-                drawn[at], final_llama = self.llama.draw(scaled, rows[group], batch, state, keys)
-                if final is not None:
+                drawn[at], final_llama = self.llama.draw(scaled, rows[group], batch, state, keys,
+                                                         need_final=final is not None)
+                if final is not None and final_llama is not None:
                     final[at] = final_llama
                 continue
             ids, vals = truncate(scaled, state.top_k.index_select(0, slots),

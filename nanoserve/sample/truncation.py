@@ -117,10 +117,15 @@ def whole_mass(scaled: torch.Tensor) -> torch.Tensor:
     one sum over few long rows is split across threads, in an order that depends on both."""
     top = scaled.amax(dim=-1, keepdim=True)
     top = torch.where(top.isinf(), torch.zeros_like(top), top)  # all -inf rows stay finite
-    weights = (scaled - top).exp_().double()
-    if weights.shape[1] % 128:
-        weights = F.pad(weights, (0, -weights.shape[1] % 128))  # zeros add nothing
-    return weights.view(weights.shape[0], -1, 128).sum(dim=-1).sum(dim=-1)
+    return fixed_sum((scaled - top).exp_().double())
+
+
+def fixed_sum(x: torch.Tensor) -> torch.Tensor:
+    """Each row's sum of x [r, V] (float64) in a fixed order: blocks of 128, then the blocks,
+    whatever the other rows or the thread count (`whole_mass`; llama_filters.py's sums)."""
+    if x.shape[1] % 128:
+        x = F.pad(x, (0, -x.shape[1] % 128))  # zeros add nothing
+    return x.view(x.shape[0], -1, 128).sum(dim=-1).sum(dim=-1)
 
 
 def draw_full(scaled: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:

@@ -135,7 +135,8 @@ def kept_sets(sampler: Sampler, logits: torch.Tensor, slots: np.ndarray,
     temperature = sampler.state.temperature[batch.slots_gpu][:, None]
     keys = row_keys(sampler.state.seed[batch.slots_gpu], batch.positions)
     drawn, final = sampler.llama.draw(logits / temperature, np.arange(len(slots)), batch,
-                                      sampler.state, keys)
+                                      sampler.state, keys, need_final=True)
+    assert final is not None
     return drawn.tolist(), [set(torch.nonzero(row > NEG_INF)[:, 0].tolist()) for row in final]
 
 
@@ -307,7 +308,8 @@ def test_top_n_sigma_float32_compare_at_the_floor() -> None:
     """top_n_sigma compares float32 logits with the least float32 at or above the float64
     floor: the same cut as the float64 compare, with the floor on a logit and one ulp either
     side."""
-    from nanoserve.sample.llama_filters import fixed_sum, top_n_sigma
+    from nanoserve.sample.llama_filters import top_n_sigma
+    from nanoserve.sample.truncation import fixed_sum
 
     rng = np.random.default_rng(12)
     logits = recorded_logits(rng, 4, 2000)
