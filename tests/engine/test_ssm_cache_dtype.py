@@ -103,15 +103,22 @@ def test_the_pool_holds_16bit_recurrent_states(qwen35_dir: Any, ssm_dtype: str) 
 @pytest.mark.parametrize("ssm_dtype", ["bfloat16", "float16"])
 def test_native_stack_equals_the_python_loop(hybrid_source: Any, ssm_dtype: str) -> None:
     """test_hybrid_native.py's step-by-step comparison with a 16-bit pool: decodes, batches,
-    prefill chunks beside them and snapshots at block boundaries."""
+    prefill chunks beside them and snapshots at block boundaries. The pool starts as NaNs (it is
+    `torch.empty`, so a slot may hold any bits before its first use): the tokens are a clean
+    pool's, so no slot's old bits reach a request."""
+    prompts = {f"p{n}": random_ids(n, seed=300 + n) for n in (1, 5, 17, 40, 90)}
+    clean = run_to_completion(engine(hybrid_source("dense", "q8_0"), ssm_dtype,
+                                     quantization="gguf", max_num_batched_tokens=24),
+                              prompts, GREEDY)
     core = engine(hybrid_source("dense", "q8_0"), ssm_dtype, quantization="gguf",
                   max_num_batched_tokens=24)
-    assert core.runner.state_pool is not None
-    assert core.runner.state_pool.ssm.dtype == getattr(torch, ssm_dtype)
+    pool = core.runner.state_pool
+    assert pool is not None and pool.ssm.dtype == getattr(torch, ssm_dtype)
+    pool.ssm.fill_(float("nan"))
+    pool.conv.fill_(float("nan"))
     both = HybridNativeAndPython(core.runner.plan)
-    prompts = {f"p{n}": random_ids(n, seed=300 + n) for n in (1, 5, 17, 40, 90)}
     got = run_to_completion(core, prompts, GREEDY)
-    assert all(len(ids) == GREEDY.max_tokens for ids in got.values())
+    assert got == clean and all(len(ids) == GREEDY.max_tokens for ids in got.values())
     assert 24 in both.num_tokens and 1 in both.num_tokens and both.num_snapshots > 0
     assert both.identical and all(both.identical)
 
