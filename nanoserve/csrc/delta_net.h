@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "schedule.h"
 #include "simd_exp.h"
 #include "simd_reduce.h"
 
@@ -297,6 +298,17 @@ inline void recur_strip(const Problem& p, int64_t n, int64_t h, int64_t j0) {
   if constexpr (!kInPlace) copy_strip<W, FloatState, State>(S, stride, live, dv, dk);
 }
 
+// Every (sequence, value head) of the problem, strips of 8W columns, then 8 at a time.
+template <typename State, int W>
+inline void recur_heads(const Problem& p) {
+  const int64_t heads = p.value_heads, wide = p.dv / (8 * W);
+  for_each_item(p.num_seqs * heads, [&](int64_t item) {
+    const int64_t n = item / heads, h = item % heads;
+    for (int64_t strip = 0; strip < wide; ++strip) recur_strip<State, W>(p, n, h, 8 * W * strip);
+    for (int64_t j0 = 8 * W * wide; j0 < p.dv; j0 += 8) recur_strip<State, 1>(p, n, h, j0);
+  });
+}
+
 inline void check_float(const torch::Tensor& x, std::initializer_list<int64_t> sizes,
                         const char* name) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.is_contiguous() &&
@@ -386,19 +398,18 @@ inline torch::Tensor delta_rule(torch::Tensor qkv, torch::Tensor a, torch::Tenso
     conv_block(p, n, c0, std::min(width, C - c0));
     if (c0 == 0) sequence_gates(p, n);
   });
-  // 2) the recurrence, each (sequence, value head) on one thread: strip by strip of 32 columns
-  // (8 at the end), each strip through the sequence's tokens in order. (Strips as work items
-  // of their own: the same at a prefill, slower at a decode on two Zen 5 threads, 2.5 against
-  // 1.8 ms for 32 sequences, 72 against 54 us for one.)
-  const int64_t wide = dv / 32, strips = wide + dv % 32 / 8;
+  // 2) the recurrence, each (sequence, value head) on one thread: strip by strip of the
+  // schedule's columns (8 at the end), each strip through the sequence's tokens in order.
+  // (Strips as work items of their own: the same at a prefill, slower at a decode on two Zen 5
+  // threads, 2.5 against 1.8 ms for 32 sequences, 72 against 54 us for one.)
   auto recur = [&](auto state) {
     using State = decltype(state);
-    for_each_item(N * H, [&](int64_t item) {
-      const int64_t n = item / H, h = item % H;
-      for (int64_t strip = 0; strip < wide; ++strip) recur_strip<State, 4>(p, n, h, 32 * strip);
-      for (int64_t strip = wide; strip < strips; ++strip)
-        recur_strip<State, 1>(p, n, h, 32 * wide + 8 * (strip - wide));
-    });
+    switch (schedule::current().delta_net_strip_columns) {
+      case 8: recur_heads<State, 1>(p); break;
+      case 16: recur_heads<State, 2>(p); break;
+      case 64: recur_heads<State, 8>(p); break;
+      default: recur_heads<State, 4>(p); break;
+    }
   };
   if (ssm_states.scalar_type() == torch::kBFloat16)
     recur(BFloat16State{});

@@ -231,4 +231,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("conv_states"), py::arg("ssm_states"), py::arg("slots"),
            py::arg("query_start"), py::arg("snapshots"),
            py::call_guard<py::gil_scoped_release>());
+  m.def("get_schedule", [] { return schedule::flat(schedule::current()); },
+        "this module's kernel schedule (flat)");
+  m.def("set_schedule", &schedule::set_flat, "set this module's kernel schedule (flat): the "
+        "DeltaNet strips of its delta_rule");
 }

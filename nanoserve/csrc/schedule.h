@@ -22,6 +22,10 @@
 //   amx_min_rows                (amx tiers) from this many rows the matmul runs on tiles
 //   spin_us                     how long a one-region barrier spins before it sleeps
 //   grain_bytes                 the weight bytes a matmul thread task takes at least
+//   delta_net_strip_columns     the value columns of a DeltaNet state the recurrence carries
+//                               through a sequence's tokens at once (8, 16, 32 or 64: W
+//                               independent FMA chains of 8, delta_net.h); a column's sums are
+//                               the same at every width
 #pragma once
 
 #include <immintrin.h>
@@ -67,11 +71,13 @@ struct Schedule {
   int64_t amx_min_rows;
   int32_t spin_us;
   int64_t grain_bytes;
+  int32_t delta_net_strip_columns;
 };
 
 // Today's constants, each chosen on a 2-core AMD EPYC (docs/benchmarks.md): non-temporal
 // requests 1 KB ahead (Zen 1 and Zen 3's best), T1 for the KV rows, attention a tile (32
-// keys) a step, the wide form from 16 rows, a 10 us spin, 16 KB tasks.
+// keys) a step, the wide form from 16 rows, a 10 us spin, 16 KB tasks, DeltaNet strips of 32
+// columns (delta_net.h).
 inline Schedule defaults() {
   Schedule s{};
   for (auto& layout : s.weights)
@@ -83,6 +89,7 @@ inline Schedule defaults() {
   s.amx_min_rows = 16;  // below, a tile's fixed costs lose to vpdpbusd (cpu-tiers prototype)
   s.spin_us = 10;
   s.grain_bytes = 16384;
+  s.delta_net_strip_columns = 32;
   return s;
 }
 
@@ -96,8 +103,9 @@ inline const Prefetch& weights(int layout, int64_t rows) {
 }
 
 // As a flat list for Python: per layout, per row class, hint then bytes; then attention_hint,
-// attention_block_tokens, wide_min_rows, pairs_min_rows, amx_min_rows, spin_us, grain_bytes.
-constexpr size_t kFlatSize = kNumLayouts * kRowClasses * 2 + 7;
+// attention_block_tokens, wide_min_rows, pairs_min_rows, amx_min_rows, spin_us, grain_bytes,
+// delta_net_strip_columns.
+constexpr size_t kFlatSize = kNumLayouts * kRowClasses * 2 + 8;
 
 inline std::vector<int64_t> flat(const Schedule& s) {
   std::vector<int64_t> out;
@@ -107,7 +115,8 @@ inline std::vector<int64_t> flat(const Schedule& s) {
       out.push_back(rows.bytes);
     }
   out.insert(out.end(), {s.attention_hint, s.attention_block_tokens, s.wide_min_rows,
-                         s.pairs_min_rows, s.amx_min_rows, s.spin_us, s.grain_bytes});
+                         s.pairs_min_rows, s.amx_min_rows, s.spin_us, s.grain_bytes,
+                         s.delta_net_strip_columns});
   return out;
 }
 
@@ -134,6 +143,8 @@ inline void set_flat(const std::vector<int64_t>& v) {
   TORCH_CHECK(v[i + 5] >= 0 && v[i + 5] <= 100000, "schedule: spin_us is 0-100000, got ",
               v[i + 5]);
   TORCH_CHECK(v[i + 6] >= 1, "schedule: grain_bytes is at least 1, got ", v[i + 6]);
+  TORCH_CHECK(v[i + 7] == 8 || v[i + 7] == 16 || v[i + 7] == 32 || v[i + 7] == 64,
+              "schedule: delta_net_strip_columns is 8, 16, 32 or 64, got ", v[i + 7]);
   s.attention_hint = int32_t(v[i]);
   s.attention_block_tokens = int32_t(v[i + 1]);
   s.wide_min_rows = v[i + 2];
@@ -141,6 +152,7 @@ inline void set_flat(const std::vector<int64_t>& v) {
   s.amx_min_rows = v[i + 4];
   s.spin_us = int32_t(v[i + 5]);
   s.grain_bytes = v[i + 6];
+  s.delta_net_strip_columns = int32_t(v[i + 7]);
   current() = s;
 }
 

@@ -34,6 +34,11 @@ WIDE_MIN_ROWS = (16, 24, 32, 48, 64, 128, 256)
 PAIRS_MIN_ROWS = (1, 2, 4, 8, 16)  # the avx512 tier's pairs kernel from this many rows
 AMX_MIN_ROWS = (1, 4, 8, 16, 32, 64, 128)  # the amx tiers' tiles from this many rows
 DEFAULT_AMX_MIN_ROWS = 16
+# the value columns a DeltaNet strip carries through a sequence's tokens (csrc/delta_net.h): W
+# FMA chains of 8 columns, W = 1, 2, 4 or 8 (8 spills registers on AVX2; still timed). Every
+# width gives the same bits; 32 (four chains) is the width the kernel was written with
+DELTA_NET_STRIP_COLUMNS = (32, 8, 16, 64)
+DEFAULT_STRIP = DELTA_NET_STRIP_COLUMNS[0]
 SPIN_US = (0, 5, 10, 20, 50)
 GRAIN_BYTES = (4096, 16384, 65536)
 
@@ -79,6 +84,7 @@ class Schedule:
     spin_us: int = 10
     grain_bytes: int = 16384
     attention_block_tokens: int = ATTENTION_BLOCK_TOKENS[0]
+    delta_net_strip_columns: int = DELTA_NET_STRIP_COLUMNS[0]
 
     def __post_init__(self) -> None:
         if len(self.weights) != len(LAYOUTS) or any(len(w) != len(ROW_CLASSES)
@@ -90,6 +96,9 @@ class Schedule:
         if self.attention_block_tokens not in ATTENTION_BLOCK_TOKENS:
             raise ValueError(f"attention_block_tokens {self.attention_block_tokens} is not one "
                              f"of {list(ATTENTION_BLOCK_TOKENS)}")
+        if self.delta_net_strip_columns not in DELTA_NET_STRIP_COLUMNS:
+            raise ValueError(f"delta_net_strip_columns {self.delta_net_strip_columns} is not "
+                             f"one of {sorted(DELTA_NET_STRIP_COLUMNS)}")
         if self.wide_min_rows < WIDE_MIN_ROWS[0]:
             raise ValueError(f"wide_min_rows is at least {WIDE_MIN_ROWS[0]}, got "
                              f"{self.wide_min_rows}")
@@ -105,8 +114,8 @@ class Schedule:
 
     @classmethod
     def from_flat(cls, flat: list[int]) -> Schedule:
-        """The inverse of `flat`; a list from before attention_block_tokens (one value fewer)
-        reads with its default."""
+        """The inverse of `flat`; a list from before attention_block_tokens or
+        delta_net_strip_columns (a value or two fewer) reads with their defaults."""
         names = {number: name for name, number in HINTS.items()}
         weight_values = 2 * len(LAYOUTS) * len(ROW_CLASSES)
         pairs = iter(zip(flat[0:weight_values:2], flat[1:weight_values:2], strict=True))
@@ -115,8 +124,11 @@ class Schedule:
         rest = flat[weight_values:]
         if len(rest) == 6:
             rest = [rest[0], ATTENTION_BLOCK_TOKENS[0], *rest[1:]]
-        attention, block, wide, pairs_from, amx_from, spin, grain = rest
-        return cls(weights, names[attention], wide, pairs_from, amx_from, spin, grain, block)
+        if len(rest) == 7:
+            rest = [*rest, DELTA_NET_STRIP_COLUMNS[0]]
+        attention, block, wide, pairs_from, amx_from, spin, grain, strip = rest
+        return cls(weights, names[attention], wide, pairs_from, amx_from, spin, grain, block,
+                   strip)
 
     def flat(self) -> list[int]:
         """What `set_schedule` takes (schedule.h's `set_flat`)."""
@@ -126,7 +138,7 @@ class Schedule:
                 out += [HINTS[p.hint], p.bytes]
         return [*out, HINTS[self.attention_hint], self.attention_block_tokens,
                 self.wide_min_rows, self.pairs_min_rows, self.amx_min_rows, self.spin_us,
-                self.grain_bytes]
+                self.grain_bytes, self.delta_net_strip_columns]
 
     def describe(self, layouts: list[str] | None = None, tier: str | None = None) -> str:
         """One line for logs and /get_server_info: which kernel runs which rows in `tier`, the
@@ -149,6 +161,8 @@ class Schedule:
         if self.pairs_min_rows < self.wide_min_rows:
             parts.append(f"pairs from {self.pairs_min_rows} rows")
         parts.append(f"barrier spin {self.spin_us} us")
+        if self.delta_net_strip_columns != DEFAULT_STRIP:
+            parts.append(f"DeltaNet strips of {self.delta_net_strip_columns} columns")
         return "; ".join(parts)
 
 

@@ -62,7 +62,7 @@ def _knob(name: str) -> Take:
 _KNOBS = {"wide threshold": "wide_min_rows", "pairs threshold": "pairs_min_rows",
           "tiles threshold": "amx_min_rows", "attention prefetch": "attention_hint",
           "attention blocking": "attention_block_tokens", "barrier spin": "spin_us",
-          "task grain": "grain_bytes"}
+          "task grain": "grain_bytes", "delta net strips": "delta_net_strip_columns"}
 GROUPS: dict[str, Take] = {"prefetch at 1 row": _prefetch_at(0),
                            "prefetch at 2+ rows": _prefetch_at(1),
                            **{name: _knob(knob) for name, knob in _KNOBS.items()}}

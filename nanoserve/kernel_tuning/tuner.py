@@ -14,6 +14,8 @@ each):
 - decode attention: the hint of the KV rows' prefetch, at one long context and 8 short ones;
   then the keys its walk reads a step (1, 2 or 4 tiles; the 32-key tile, and so every bit,
   stays), at those and at a batch of 32 short contexts;
+- the DeltaNet strips (hybrid models): how many value columns the recurrence carries through
+  a sequence's tokens at once, at 8 decodes and a prefill chunk;
 - the tier, where the CPU runs more than one and `NANOSERVE_CPU_ISA` leaves it open: the tier
   measured faster on the model's weights at 1 and 64 rows runs from the next start (a process
   runs one tier, chosen before its first kernel loads: `preferred_tier`).
@@ -44,8 +46,6 @@ import nanoserve.native as native
 from nanoserve.kernel_tuning.result import Row, TuneResult
 from nanoserve.kernel_tuning.schedule import (
     AMX_MIN_ROWS,
-    ATTENTION_BLOCK_TOKENS,
-    ATTENTION_HINTS,
     DEFAULT,
     PAIRS_MIN_ROWS,
     PREFETCH_BYTES,
@@ -60,14 +60,15 @@ from nanoserve.kernel_tuning.step_check import (
     step_entry_name,
     unchecked_entry,
 )
+from nanoserve.kernel_tuning.swept_knobs import SweptKnob, swept_knobs
 from nanoserve.kernel_tuning.timing import Timed, best_threshold, choose, time_interleaved
 from nanoserve.kernel_tuning.tune_cache import cache_file, machine_key, read_entries, write_entries
 from nanoserve.kernel_tuning.workloads import (
-    BLOCK_SWEEPS,
-    HINT_SWEEPS,
     AttentionWork,
+    DeltaNetWork,
     StepWeights,
     attention_work,
+    delta_net_work,
     l3_bytes,
     step_weights,
 )
@@ -110,7 +111,7 @@ def tune_kernels(model: Any, runner: Any, mode: str = "cached", *, budget_s: flo
     path = cache_file(cache_dir or _cache_dir(), key)
     cached = read_entries(path, key) if mode == "cached" else {}
     run = _Run(result, cached, started + budget_s, log)
-    run.tune_all(step, attention_work(runner, model))
+    run.tune_all(step, attention_work(runner, model), delta_net_work(runner, model))
     # 2) the classes' choices, kept where whole steps confirm them (step_check.py)
     tuned, name = result.schedule, step_entry_name(runner, run.tier, step.layouts)
     result.schedule, result.step_check = confirm(tuned, runner, cached.get(name), run.deadline,
@@ -161,8 +162,9 @@ class _Run:
         self.new_entries: dict[str, dict[str, Any]] = {}
         self.tier = native.loaded_tier() or "no-matmul"  # a model without packed weights
 
-    def tune_all(self, step: StepWeights, attention: AttentionWork | None) -> None:
-        for i, shape in enumerate(classes := self._classes(step, attention), 1):
+    def tune_all(self, step: StepWeights, attention: AttentionWork | None,
+                 delta: DeltaNetWork | None) -> None:
+        for i, shape in enumerate(classes := self._classes(step, attention, delta), 1):
             entry = self.cached.get(shape.name)
             if entry is not None and self._applies(shape.apply, entry):
                 self.result.reused.append(shape.name)
@@ -175,7 +177,8 @@ class _Run:
             self.new_entries[shape.name] = entry
             shape.apply(entry)
 
-    def _classes(self, step: StepWeights, attention: AttentionWork | None) -> list[_Class]:
+    def _classes(self, step: StepWeights, attention: AttentionWork | None,
+                 delta: DeltaNetWork | None) -> list[_Class]:
         """The model's shape classes, in the order they are tuned (each builds on those
         before: the wide threshold is timed with the tuned prefetch)."""
         # where a step's weights come from: DRAM, or caches that hold them all (a server L3)
@@ -195,15 +198,8 @@ class _Run:
         if step.weights:
             name = f"{self.tier} wide {'+'.join(step.layouts)} {where}"
             classes.append(_Class(name, partial(self._wide, step, name), self._set_wide))
-        if attention is not None:
-            hint = partial(self._attention, attention, attention.name, "attention_hint",
-                           ATTENTION_HINTS, HINT_SWEEPS, "hint", str.upper)
-            classes.append(_Class(attention.name, hint, self._set_attention))
-            name = attention.name.replace("attention", "attention blocking", 1)
-            block = partial(self._attention, attention, name, "attention_block_tokens",
-                            ATTENTION_BLOCK_TOKENS, BLOCK_SWEEPS, "block_tokens",
-                            lambda keys: f"{keys} keys a step")
-            classes.append(_Class(name, block, self._set_attention_block))
+        for knob in swept_knobs(attention, delta):
+            classes.append(_Class(knob.name, partial(self._knob, knob), partial(self._set, knob)))
         if (step.weights and len(native.available_auto_tiers()) > 1
                 and not native.tier_is_forced()):
             classes.append(_Class("tier", partial(self._tier, step), self._set_tier))
@@ -331,31 +327,28 @@ class _Run:
         self.result.schedule = replace(self.result.schedule,
                                        wide_min_rows=int(entry["wide_min_rows"]))
 
-    # -- decode attention: the KV rows' prefetch hint; the keys its walk reads a step ---------
-    def _attention(self, work: AttentionWork, name: str, knob: str, candidates: tuple[Any, ...],
-                   sweeps: tuple[tuple[int, int], ...], entry_key: str,
-                   label: Callable[[Any], str]) -> dict[str, Any]:
+    # -- a knob timed on its own sweeps (swept_knobs.py) --------------------------------------
+    def _knob(self, knob: SweptKnob) -> dict[str, Any]:
         base = self.result.schedule
-        runs = [work.sweep(batch, context) for batch, context in sweeps]
+        runs = [make() for make in knob.sweeps]  # (the inputs made once, outside the timing)
 
         def run(value: Any) -> None:
-            native.set_kernel_schedule(replace(base, **{knob: value}).flat())
+            native.set_kernel_schedule(replace(base, **{knob.field: value}).flat())
             for sweep in runs:
                 sweep()
 
-        timed = time_interleaved(list(candidates), run, ROUNDS)
-        chosen = choose(timed, getattr(DEFAULT, knob))
-        rate = len(sweeps) * work.num_bytes  # (each sweep reads every cache row once)
-        self._rows(name, timed, chosen, lambda t: f"{rate / t / 1e9:.1f} GB/s", label)
+        timed = time_interleaved(list(knob.candidates), run, ROUNDS)
+        chosen = choose(timed, getattr(DEFAULT, knob.field))
+        self._rows(knob.name, timed, chosen,
+                   lambda t: f"{knob.num_bytes / t / 1e9:.1f} GB/s", knob.label)
         native.set_kernel_schedule(base.flat())
-        return {entry_key: chosen}
+        return {knob.entry_key: chosen}
 
-    def _set_attention(self, entry: dict[str, Any]) -> None:
-        self.result.schedule = replace(self.result.schedule, attention_hint=str(entry["hint"]))
-
-    def _set_attention_block(self, entry: dict[str, Any]) -> None:
-        self.result.schedule = replace(self.result.schedule,
-                                       attention_block_tokens=int(entry["block_tokens"]))
+    def _set(self, knob: SweptKnob, entry: dict[str, Any]) -> None:
+        value = entry[knob.entry_key]
+        if not isinstance(value, type(getattr(DEFAULT, knob.field))):
+            raise ValueError(f"{knob.entry_key} {value!r} in the cache")
+        self.result.schedule = replace(self.result.schedule, **{knob.field: value})
 
     # -- the tier (from the next start) ---------------------------------------------------------
     def _tier(self, step: StepWeights) -> dict[str, Any]:

@@ -6,6 +6,9 @@
 - `AttentionWork`: decode attention over every layer's cache at one long context and at
   batches of short ones, on synthetic caches of the model's shape and the cache's dtype, with their
   blocks scattered as a paged cache's are.
+- `DeltaNetWork` (hybrid models): Gated DeltaNet's mixer over every DeltaNet layer's states, a
+  batch of decodes and a prefill chunk, on synthetic states of the model's shape and the
+  pool's dtype.
 """
 
 from __future__ import annotations
@@ -28,6 +31,10 @@ BATCHED_CONTEXT, BATCHED_BATCH = 128, 32  # (each sweep reads 4,096 tokens' rows
 # (batch, context) of the attention classes' sweeps: the prefetch hint's, the walk step's
 HINT_SWEEPS = ((1, LONG_CONTEXT), (SHORT_BATCH, SHORT_CONTEXT))
 BLOCK_SWEEPS = (*HINT_SWEEPS, (BATCHED_BATCH, BATCHED_CONTEXT))
+# (sequences, tokens each) of the DeltaNet strips' sweeps: 8 decodes over every DeltaNet layer
+# (each layer's states of 8 sequences, 8 MB on Qwen3.5-0.8B, meet the caches as a step leaves
+# them), then one 128-token prefill chunk over two layers (the strip sits in L1 through it)
+STRIP_SWEEPS = ((8, 1, None), (1, 128, 2))
 
 
 @dataclass
@@ -144,6 +151,66 @@ def attention_work(runner: Any, model: CausalLM) -> AttentionWork | None:
     blocks = max(batch * _blocks(context, block_size) for batch, context in BLOCK_SWEEPS)
     return AttentionWork(module, (num_kv_heads, blocks, block_size, row), k_cache.dtype,
                          len(model.decoder_layers), model.arch.num_heads, model.arch.head_dim)
+
+
+@dataclass
+class DeltaNetWork:
+    """Gated DeltaNet's mixer (`delta_net_ops.delta_rule`'s kernel) on synthetic inputs of the
+    model's shape, its states zeroed and of the pool's dtype, made at the first sweep."""
+
+    module: Any  # the delta_net kernels
+    shape: Any  # the model's LinearAttentionConfig
+    num_layers: int
+    ssm_dtype: torch.dtype
+
+    @property
+    def name(self) -> str:
+        s = self.shape
+        return (f"delta net strips {str(self.ssm_dtype).removeprefix('torch.')} "
+                f"{s.num_value_heads}x{s.key_head_dim}x{s.value_head_dim}")
+
+    def num_bytes(self, sequences: int, layers: int) -> int:
+        """The recurrent states a sweep reads (and writes)."""
+        s = self.shape
+        return (sequences * layers * s.num_value_heads * s.key_head_dim * s.value_head_dim
+                * self.ssm_dtype.itemsize)
+
+    def sweep(self, sequences: int, tokens: int, layers: int | None) -> Callable[[], None]:
+        """`layers` (None: all) layers' mixer for `sequences` sequences of `tokens` each."""
+        s, count = self.shape, layers or self.num_layers
+        gen = torch.Generator().manual_seed(0)
+        rows, heads = sequences * tokens, s.num_value_heads
+        qkv, a, b = (torch.randn(rows, width, generator=gen)
+                     for width in (s.conv_dim, heads, heads))
+        conv_weight = torch.randn(s.conv_dim, s.conv_kernel, generator=gen) * 0.5
+        neg_exp_a, dt_bias = -torch.rand(heads, generator=gen), torch.zeros(heads)
+        conv = torch.zeros(sequences, count, s.conv_dim, s.conv_kernel - 1)
+        ssm = torch.zeros(sequences, count, heads, s.key_head_dim, s.value_head_dim,
+                          dtype=self.ssm_dtype)
+        slots = torch.arange(sequences, dtype=torch.int32)
+        starts = torch.arange(0, rows + 1, tokens, dtype=torch.int32)
+        snapshots = torch.full((rows,), -1, dtype=torch.int32)
+
+        def run() -> None:
+            for layer in range(count):
+                self.module.delta_rule(qkv, a, b, conv_weight, neg_exp_a, dt_bias, conv, ssm,
+                                       layer, slots, starts, snapshots, s.num_key_heads,
+                                       s.v_heads_tiled)
+        return run
+
+
+def delta_net_work(runner: Any, model: CausalLM) -> DeltaNetWork | None:
+    """The workload of a hybrid model's DeltaNet layers where the C++ kernel runs them (else
+    None)."""
+    from nanoserve.model.delta_net_ops import fits_kernel, kernels
+
+    shape, pool = model.arch.linear, getattr(runner, "state_pool", None)
+    if shape is None or pool is None or not fits_kernel(shape):
+        return None
+    module = kernels()
+    if module is None:
+        return None
+    return DeltaNetWork(module, shape, len(model.arch.linear_layers), pool.ssm.dtype)
 
 
 def _blocks(context: int, block_size: int) -> int:

@@ -70,7 +70,7 @@ def tuned_attention(int8_tiny_llama: Any, costs: dict[int, float]) -> tuple[Tune
     slowed = SlowedAttention(**{f.name: getattr(real, f.name) for f in fields(real)},
                              costs=costs)
     run = _Run(TuneResult(DEFAULT, []), {}, math.inf, lambda _: None)
-    run.tune_all(StepWeights(), slowed)
+    run.tune_all(StepWeights(), slowed, None)
     return run.result, run.new_entries
 
 
@@ -152,9 +152,13 @@ def test_the_step_is_cached_kept_or_reverted_by_the_step_check(int8_tiny_llama: 
 def test_a_schedule_from_before_the_knob_reads_with_its_default() -> None:
     other = replace(DEFAULT, attention_hint="nta", spin_us=5, attention_block_tokens=64)
     assert Schedule.from_flat(other.flat()) == other
-    before = other.flat()
+    before = other.flat()[:-1]  # before delta_net_strip_columns (the last value)
+    assert Schedule.from_flat(before) == other
     at = 2 * len(LAYOUTS) * len(ROW_CLASSES) + 1  # after attention_hint
     assert before[at] == 64
     del before[at]
     assert Schedule.from_flat(before) == replace(other, attention_block_tokens=32)
+    strips = replace(other, delta_net_strip_columns=16)
+    assert Schedule.from_flat(strips.flat()) == strips
+    assert "DeltaNet strips of 16 columns" in strips.describe()
     assert "64 keys a step" in other.describe()

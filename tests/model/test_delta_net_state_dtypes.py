@@ -7,6 +7,8 @@ kernel stays within a rounding of the reference, and refuses other state types.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from test_delta_net import (
@@ -131,3 +133,34 @@ def test_kernel_refuses_other_state_types() -> None:
     layer.ssm_states = layer.ssm_states.double()
     with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):
         layer.run(kernel_rule, random_tokens(SHAPES[0], 3, seed=0), [0], [3])
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, *DTYPES], ids=["float32", "bfloat16",
+                                                                   "float16"])
+def test_every_strip_width_gives_the_same_bits(dtype: torch.dtype) -> None:
+    """The kernel schedule's DeltaNet strip widths (csrc/schedule.h; what the tuner times):
+    outputs, states and snapshots equal the default width's, on 72 value columns (a 64-column
+    strip and an 8-column tail; two 32s and a tail; ...), a prefill and a decode in one call."""
+    from nanoserve import native
+    from nanoserve.kernel_tuning.schedule import DEFAULT, DELTA_NET_STRIP_COLUMNS
+
+    shape = type(SHAPES[0])(conv_kernel=4, num_key_heads=2, num_value_heads=4,
+                            key_head_dim=16, value_head_dim=72)
+    base = in_dtype(resumed_base(shape, seed=21), dtype)
+    tokens = random_tokens(shape, 10, seed=22)
+    snapshots = [-1, -1, -1, 6, -1, -1, -1, -1, -1, 7]
+
+    def run(columns: int) -> tuple[torch.Tensor, ...]:
+        native.set_kernel_schedule(replace(DEFAULT, delta_net_strip_columns=columns).flat())
+        layer = base.copy()
+        out = layer.run(kernel_rule, tokens, [2, 5], [9, 1], snapshots)
+        return out, layer.ssm_states, layer.conv_states
+
+    try:
+        expected = run(DEFAULT.delta_net_strip_columns)
+        for columns in DELTA_NET_STRIP_COLUMNS:
+            got = run(columns)
+            assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True)), columns
+    finally:
+        native.set_kernel_schedule(DEFAULT.flat())

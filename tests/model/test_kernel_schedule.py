@@ -77,7 +77,8 @@ def test_a_module_starts_on_the_default_schedule() -> None:
     modules("quant_matmul")  # (built, or a skip)
     script = ("import json; from nanoserve import native\n"
               "print(json.dumps({f'{k} {t}': native.load_kernels(k, t).get_schedule()\n"
-              "  for k in ('quant_matmul', 'decode_layers', 'paged_attention')\n"
+              "  for k in ('quant_matmul', 'decode_layers', 'paged_attention',\n"
+              "            'delta_net', 'hybrid_layers')\n"
               "  for t in (native.available_tiers() if k in native.TIERED_KERNELS\n"
               "            else ['avx2'])}))")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
@@ -87,7 +88,9 @@ def test_a_module_starts_on_the_default_schedule() -> None:
         assert schedule == DEFAULT.flat(), name
     with pytest.raises(RuntimeError, match="wide_min_rows is at least 16"):
         modules("quant_matmul")[0].set_schedule(
-            [*DEFAULT.flat()[:-5], 8, *DEFAULT.flat()[-4:]])
+            [*DEFAULT.flat()[:-6], 8, *DEFAULT.flat()[-5:]])
+    with pytest.raises(RuntimeError, match="delta_net_strip_columns is 8, 16, 32 or 64"):
+        modules("delta_net")[0].set_schedule([*DEFAULT.flat()[:-1], 24])
 
 
 @pytest.mark.parametrize("ggml_type", ALL_TYPES, ids=TYPE_IDS)
