@@ -146,11 +146,14 @@ def _bucket_events(events: list) -> dict[str, float]:
         return None
 
     model_ops = layer_ops = 0.0  # operators' own time in the forward, and in its layers
+    layer_states = 0.0  # the state update's time inside the layer stack (its native call)
     for event in events:
         if event.name == "nanoserve.step":
             totals["step"] += event.cpu_time_total
         elif event.name.startswith("nanoserve."):
             totals[event.name] += event.cpu_time_total
+            if event.name == "nanoserve.delta_rule" and scope(event) == "nanoserve.layers":
+                layer_states += event.cpu_time_total
         elif (where := scope(event)) in ("nanoserve.model", "nanoserve.layers"):
             if MATMUL_OPS.search(event.name):
                 totals["matmuls"] += event.self_cpu_time_total
@@ -160,9 +163,9 @@ def _bucket_events(events: list) -> dict[str, float]:
                 totals["element-wise"] += event.self_cpu_time_total
             model_ops += event.self_cpu_time_total
             layer_ops += event.self_cpu_time_total if where == "nanoserve.layers" else 0.0
-    # the layer stack's time outside any operator: its one-region path (the dispatcher path's
-    # kernels are operators, bucketed above)
-    one_region = max(0.0, totals["nanoserve.layers"] - layer_ops)
+    # the layer stack's time outside any operator and the state update: its one-region path
+    # (the dispatcher path's kernels are operators, bucketed above)
+    one_region = max(0.0, totals["nanoserve.layers"] - layer_ops - layer_states)
     state_update = totals["nanoserve.delta_rule"]  # one native call, no operator inside
     seconds = {
         "matmuls": totals["matmuls"], "attention": totals["attention"],
