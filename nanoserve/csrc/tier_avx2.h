@@ -45,6 +45,11 @@ inline __m256i u4_sums(const __m256i* wq, const int8_t* a) {
   return _mm256_madd_epi16(_mm256_add_epi16(s0, s1), ones);
 }
 
+// Whether Q8_0's blocks (S8H) take the unsigned-weight form (matmul_tiles.h's s8h_group): not
+// here, where `maddubs`'s int16 pairs cannot hold (q + 128) * a (up to 2 * 255 * 127).
+constexpr bool kS8HUnsignedWeights = false;
+inline __m256i add_unsigned_dots(__m256i acc, __m256i, __m256i) { return acc; }  // (unused)
+
 // A signed block's sums for one activation row, chunk by chunk (t = 0..7: inputs 4t..4t+3),
 // |q| times a with q's sign: Q8_0's whole block (each pair widened at once: two could fill
 // int16), or Q6_K's two halves apart (PerHalf: |q| <= 32 lets four pairs sum in int16).
