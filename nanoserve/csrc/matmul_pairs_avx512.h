@@ -157,56 +157,17 @@ void u4_pair(const uint8_t* wa, const uint8_t* wb, int64_t KB, const RowPtrs& ro
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(rows.y[r], acc[r]);
 }
 
-// w = d*q with signed q: vpdpbusd(|q|, a negated where q < 0), AVX2's maddubs(|q|, sign(a, q))
-// (where q is 0 the product is 0 either way). Q6_K keeps its two halves' sums apart; MXFP4's
-// looked-up values go as Q8_0's did before s8h_pair.
+// w = d*q with signed q. Q8_0 (S8H) in the unsigned-weight form, as matmul_tiles.h's
+// s8_group: each weight byte with its sign bit flipped is q + 128, unsigned, against a as it
+// is, the block's sums less 128 times the row's block sum of a. The other layouts:
+// vpdpbusd(|q|, a negated where q < 0), AVX2's maddubs(|q|, sign(a, q)) (where q is 0 the
+// product is 0 either way). Q6_K keeps its two halves' sums apart; MXFP4's looked-up values
+// go in the sign form.
 template <Layout L, int R, bool Stream>
 void s8_pair(const uint8_t* wa, const uint8_t* wb, int64_t KB, const RowPtrs& rows,
              const schedule::Prefetch& pf) {
   constexpr int64_t BPB = packed_block_bytes(L);
-  constexpr bool kPerHalf = L == Layout::S8F2;
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < KB; ++b) {
-    const uint8_t *ba = wa + b * BPB, *bb = wb + b * BPB;
-    stream_ahead<Stream, BPB>(ba, bb, pf);
-    const uint8_t *qa = ba + qs_offset(L), *qb = bb + qs_offset(L);
-    __m512i sum[R][2];
-    for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = _mm512_setzero_si512();
-    for (int t = 0; t < 8; ++t) {
-      const __m512i q = signed_pair_chunk<L>(qa, qb, t);
-      const __m512i q_abs = _mm512_abs_epi8(q);
-      const __mmask64 negative = _mm512_movepi8_mask(q);
-      const int half = kPerHalf ? t / 4 : t % 2;  // Q8_0: two chains, summed below
-      for (int r = 0; r < R; ++r) {
-        const __m512i a = bcast(rows.q[r] + b * QK + 4 * t);
-        const __m512i signed_a = _mm512_mask_sub_epi8(a, negative, _mm512_setzero_si512(), a);
-        sum[r][half] = _mm512_dpbusd_epi32(sum[r][half], q_abs, signed_a);
-      }
-    }
-    __m512 d0, d1;
-    pair_scales<L>(ba, bb, d0, d1);
-    for (int r = 0; r < R; ++r) {
-      const __m512 da = _mm512_set1_ps(rows.d[r][b]);
-      if constexpr (kPerHalf) {
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][0]), _mm512_mul_ps(d0, da), acc[r]);
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][1]), _mm512_mul_ps(d1, da), acc[r]);
-      } else {
-        const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(sum[r][0], sum[r][1]));
-        acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d0, da), acc[r]);
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(rows.y[r], acc[r]);
-}
-
-// Q8_0 (S8H) in the unsigned-weight form: matmul_tiles.h's s8h_group for a pair of groups
-// (vpdpbusd(q + 128, a), less 128 times the row's block sum of a: the same exact sums).
-template <int R, bool Stream>
-void s8h_pair(const uint8_t* wa, const uint8_t* wb, int64_t KB, const RowPtrs& rows,
-              const schedule::Prefetch& pf) {
-  constexpr Layout L = Layout::S8H;
-  constexpr int64_t BPB = packed_block_bytes(L);
+  constexpr bool kPerHalf = L == Layout::S8F2, kUnsigned = L == Layout::S8H;
   const __m512i flip = _mm512_set1_epi8(char(0x80));
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
@@ -217,17 +178,36 @@ void s8h_pair(const uint8_t* wa, const uint8_t* wb, int64_t KB, const RowPtrs& r
     __m512i sum[R][2];
     for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = _mm512_setzero_si512();
     for (int t = 0; t < 8; ++t) {
-      const __m512i q = _mm512_xor_si512(signed_pair_chunk<L>(qa, qb, t), flip);
-      for (int r = 0; r < R; ++r)
-        sum[r][t % 2] = _mm512_dpbusd_epi32(sum[r][t % 2], q, bcast(rows.q[r] + b * QK + 4 * t));
+      const __m512i q = signed_pair_chunk<L>(qa, qb, t);
+      const int half = kPerHalf ? t / 4 : t % 2;  // Q8_0: two chains, summed below
+      if constexpr (kUnsigned) {
+        const __m512i q_plus_128 = _mm512_xor_si512(q, flip);
+        for (int r = 0; r < R; ++r)
+          sum[r][half] = _mm512_dpbusd_epi32(sum[r][half], q_plus_128,
+                                             bcast(rows.q[r] + b * QK + 4 * t));
+      } else {
+        const __m512i q_abs = _mm512_abs_epi8(q);
+        const __mmask64 negative = _mm512_movepi8_mask(q);
+        for (int r = 0; r < R; ++r) {
+          const __m512i a = bcast(rows.q[r] + b * QK + 4 * t);
+          const __m512i signed_a = _mm512_mask_sub_epi8(a, negative, _mm512_setzero_si512(), a);
+          sum[r][half] = _mm512_dpbusd_epi32(sum[r][half], q_abs, signed_a);
+        }
+      }
     }
     __m512 d0, d1;
     pair_scales<L>(ba, bb, d0, d1);
     for (int r = 0; r < R; ++r) {
-      const __m512i sums = _mm512_sub_epi32(_mm512_add_epi32(sum[r][0], sum[r][1]),
-                                            _mm512_set1_epi32(128 * rows.sum_a[r][b]));
       const __m512 da = _mm512_set1_ps(rows.d[r][b]);
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(d0, da), acc[r]);
+      if constexpr (kPerHalf) {
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][0]), _mm512_mul_ps(d0, da), acc[r]);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][1]), _mm512_mul_ps(d1, da), acc[r]);
+      } else {
+        __m512i dot = _mm512_add_epi32(sum[r][0], sum[r][1]);
+        if constexpr (kUnsigned)
+          dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(128 * rows.sum_a[r][b]));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d0, da), acc[r]);
+      }
     }
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(rows.y[r], acc[r]);
@@ -237,7 +217,6 @@ template <Layout L, int R, bool Wide, bool Stream>
 inline void pair_kernel(const uint8_t* wa, const uint8_t* wb, int64_t KB, const RowPtrs& rows,
                         const schedule::Prefetch& pf) {
   if constexpr (is_unsigned(L)) u4_pair<L, R, Wide, Stream>(wa, wb, KB, rows, pf);
-  else if constexpr (L == Layout::S8H) s8h_pair<R, Stream>(wa, wb, KB, rows, pf);
   else s8_pair<L, R, Stream>(wa, wb, KB, rows, pf);
 }
 
@@ -251,7 +230,7 @@ void matmul_groups(const uint8_t* packed, const int8_t* q, const float* d, const
   const schedule::Prefetch pf = schedule::weights(schedule_slot(L), M);
   constexpr int64_t kGroupsPerChunk = 8;  // even: pairs never straddle a chunk
   alignas(64) float tail[TILE_M][PAIR_N];
-  const std::vector<int32_t> sums =  // for s8h_pair
+  const std::vector<int32_t> sums =  // for s8_pair's unsigned form
       L == Layout::S8H ? tile_rows::block_sums(q, M, K) : std::vector<int32_t>();
   for (int64_t gc = g0; gc < g1; gc += kGroupsPerChunk) {
     const int64_t gc_end = std::min(g1, gc + kGroupsPerChunk);

@@ -175,27 +175,47 @@ inline __m256i signed_chunk(const uint8_t* qs, int t) {
   }
 }
 
+// Whether this tier runs Q8_0 (S8H) in the unsigned-weight form (s8_group, below).
+template <Layout L>
+constexpr bool kUnsignedS8H = L == Layout::S8H && tier::kS8HUnsignedWeights;
+
 // w = d*q with signed q: the tier's sums of |q| times a with q's sign (AVX2: Q8_0 widens each
 // product pair to int32 at once, two could overflow int16; Q6_K's |q| <= 32 lets four sum in
-// int16, 4*2*32*127 = 32512; MXFP4's |q| <= 12 all eight, 8*2*12*127 = 24384).
+// int16, 4*2*32*127 = 32512; MXFP4's |q| <= 12 all eight, 8*2*12*127 = 24384). Q8_0 where the
+// tier has `vpdpbusd` (kUnsignedS8H) in the unsigned-weight form: a weight byte with its sign
+// bit flipped is q + 128, unsigned, so it multiplies the row's signed bytes as they are, and
+// the block's sums less 128 times the row's block sum of a (RowPtrs::sum_a) are the sign
+// form's exact integers, so its bits: one instruction a row and chunk, not two (`vpsignb`,
+// then `vpdpbusd`), in two chains a row (even and odd chunks), added once.
 template <Layout L, int R, bool Stream>
 void s8_group(const uint8_t* w, int64_t KB, const RowPtrs& rows,
               const schedule::Prefetch& pf) {
   constexpr int64_t BPB = packed_block_bytes(L);
   constexpr bool kPerHalf = L == Layout::S8F2;
   using Sums = std::conditional_t<L == Layout::L4F, tier::L4Sums, tier::S8Sums<kPerHalf>>;
+  const __m256i flip = _mm256_set1_epi8(char(0x80));
   __m256 acc[R] = {};  // zeroed
   for (int64_t b = 0; b < KB; ++b) {
     const uint8_t* blk = w + b * BPB;
     prefetch_ahead<Stream, BPB>(blk, pf);
     const uint8_t* qs = blk + qs_offset(L);
     Sums sum[R];
+    __m256i even[R], odd[R];  // (the unsigned form's)
     for (int t = 0; t < 8; ++t) {
       const __m256i q = signed_chunk<L>(qs, t);
-      const __m256i q_abs = _mm256_abs_epi8(q);
-      for (int r = 0; r < R; ++r) {
-        const __m256i a = _mm256_set1_epi32(load_i32(rows.q[r] + b * QK + 4 * t));
-        sum[r].add(t, q_abs, _mm256_sign_epi8(a, q));
+      if constexpr (kUnsignedS8H<L>) {
+        const __m256i q_plus_128 = _mm256_xor_si256(q, flip);
+        for (int r = 0; r < R; ++r) {
+          const __m256i a = _mm256_set1_epi32(load_i32(rows.q[r] + b * QK + 4 * t));
+          __m256i& part = t % 2 == 0 ? even[r] : odd[r];
+          part = tier::add_unsigned_dots(t < 2 ? _mm256_setzero_si256() : part, q_plus_128, a);
+        }
+      } else {
+        const __m256i q_abs = _mm256_abs_epi8(q);
+        for (int r = 0; r < R; ++r) {
+          const __m256i a = _mm256_set1_epi32(load_i32(rows.q[r] + b * QK + 4 * t));
+          sum[r].add(t, q_abs, _mm256_sign_epi8(a, q));
+        }
       }
     }
     __m256 d0, d1;
@@ -208,50 +228,14 @@ void s8_group(const uint8_t* w, int64_t KB, const RowPtrs& rows,
         acc[r] = _mm256_fmadd_ps(lo, _mm256_mul_ps(d0, da), acc[r]);
         acc[r] = _mm256_fmadd_ps(hi, _mm256_mul_ps(d1, da), acc[r]);
       } else {
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r].sums(0)), _mm256_mul_ps(d0, da),
-                                 acc[r]);
+        __m256i dot;
+        if constexpr (kUnsignedS8H<L>)
+          dot = _mm256_sub_epi32(_mm256_add_epi32(even[r], odd[r]),
+                                 _mm256_set1_epi32(128 * rows.sum_a[r][b]));
+        else
+          dot = sum[r].sums(0);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d0, da), acc[r]);
       }
-    }
-  }
-  for (int r = 0; r < R; ++r) _mm256_storeu_ps(rows.y[r], acc[r]);
-}
-
-// Whether this tier runs Q8_0 (S8H) in the unsigned-weight form: s8h_group, below.
-template <Layout L>
-constexpr bool kUnsignedS8H = L == Layout::S8H && tier::kS8HUnsignedWeights;
-
-// Q8_0 (S8H) where the tier has `vpdpbusd` (tier::kS8HUnsignedWeights): a weight byte with its
-// sign bit flipped is q + 128, unsigned, so it multiplies the row's signed bytes as they are,
-// and the block's sums less 128 times the row's block sum of a (RowPtrs::sum_a) are the sign
-// form's exact integers, so its bits: one instruction a row and chunk, not two (`vpsignb`,
-// then `vpdpbusd`). Two chains a row (even and odd chunks), added once.
-template <int R, bool Stream>
-void s8h_group(const uint8_t* w, int64_t KB, const RowPtrs& rows,
-               const schedule::Prefetch& pf) {
-  constexpr Layout L = Layout::S8H;
-  constexpr int64_t BPB = packed_block_bytes(L);
-  const __m256i flip = _mm256_set1_epi8(char(0x80));
-  __m256 acc[R] = {};  // zeroed
-  for (int64_t b = 0; b < KB; ++b) {
-    const uint8_t* blk = w + b * BPB;
-    prefetch_ahead<Stream, BPB>(blk, pf);
-    const uint8_t* qs = blk + qs_offset(L);
-    __m256i even[R], odd[R];
-    for (int t = 0; t < 8; ++t) {
-      const __m256i q = _mm256_xor_si256(signed_chunk<L>(qs, t), flip);
-      for (int r = 0; r < R; ++r) {
-        const __m256i a = _mm256_set1_epi32(load_i32(rows.q[r] + b * QK + 4 * t));
-        __m256i& part = t % 2 == 0 ? even[r] : odd[r];
-        part = tier::add_unsigned_dots(t < 2 ? _mm256_setzero_si256() : part, q, a);
-      }
-    }
-    __m256 d0, d1;
-    load_scales<L>(blk, d0, d1);
-    for (int r = 0; r < R; ++r) {
-      const __m256i sums = _mm256_sub_epi32(_mm256_add_epi32(even[r], odd[r]),
-                                            _mm256_set1_epi32(128 * rows.sum_a[r][b]));
-      const __m256 da = _mm256_set1_ps(rows.d[r][b]);
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(d0, da), acc[r]);
     }
   }
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(rows.y[r], acc[r]);
@@ -261,7 +245,6 @@ template <Layout L, int R, bool Wide, bool Stream>
 inline void group_kernel(const uint8_t* w, int64_t KB, const RowPtrs& rows,
                          const schedule::Prefetch& pf) {
   if constexpr (is_unsigned(L)) u4_group<L, R, Wide, Stream>(w, KB, rows, pf);
-  else if constexpr (kUnsignedS8H<L>) s8h_group<R, Stream>(w, KB, rows, pf);
   else s8_group<L, R, Stream>(w, KB, rows, pf);
 }
 
@@ -274,7 +257,7 @@ void matmul_groups(const uint8_t* packed, const int8_t* q, const float* d, const
   if (tier::other_kernel<L, Wide, Stream>(packed, q, d, s, M, N, K, y, g0, g1)) return;
   const int64_t KB = K / QK, group_bytes = KB * block_bytes<L, Wide>();
   const schedule::Prefetch pf = schedule::weights(schedule_slot(L), M);
-  const std::vector<int32_t> sums =  // for s8h_group
+  const std::vector<int32_t> sums =  // for s8_group's unsigned form
       kUnsignedS8H<L> ? tile_rows::block_sums(q, M, K) : std::vector<int32_t>();
   // a few groups stay in L1/L2 while every tile of activation rows passes over them
   constexpr int64_t kGroupsPerChunk = 8;

@@ -38,7 +38,7 @@ inline RowPtrs rows_at(const int8_t* q, const float* d, const float* s, int64_t 
 
 // The sums of q [M, K]'s blocks of 32 int8 values, [M, K / 32] (each value + 128 is unsigned
 // for the byte sums), where a kernel takes Q8_0's weights unsigned (matmul_tiles.h's
-// s8h_group): once a call, not once per group of outputs.
+// s8_group): once a call, not once per group of outputs.
 inline std::vector<int32_t> block_sums(const int8_t* q, int64_t M, int64_t K) {
   std::vector<int32_t> sums(M * (K / 32));
   const __m256i flip = _mm256_set1_epi8(char(0x80));
