@@ -157,17 +157,16 @@ void u4_pair(const uint8_t* wa, const uint8_t* wb, int64_t KB, const RowPtrs& ro
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(rows.y[r], acc[r]);
 }
 
-// w = d*q with signed q. Q8_0 (S8H) in the unsigned-weight form, as matmul_tiles.h's
-// s8_group: each weight byte with its sign bit flipped is q + 128, unsigned, against a as it
-// is, the block's sums less 128 times the row's block sum of a. The other layouts:
-// vpdpbusd(|q|, a negated where q < 0), AVX2's maddubs(|q|, sign(a, q)) (where q is 0 the
-// product is 0 either way). Q6_K keeps its two halves' sums apart; MXFP4's looked-up values
-// go in the sign form.
+// w = d*q with signed q. Q8_0 (S8H) and MXFP4 (L4F) in the unsigned-weight form, as
+// matmul_tiles.h's s8_group: each weight byte with its sign bit flipped is q + 128, unsigned,
+// against a as it is, the block's sums less 128 times the row's block sum of a. Q6_K (its two
+// halves' sums apart): vpdpbusd(|q|, a negated where q < 0), AVX2's maddubs(|q|, sign(a, q))
+// (where q is 0 the product is 0 either way).
 template <Layout L, int R, bool Stream>
 void s8_pair(const uint8_t* wa, const uint8_t* wb, int64_t KB, const RowPtrs& rows,
              const schedule::Prefetch& pf) {
   constexpr int64_t BPB = packed_block_bytes(L);
-  constexpr bool kPerHalf = L == Layout::S8F2, kUnsigned = L == Layout::S8H;
+  constexpr bool kPerHalf = L == Layout::S8F2, kUnsigned = L == Layout::S8H || L == Layout::L4F;
   const __m512i flip = _mm512_set1_epi8(char(0x80));
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
@@ -231,7 +230,8 @@ void matmul_groups(const uint8_t* packed, const int8_t* q, const float* d, const
   constexpr int64_t kGroupsPerChunk = 8;  // even: pairs never straddle a chunk
   alignas(64) float tail[TILE_M][PAIR_N];
   const std::vector<int32_t> sums =  // for s8_pair's unsigned form
-      L == Layout::S8H ? tile_rows::block_sums(q, M, K) : std::vector<int32_t>();
+      L == Layout::S8H || L == Layout::L4F ? tile_rows::block_sums(q, M, K)
+                                           : std::vector<int32_t>();
   for (int64_t gc = g0; gc < g1; gc += kGroupsPerChunk) {
     const int64_t gc_end = std::min(g1, gc + kGroupsPerChunk);
     for (int64_t r0 = 0; r0 < M; r0 += TILE_M) {

@@ -175,18 +175,20 @@ inline __m256i signed_chunk(const uint8_t* qs, int t) {
   }
 }
 
-// Whether this tier runs Q8_0 (S8H) in the unsigned-weight form (s8_group, below).
+// Whether this tier runs a layout in the unsigned-weight form (s8_group, below): Q8_0 (S8H) and
+// MXFP4's looked-up values (L4F), whose blocks have one scale.
 template <Layout L>
-constexpr bool kUnsignedS8H = L == Layout::S8H && tier::kS8HUnsignedWeights;
+constexpr bool kUnsignedForm =
+    (L == Layout::S8H || L == Layout::L4F) && tier::kS8HUnsignedWeights;
 
 // w = d*q with signed q: the tier's sums of |q| times a with q's sign (AVX2: Q8_0 widens each
 // product pair to int32 at once, two could overflow int16; Q6_K's |q| <= 32 lets four sum in
-// int16, 4*2*32*127 = 32512; MXFP4's |q| <= 12 all eight, 8*2*12*127 = 24384). Q8_0 where the
-// tier has `vpdpbusd` (kUnsignedS8H) in the unsigned-weight form: a weight byte with its sign
-// bit flipped is q + 128, unsigned, so it multiplies the row's signed bytes as they are, and
-// the block's sums less 128 times the row's block sum of a (RowPtrs::sum_a) are the sign
-// form's exact integers, so its bits: one instruction a row and chunk, not two (`vpsignb`,
-// then `vpdpbusd`), in two chains a row (even and odd chunks), added once.
+// int16, 4*2*32*127 = 32512; MXFP4's |q| <= 12 all eight, 8*2*12*127 = 24384). Q8_0 and MXFP4
+// where the tier has `vpdpbusd` (kUnsignedForm) in the unsigned-weight form: a weight byte
+// with its sign bit flipped is q + 128, unsigned, so it multiplies the row's signed bytes as
+// they are, and the block's sums less 128 times the row's block sum of a (RowPtrs::sum_a) are
+// the sign form's exact integers, so its bits: one instruction a row and chunk, not two
+// (`vpsignb`, then `vpdpbusd`), in two chains a row (even and odd chunks), added once.
 template <Layout L, int R, bool Stream>
 void s8_group(const uint8_t* w, int64_t KB, const RowPtrs& rows,
               const schedule::Prefetch& pf) {
@@ -203,7 +205,7 @@ void s8_group(const uint8_t* w, int64_t KB, const RowPtrs& rows,
     __m256i even[R], odd[R];  // (the unsigned form's)
     for (int t = 0; t < 8; ++t) {
       const __m256i q = signed_chunk<L>(qs, t);
-      if constexpr (kUnsignedS8H<L>) {
+      if constexpr (kUnsignedForm<L>) {
         const __m256i q_plus_128 = _mm256_xor_si256(q, flip);
         for (int r = 0; r < R; ++r) {
           const __m256i a = _mm256_set1_epi32(load_i32(rows.q[r] + b * QK + 4 * t));
@@ -229,7 +231,7 @@ void s8_group(const uint8_t* w, int64_t KB, const RowPtrs& rows,
         acc[r] = _mm256_fmadd_ps(hi, _mm256_mul_ps(d1, da), acc[r]);
       } else {
         __m256i dot;
-        if constexpr (kUnsignedS8H<L>)
+        if constexpr (kUnsignedForm<L>)
           dot = _mm256_sub_epi32(_mm256_add_epi32(even[r], odd[r]),
                                  _mm256_set1_epi32(128 * rows.sum_a[r][b]));
         else
@@ -258,7 +260,7 @@ void matmul_groups(const uint8_t* packed, const int8_t* q, const float* d, const
   const int64_t KB = K / QK, group_bytes = KB * block_bytes<L, Wide>();
   const schedule::Prefetch pf = schedule::weights(schedule_slot(L), M);
   const std::vector<int32_t> sums =  // for s8_group's unsigned form
-      kUnsignedS8H<L> ? tile_rows::block_sums(q, M, K) : std::vector<int32_t>();
+      kUnsignedForm<L> ? tile_rows::block_sums(q, M, K) : std::vector<int32_t>();
   // a few groups stay in L1/L2 while every tile of activation rows passes over them
   constexpr int64_t kGroupsPerChunk = 8;
   alignas(32) float tail[TILE_M][TILE_N];

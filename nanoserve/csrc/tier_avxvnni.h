@@ -38,7 +38,7 @@ inline __m256i u4_sums(const __m256i* wq, const int8_t* a) {
 }
 
 // int32 sums from the start: Q8_0's in one, Q6_K's a half each
-// Q8_0's blocks (S8H) in the unsigned-weight form (matmul_tiles.h's s8_group): each weight
+// Q8_0's and MXFP4's blocks in the unsigned-weight form (matmul_tiles.h's s8_group): each weight
 // byte with its sign bit flipped is q + 128, unsigned, against the signed activations as they
 // are: acc + the four products (q + 128) * a of each lane. One instruction a row and chunk
 // where the sign form takes two.
