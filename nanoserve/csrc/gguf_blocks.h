@@ -97,6 +97,11 @@ constexpr bool is_u4(Layout layout) { return layout == Layout::U4H || layout == 
 constexpr bool is_u5(Layout layout) { return layout == Layout::U5H || layout == Layout::U5F; }
 // the layouts of w = d*q + m with q >= 0 in nibbles (and 5th bits): the ones with a wide form
 constexpr bool is_unsigned(Layout layout) { return is_u4(layout) || is_u5(layout); }
+// signed q with one scale a block (Q8_0, MXFP4's looked-up values): where a tier has
+// `vpdpbusd`, their products go in the unsigned-weight form (matmul_tiles.h's s8_group)
+constexpr bool has_unsigned_form(Layout layout) {
+  return layout == Layout::S8H || layout == Layout::L4F;
+}
 // f16 scales (and offsets) at the block's start, else f32
 constexpr bool has_f16_scales(Layout layout) {
   return layout == Layout::U4H || layout == Layout::U5H || layout == Layout::S8H;

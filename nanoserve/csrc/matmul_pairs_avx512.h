@@ -166,7 +166,7 @@ template <Layout L, int R, bool Stream>
 void s8_pair(const uint8_t* wa, const uint8_t* wb, int64_t KB, const RowPtrs& rows,
              const schedule::Prefetch& pf) {
   constexpr int64_t BPB = packed_block_bytes(L);
-  constexpr bool kPerHalf = L == Layout::S8F2, kUnsigned = L == Layout::S8H || L == Layout::L4F;
+  constexpr bool kPerHalf = L == Layout::S8F2, kUnsigned = has_unsigned_form(L);
   const __m512i flip = _mm512_set1_epi8(char(0x80));
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
@@ -230,8 +230,7 @@ void matmul_groups(const uint8_t* packed, const int8_t* q, const float* d, const
   constexpr int64_t kGroupsPerChunk = 8;  // even: pairs never straddle a chunk
   alignas(64) float tail[TILE_M][PAIR_N];
   const std::vector<int32_t> sums =  // for s8_pair's unsigned form
-      L == Layout::S8H || L == Layout::L4F ? tile_rows::block_sums(q, M, K)
-                                           : std::vector<int32_t>();
+      has_unsigned_form(L) ? tile_rows::block_sums(q, M, K) : std::vector<int32_t>();
   for (int64_t gc = g0; gc < g1; gc += kGroupsPerChunk) {
     const int64_t gc_end = std::min(g1, gc + kGroupsPerChunk);
     for (int64_t r0 = 0; r0 < M; r0 += TILE_M) {

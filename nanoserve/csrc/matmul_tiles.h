@@ -175,11 +175,9 @@ inline __m256i signed_chunk(const uint8_t* qs, int t) {
   }
 }
 
-// Whether this tier runs a layout in the unsigned-weight form (s8_group, below): Q8_0 (S8H) and
-// MXFP4's looked-up values (L4F), whose blocks have one scale.
+// Whether this tier runs a layout in the unsigned-weight form (s8_group, below).
 template <Layout L>
-constexpr bool kUnsignedForm =
-    (L == Layout::S8H || L == Layout::L4F) && tier::kS8HUnsignedWeights;
+constexpr bool kUnsignedForm = has_unsigned_form(L) && tier::kUnsignedWeightDots;
 
 // w = d*q with signed q: the tier's sums of |q| times a with q's sign (AVX2: Q8_0 widens each
 // product pair to int32 at once, two could overflow int16; Q6_K's |q| <= 32 lets four sum in

@@ -45,9 +45,9 @@ inline __m256i u4_sums(const __m256i* wq, const int8_t* a) {
   return _mm256_madd_epi16(_mm256_add_epi16(s0, s1), ones);
 }
 
-// Whether Q8_0's and MXFP4's blocks take the unsigned-weight form (matmul_tiles.h's s8_group): not
-// here, where `maddubs`'s int16 pairs cannot hold (q + 128) * a (up to 2 * 255 * 127).
-constexpr bool kS8HUnsignedWeights = false;
+// Whether Q8_0's and MXFP4's blocks take the unsigned-weight form (matmul_tiles.h's
+// s8_group): not here, where `maddubs`'s int16 pairs cannot hold (q + 128) * a (2 * 255 * 127).
+constexpr bool kUnsignedWeightDots = false;
 inline __m256i add_unsigned_dots(__m256i acc, __m256i, __m256i) { return acc; }  // (unused)
 
 // A signed block's sums for one activation row, chunk by chunk (t = 0..7: inputs 4t..4t+3),

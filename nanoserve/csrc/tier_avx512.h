@@ -42,7 +42,7 @@ inline __m256i u4_sums(const __m256i* wq, const int8_t* a) {
 // byte with its sign bit flipped is q + 128, unsigned, against the signed activations as they
 // are: acc + the four products (q + 128) * a of each lane. One instruction a row and chunk
 // where the sign form takes two.
-constexpr bool kS8HUnsignedWeights = true;
+constexpr bool kUnsignedWeightDots = true;
 inline __m256i add_unsigned_dots(__m256i acc, __m256i q_flipped, __m256i a) {
   return _mm256_dpbusd_epi32(acc, q_flipped, a);
 }

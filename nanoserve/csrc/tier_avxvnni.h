@@ -37,16 +37,16 @@ inline __m256i u4_sums(const __m256i* wq, const int8_t* a) {
   return _mm256_add_epi32(s0, s1);
 }
 
-// int32 sums from the start: Q8_0's in one, Q6_K's a half each
 // Q8_0's and MXFP4's blocks in the unsigned-weight form (matmul_tiles.h's s8_group): each weight
 // byte with its sign bit flipped is q + 128, unsigned, against the signed activations as they
 // are: acc + the four products (q + 128) * a of each lane. One instruction a row and chunk
 // where the sign form takes two.
-constexpr bool kS8HUnsignedWeights = true;
+constexpr bool kUnsignedWeightDots = true;
 inline __m256i add_unsigned_dots(__m256i acc, __m256i q_flipped, __m256i a) {
   return _mm256_dpbusd_avx_epi32(acc, q_flipped, a);
 }
 
+// int32 sums from the start: Q8_0's in one, Q6_K's a half each
 template <bool PerHalf>
 struct S8Sums {
   __m256i part[2];

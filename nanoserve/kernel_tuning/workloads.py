@@ -156,7 +156,8 @@ def attention_work(runner: Any, model: CausalLM) -> AttentionWork | None:
 @dataclass
 class DeltaNetWork:
     """Gated DeltaNet's mixer (`delta_net_ops.delta_rule`'s kernel) on synthetic inputs of the
-    model's shape, its states zeroed and of the pool's dtype, made at the first sweep."""
+    model's shape, its states zeroed and of the pool's dtype (made by `sweep`, before the
+    timing)."""
 
     module: Any  # the delta_net kernels
     shape: Any  # the model's LinearAttentionConfig
