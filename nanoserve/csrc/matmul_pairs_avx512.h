@@ -159,7 +159,7 @@ void u4_pair(const uint8_t* wa, const uint8_t* wb, int64_t KB, const RowPtrs& ro
 
 // w = d*q with signed q. Q8_0 (S8H) and MXFP4 (L4F) in the unsigned-weight form, as
 // matmul_tiles.h's s8_group: each weight byte with its sign bit flipped is q + 128, unsigned,
-// against a as it is, the block's sums less 128 times the row's block sum of a. Q6_K (its two
+// against a as it is, the chain started from the row's block offset. Q6_K (its two
 // halves' sums apart): vpdpbusd(|q|, a negated where q < 0), AVX2's maddubs(|q|, sign(a, q))
 // (where q is 0 the product is 0 either way).
 template <Layout L, int R, bool Stream>
@@ -174,16 +174,19 @@ void s8_pair(const uint8_t* wa, const uint8_t* wb, int64_t KB, const RowPtrs& ro
     const uint8_t *ba = wa + b * BPB, *bb = wb + b * BPB;
     stream_ahead<Stream, BPB>(ba, bb, pf);
     const uint8_t *qa = ba + qs_offset(L), *qb = bb + qs_offset(L);
-    __m512i sum[R][2];
-    for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = _mm512_setzero_si512();
+    __m512i sum[R][2];  // the unsigned form: one chain a row, from the row's block offset
+    for (int r = 0; r < R; ++r) {
+      sum[r][0] = kUnsigned ? _mm512_set1_epi32(rows.offset[r][b]) : _mm512_setzero_si512();
+      sum[r][1] = _mm512_setzero_si512();
+    }
     for (int t = 0; t < 8; ++t) {
       const __m512i q = signed_pair_chunk<L>(qa, qb, t);
-      const int half = kPerHalf ? t / 4 : t % 2;  // Q8_0: two chains, summed below
+      const int half = kPerHalf ? t / 4 : kUnsigned ? 0 : t % 2;  // Q8_0: two chains, summed below
       if constexpr (kUnsigned) {
         const __m512i q_plus_128 = _mm512_xor_si512(q, flip);
         for (int r = 0; r < R; ++r)
-          sum[r][half] = _mm512_dpbusd_epi32(sum[r][half], q_plus_128,
-                                             bcast(rows.q[r] + b * QK + 4 * t));
+          sum[r][0] = _mm512_dpbusd_epi32(sum[r][0], q_plus_128,
+                                          bcast(rows.q[r] + b * QK + 4 * t));
       } else {
         const __m512i q_abs = _mm512_abs_epi8(q);
         const __mmask64 negative = _mm512_movepi8_mask(q);
@@ -202,9 +205,7 @@ void s8_pair(const uint8_t* wa, const uint8_t* wb, int64_t KB, const RowPtrs& ro
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][0]), _mm512_mul_ps(d0, da), acc[r]);
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][1]), _mm512_mul_ps(d1, da), acc[r]);
       } else {
-        __m512i dot = _mm512_add_epi32(sum[r][0], sum[r][1]);
-        if constexpr (kUnsigned)
-          dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(128 * rows.sum_a[r][b]));
+        const __m512i dot = kUnsigned ? sum[r][0] : _mm512_add_epi32(sum[r][0], sum[r][1]);
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d0, da), acc[r]);
       }
     }
@@ -229,8 +230,8 @@ void matmul_groups(const uint8_t* packed, const int8_t* q, const float* d, const
   const schedule::Prefetch pf = schedule::weights(schedule_slot(L), M);
   constexpr int64_t kGroupsPerChunk = 8;  // even: pairs never straddle a chunk
   alignas(64) float tail[TILE_M][PAIR_N];
-  const std::vector<int32_t> sums =  // for s8_pair's unsigned form
-      has_unsigned_form(L) ? tile_rows::block_sums(q, M, K) : std::vector<int32_t>();
+  const std::vector<int32_t> offsets =  // for s8_pair's unsigned form
+      has_unsigned_form(L) ? tile_rows::block_offsets(q, M, K) : std::vector<int32_t>();
   for (int64_t gc = g0; gc < g1; gc += kGroupsPerChunk) {
     const int64_t gc_end = std::min(g1, gc + kGroupsPerChunk);
     for (int64_t r0 = 0; r0 < M; r0 += TILE_M) {
@@ -241,7 +242,7 @@ void matmul_groups(const uint8_t* packed, const int8_t* q, const float* d, const
         const bool is_full = outputs == PAIR_N;
         const RowPtrs rows = tile_rows::rows_at(q, d, s, K, r0, R, [&](int r) {
           return is_full ? y + (r0 + r) * N + g * TILE_N : tail[r];
-        }, sums.empty() ? nullptr : sums.data());
+        }, offsets.empty() ? nullptr : offsets.data());
         const uint8_t* wa = packed + g * group_bytes;
         const uint8_t* wb = is_pair ? wa + group_bytes : wa;
         switch (R) {
