@@ -2,7 +2,9 @@
 // the CPU): a tile's keys transposed once, then the scores of a set of query rows against all
 // of them, S = Q · Kᵀ, one vector of 8 keys per FMA; the online softmax per row; then P · V,
 // one vector of 8 output columns per FMA. A decode's rows are the query heads that share one
-// KV head; a prefill block's rows are its tokens' query heads, all against the same tile.
+// KV head; a prefill block's rows are its tokens' query heads, all against the same tile. A
+// decode's few rows take their scores with the keys transposed in registers (score_keys), a
+// prefill block's many share one transposed tile (transpose_keys, score_rows): the same FMAs.
 //
 // The bits of a row's result do not depend on which rows it is computed with or on the vector
 // width. Every score is one FMA chain over the head's elements in order (d = 0, 1, ...), every
@@ -127,6 +129,70 @@ inline void score_rows(const float* q, int64_t q_stride, int64_t rows, const flo
   else if (rows - r == 1) score_rows_r<1>(q + r * q_stride, q_stride, kt, dim, s + r * kTileTokens);
 }
 
+// A decode's scores of the tile, for its few rows (the query heads of one KV head): exactly
+// what transpose_keys then score_rows give (each score the same FMA chain over d = 0, 1, ...
+// from zero, so the same bits), with each 8 keys x 8 elements transposed in registers and used
+// at once. No transposed tile is written and read back (at head_dim 256 it is 32 KB, all of a
+// Zen 4's L1, and score_rows read it once per three rows); V vectors of 8 keys a pass, so that
+// R x V chains keep both FMA pipes busy. Scores of keys n..31 are left unwritten (the softmax
+// masks them); the next tile's rows are requested a few lines a step (SpreadRequests).
+template <typename T, int R, int V>
+inline void score_keys_r(const float* q, int64_t dim, const T* const* keys, int64_t n, float* s,
+                         const attention_tiles::NextRows<T>& next) {
+  attention_tiles::SpreadRequests<T> requests(next, dim);
+  const int64_t steps = (n + 8 * V - 1) / (8 * V) * (dim / 8);  // of the loop below
+  const int64_t per_step = steps > 0 ? (requests.lines() + steps - 1) / steps : 0;
+  for (int64_t j0 = 0; j0 < n; j0 += 8 * V) {
+    __m256 acc[R][V];
+    NANOSERVE_FLASH_UNROLL
+    for (int r = 0; r < R; ++r)
+      NANOSERVE_FLASH_UNROLL
+      for (int v = 0; v < V; ++v) acc[r][v] = _mm256_setzero_ps();
+    for (int64_t d0 = 0; d0 < dim; d0 += 8) {
+      requests.request(per_step);
+      NANOSERVE_FLASH_UNROLL
+      for (int v = 0; v < V; ++v) {
+        __m256 k[8];
+        NANOSERVE_FLASH_UNROLL
+        for (int i = 0; i < 8; ++i) {
+          const int64_t j = j0 + 8 * v + i;
+          k[i] = j < n ? load8(keys[j] + d0) : _mm256_setzero_ps();
+        }
+        transpose8(k);  // k[i]: element d0 + i of the 8 keys
+        NANOSERVE_FLASH_UNROLL
+        for (int i = 0; i < 8; ++i)
+          NANOSERVE_FLASH_UNROLL
+          for (int r = 0; r < R; ++r)
+            acc[r][v] = _mm256_fmadd_ps(_mm256_broadcast_ss(q + r * dim + d0 + i), k[i],
+                                        acc[r][v]);
+      }
+    }
+    NANOSERVE_FLASH_UNROLL
+    for (int r = 0; r < R; ++r)
+      NANOSERVE_FLASH_UNROLL
+      for (int v = 0; v < V; ++v)
+        if (j0 + 8 * v < n) _mm256_storeu_ps(s + r * kTileTokens + j0 + 8 * v, acc[r][v]);
+  }
+  requests.finish();
+}
+
+// score_keys_r for rows [0, rows) of q ([rows, dim], scaled), four at a time: the scores
+// transpose_keys + score_rows give, s [rows, 32].
+template <typename T>
+void score_keys(const float* q, int64_t rows, int64_t dim, const T* const* keys, int64_t n,
+                float* s, const attention_tiles::NextRows<T>& next) {
+  int64_t r = 0;
+  attention_tiles::NextRows<T> request = next;  // the next tile's rows, requested once
+  for (; r + 4 <= rows; r += 4, request.count = 0)
+    score_keys_r<T, 4, 2>(q + r * dim, dim, keys, n, s + r * kTileTokens, request);
+  switch (rows - r) {
+    case 3: score_keys_r<T, 3, 2>(q + r * dim, dim, keys, n, s + r * kTileTokens, request); break;
+    case 2: score_keys_r<T, 2, 2>(q + r * dim, dim, keys, n, s + r * kTileTokens, request); break;
+    case 1: score_keys_r<T, 1, 4>(q + r * dim, dim, keys, n, s + r * kTileTokens, request); break;
+    default: break;
+  }
+}
+
 // One row's softmax bookkeeping for the tile, its keys [lo, n) real (0 <= lo, n <= 32; keys
 // before lo lie outside a sliding window): s becomes exp(s - new max), 0 outside [lo, n);
 // corr = exp(old max - new max) for what was accumulated before; sum = sum * corr + the
@@ -206,13 +272,50 @@ inline void accumulate_three(const float* p, const T* const* values, int64_t n, 
     for (int v = 0; v < 4; ++v) _mm256_storeu_ps(acc + g * dim + d0 + 8 * v, a[g][v]);
 }
 
+// Four rows' P · V over 16 columns [d0, d0 + 16): accumulate_three's arithmetic for four rows
+// (a decode's four query heads of a KV head: Gemma 3, Qwen3.5), 8 accumulators, the 4 weights
+// and a value in 16 registers; each value vector widened once for the four, where three rows
+// and then the fourth alone widened it twice.
+template <typename T>
+inline void accumulate_four(const float* p, const T* const* values, int64_t n, int64_t dim,
+                            int64_t d0, const float* corr, float* acc) {
+  __m256 a[4][2];
+  NANOSERVE_FLASH_UNROLL
+  for (int g = 0; g < 4; ++g) {
+    const __m256 c = _mm256_set1_ps(corr[g]);
+    NANOSERVE_FLASH_UNROLL
+    for (int v = 0; v < 2; ++v)
+      a[g][v] = _mm256_mul_ps(_mm256_loadu_ps(acc + g * dim + d0 + 8 * v), c);
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    __m256 w[4];
+    NANOSERVE_FLASH_UNROLL
+    for (int g = 0; g < 4; ++g) w[g] = _mm256_broadcast_ss(p + g * kTileTokens + j);
+    NANOSERVE_FLASH_UNROLL
+    for (int v = 0; v < 2; ++v) {
+      const __m256 x = load8(values[j] + d0 + 8 * v);
+      NANOSERVE_FLASH_UNROLL
+      for (int g = 0; g < 4; ++g) a[g][v] = _mm256_fmadd_ps(w[g], x, a[g][v]);
+    }
+  }
+  NANOSERVE_FLASH_UNROLL
+  for (int g = 0; g < 4; ++g)
+    NANOSERVE_FLASH_UNROLL
+    for (int v = 0; v < 2; ++v) _mm256_storeu_ps(acc + g * dim + d0 + 8 * v, a[g][v]);
+}
+
 // Rows [0, rows): p [rows, 32], corr [rows], acc [rows, dim]; values are the tile's n rows
-// (n: the longest row's real keys): three rows at a time over 32 columns where they fit
-// (accumulate_three), then two (8 accumulators, 4 values, 2 weights), then one.
+// (n: the longest row's real keys): four rows together (accumulate_four), else three rows at a
+// time over 32 columns where they fit (accumulate_three), then two (8 accumulators, 4 values,
+// 2 weights), then one.
 template <typename T>
 void accumulate_rows(const float* p, const T* const* values, int64_t n, int64_t rows,
                      int64_t dim, const float* corr, float* acc) {
   int64_t r = 0;
+  if (rows == 4 && dim % 16 == 0) {
+    for (int64_t d0 = 0; d0 < dim; d0 += 16) accumulate_four<T>(p, values, n, dim, d0, corr, acc);
+    return;
+  }
   if (dim % 32 == 0) {
     for (; r + 3 <= rows; r += 3)
       for (int64_t d0 = 0; d0 < dim; d0 += 32)

@@ -84,15 +84,15 @@ constexpr int64_t kMaxBlockTiles = 4;
 static_assert(kPartitionTokens % (kMaxBlockTiles * kTileTokens) == 0,
               "a partition is whole steps of every size");
 
-// One thread's working memory: the scaled queries, a tile's keys transposed, a step's scores
-// (tile by tile) and its rows' addresses.
+// One thread's working memory: the scaled queries, a step's scores (tile by tile) and its rows'
+// addresses.
 template <typename T>
 struct Scratch {
-  std::vector<float> q, kt, scores, corr;
+  std::vector<float> q, scores, corr;
   std::vector<int8_t> q8;  // q's heads as int8 rows, for an int8 cache's integer scores
   std::vector<const T*> keys, values;  // two steps' worth: this one and the next
   explicit Scratch(int64_t group, int64_t dim)
-      : q(group * dim), kt(kTileTokens * dim), scores(kMaxBlockTiles * group * kTileTokens),
+      : q(group * dim), scores(kMaxBlockTiles * group * kTileTokens),
         corr(group), q8(group * row_elements<int8_t>(dim)),
         keys(2 * kMaxBlockTiles * kTileTokens), values(2 * kMaxBlockTiles * kTileTokens) {}
 };
@@ -148,8 +148,7 @@ void walk_tiles(const Problem<T>& pb, const int32_t* table, int64_t plane, int64
         else
           score_heads<T>(sc.q.data(), keys + j0, n, dim, group, next, scores);
       } else {
-        flash_tiles::transpose_keys(keys + j0, n, dim, sc.kt.data(), next);
-        flash_tiles::score_rows(sc.q.data(), dim, group, sc.kt.data(), dim, scores);
+        flash_tiles::score_keys(sc.q.data(), group, dim, keys + j0, n, scores, next);
       }
     }
     // 2) each tile's online softmax and P·V, in the walk's order

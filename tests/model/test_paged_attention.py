@@ -241,16 +241,17 @@ def test_decodes_in_a_mixed_batch_take_the_kernel_path(cache_dtype: torch.dtype)
     assert relative_error(outs[1], outs[0]) < 1e-5
 
 
-def chunk_case(prompt_len: int, chunk: range, decodes: tuple[int, ...], seed: int = 0
-               ) -> tuple[torch.Tensor, ...]:
+def chunk_case(prompt_len: int, chunk: range, decodes: tuple[int, ...], seed: int = 0,
+               group: int = 3, head_dim: int = 64) -> tuple[torch.Tensor, ...]:
     """A prefill chunk's rows (positions `chunk` of a `prompt_len`-token request, each row a
     copy of the request's table, as the backend builds them) followed by `decodes` requests of
-    their own, with fresh queries."""
-    _, k_cache, v_cache, table, _ = random_case([prompt_len, *decodes], num_kv_heads=3, group=3,
-                                                head_dim=64, seed=seed)
+    their own, with fresh queries; 3 KV heads of `group` query heads each."""
+    _, k_cache, v_cache, table, _ = random_case([prompt_len, *decodes], num_kv_heads=3,
+                                                group=group, head_dim=head_dim, seed=seed)
     tables = torch.cat([table[:1].repeat(len(chunk), 1), table[1:]]).contiguous()
     lens = torch.tensor([t + 1 for t in chunk] + list(decodes), dtype=torch.int32)
-    q = 2 * torch.randn(len(lens), 9, 64, generator=torch.Generator().manual_seed(seed + 1))
+    q = 2 * torch.randn(len(lens), 3 * group, head_dim,
+                        generator=torch.Generator().manual_seed(seed + 1))
     return q, k_cache, v_cache, tables, lens
 
 
@@ -276,6 +277,22 @@ def test_a_chunks_rows_attended_together_equal_each_row_alone(
         assert torch.equal(together, alone)
     finally:
         torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("group", "head_dim"), [(1, 64), (2, 64), (4, 64), (4, 256), (5, 128),
+                                                 (8, 128)])
+def test_each_group_and_head_size_attends_alone_as_in_a_chunk(group: int, head_dim: int,
+                                                               cache_dtype: torch.dtype) -> None:
+    """A decode's scores take the keys transposed in registers, four query heads at a time
+    (flash_tiles.h's score_keys), and four heads' P·V run together (accumulate_four); a prefill
+    block's rows share one transposed tile: the same bits for every group of query heads."""
+    q, k_cache, v_cache, tables, lens = with_cache_dtype(
+        chunk_case(300, range(250, 300), (5, 140), group=group, head_dim=head_dim), cache_dtype)
+    together = decode_attention(q, k_cache, v_cache, tables, lens)
+    alone = torch.cat([decode_attention(q[i : i + 1], k_cache, v_cache, tables[i : i + 1],
+                                        lens[i : i + 1]) for i in range(len(lens))])
+    assert torch.equal(together, alone)
 
 
 @pytest.mark.parametrize("is_in_place", [False, True])
