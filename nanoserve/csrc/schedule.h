@@ -37,16 +37,20 @@
 
 namespace schedule {
 
-// _mm_prefetch's hint is an immediate: a run-time choice is a switch over the four
+// A prefetch's hint is an immediate: a run-time choice is a switch over the four. Each case is
+// its own asm statement: with `_mm_prefetch` in every case, GCC 12 at -O3 merged the cases of
+// a switch inlined into a kernel's loop into one prefetch of a table-loaded hint, and then
+// dropped it (no prefetch instruction was left in the matmul modules; the schedule's weight
+// hints did nothing). An asm statement is neither merged nor dropped.
 enum Hint : int32_t { kNone = 0, kNTA = 1, kT2 = 2, kT1 = 3, kT0 = 4 };
 
 inline void prefetch(const void* address, int32_t hint) {
   const char* p = static_cast<const char*>(address);
   switch (hint) {
-    case kNTA: _mm_prefetch(p, _MM_HINT_NTA); break;
-    case kT2: _mm_prefetch(p, _MM_HINT_T2); break;
-    case kT1: _mm_prefetch(p, _MM_HINT_T1); break;
-    case kT0: _mm_prefetch(p, _MM_HINT_T0); break;
+    case kNTA: asm volatile("prefetchnta %0" : : "m"(*p)); break;
+    case kT2: asm volatile("prefetcht2 %0" : : "m"(*p)); break;
+    case kT1: asm volatile("prefetcht1 %0" : : "m"(*p)); break;
+    case kT0: asm volatile("prefetcht0 %0" : : "m"(*p)); break;
     default: break;
   }
 }
