@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -204,3 +206,28 @@ def test_a_whole_model_decodes_the_same_under_every_schedule(tiny_model_dir: Any
     expected = run(DEFAULT)
     for schedule in model_schedules():
         assert run(schedule) == expected, schedule
+
+
+@pytest.mark.parametrize("tier", sorted({"avx2", native.kernel_tier()}))
+def test_the_streaming_matmuls_hold_the_schedules_prefetch_instructions(tier: str) -> None:
+    """Every hint of the weights' prefetch is in each streaming matmul kernel (a `_group` or
+    `_pair` kernel or `matmul_groups` with Stream = true, wherever its block loop was
+    compiled): a compiler that merged the hint switch's cases into one prefetch of a loaded hint
+    dropped them all (GCC 12 at -O3, before schedule.h gave each case its own asm statement),
+    and every weight hint the tuner timed did nothing."""
+    objdump = shutil.which("objdump")
+    if objdump is None:
+        pytest.skip("objdump (binutils) is not installed")
+    module = native.load_kernels("quant_matmul", tier)
+    assert module is not None, tier
+    listing = subprocess.run([objdump, "-d", "-C", "--no-show-raw-insn", module.__file__],
+                             capture_output=True, text=True, check=True).stdout
+    streaming = re.compile(r"<void \w+::(u4_group|s8_group|u4_pair|s8_pair|matmul_groups)<"
+                           r"[^@]*, true>\(")
+    kernels = [body for body in listing.split("\n\n")
+               if streaming.search(body.split("\n", 1)[0])
+               and re.search(r"\b(vpmaddubsw|vpdpbusd)\b", body)]
+    assert kernels, "no streaming kernel's block loop found in the module"
+    for body in kernels:
+        for instruction in ("prefetchnta", "prefetcht0", "prefetcht1", "prefetcht2"):
+            assert instruction in body, (body.split("\n", 1)[0], instruction)
