@@ -239,87 +239,58 @@ inline void accumulate_rows_columns(const float* p, const T* const* values, int6
     attention_tiles::accumulate_columns<T, R, 1, 1>(p, values, n, dim, d0, corr, acc);
 }
 
-// Three rows' P · V over 32 columns [d0, d0 + 32): accumulate_columns<T, 3, 4, 1>'s
-// arithmetic (the same FMA chains in the same order) with each value vector widened once and
-// used at once, so that 12 accumulators, the 3 weights and one value fill the 16 registers:
-// 12 independent chains keep both FMA pipes busy, and a key's values are widened once for the
-// three rows (a decode's three query heads of a KV head), not once per pair and again alone.
-template <typename T>
-inline void accumulate_three(const float* p, const T* const* values, int64_t n, int64_t dim,
+// G rows' P · V over 8 V columns [d0, d0 + 8 V): accumulate_columns<T, G, V, 1>'s arithmetic
+// (the same FMA chains in the same order) with each value vector widened once and used at once
+// for all G rows, so that G x V accumulators, the G weights and one value fill the 16
+// registers: 3 x 4 for a decode's three query heads of a KV head (the default model), 4 x 2 for
+// four (Gemma 3, Qwen3.5). 12 or 8 independent chains keep both FMA pipes busy, and a key's
+// values are widened once for the G rows, not once per pair and again alone.
+template <typename T, int G, int V>
+inline void accumulate_block(const float* p, const T* const* values, int64_t n, int64_t dim,
                              int64_t d0, const float* corr, float* acc) {
-  __m256 a[3][4];
+  __m256 a[G][V];
   NANOSERVE_FLASH_UNROLL
-  for (int g = 0; g < 3; ++g) {
+  for (int g = 0; g < G; ++g) {
     const __m256 c = _mm256_set1_ps(corr[g]);
     NANOSERVE_FLASH_UNROLL
-    for (int v = 0; v < 4; ++v)
+    for (int v = 0; v < V; ++v)
       a[g][v] = _mm256_mul_ps(_mm256_loadu_ps(acc + g * dim + d0 + 8 * v), c);
   }
   for (int64_t j = 0; j < n; ++j) {
-    const __m256 w0 = _mm256_broadcast_ss(p + j), w1 = _mm256_broadcast_ss(p + kTileTokens + j);
-    const __m256 w2 = _mm256_broadcast_ss(p + 2 * kTileTokens + j);
+    __m256 w[G];
     NANOSERVE_FLASH_UNROLL
-    for (int v = 0; v < 4; ++v) {
-      const __m256 x = load8(values[j] + d0 + 8 * v);
-      a[0][v] = _mm256_fmadd_ps(w0, x, a[0][v]);
-      a[1][v] = _mm256_fmadd_ps(w1, x, a[1][v]);
-      a[2][v] = _mm256_fmadd_ps(w2, x, a[2][v]);
-    }
-  }
-  NANOSERVE_FLASH_UNROLL
-  for (int g = 0; g < 3; ++g)
+    for (int g = 0; g < G; ++g) w[g] = _mm256_broadcast_ss(p + g * kTileTokens + j);
     NANOSERVE_FLASH_UNROLL
-    for (int v = 0; v < 4; ++v) _mm256_storeu_ps(acc + g * dim + d0 + 8 * v, a[g][v]);
-}
-
-// Four rows' P · V over 16 columns [d0, d0 + 16): accumulate_three's arithmetic for four rows
-// (a decode's four query heads of a KV head: Gemma 3, Qwen3.5), 8 accumulators, the 4 weights
-// and a value in 16 registers; each value vector widened once for the four, where three rows
-// and then the fourth alone widened it twice.
-template <typename T>
-inline void accumulate_four(const float* p, const T* const* values, int64_t n, int64_t dim,
-                            int64_t d0, const float* corr, float* acc) {
-  __m256 a[4][2];
-  NANOSERVE_FLASH_UNROLL
-  for (int g = 0; g < 4; ++g) {
-    const __m256 c = _mm256_set1_ps(corr[g]);
-    NANOSERVE_FLASH_UNROLL
-    for (int v = 0; v < 2; ++v)
-      a[g][v] = _mm256_mul_ps(_mm256_loadu_ps(acc + g * dim + d0 + 8 * v), c);
-  }
-  for (int64_t j = 0; j < n; ++j) {
-    __m256 w[4];
-    NANOSERVE_FLASH_UNROLL
-    for (int g = 0; g < 4; ++g) w[g] = _mm256_broadcast_ss(p + g * kTileTokens + j);
-    NANOSERVE_FLASH_UNROLL
-    for (int v = 0; v < 2; ++v) {
+    for (int v = 0; v < V; ++v) {
       const __m256 x = load8(values[j] + d0 + 8 * v);
       NANOSERVE_FLASH_UNROLL
-      for (int g = 0; g < 4; ++g) a[g][v] = _mm256_fmadd_ps(w[g], x, a[g][v]);
+      for (int g = 0; g < G; ++g) a[g][v] = _mm256_fmadd_ps(w[g], x, a[g][v]);
     }
   }
   NANOSERVE_FLASH_UNROLL
-  for (int g = 0; g < 4; ++g)
+  for (int g = 0; g < G; ++g)
     NANOSERVE_FLASH_UNROLL
-    for (int v = 0; v < 2; ++v) _mm256_storeu_ps(acc + g * dim + d0 + 8 * v, a[g][v]);
+    for (int v = 0; v < V; ++v) _mm256_storeu_ps(acc + g * dim + d0 + 8 * v, a[g][v]);
 }
 
 // Rows [0, rows): p [rows, 32], corr [rows], acc [rows, dim]; values are the tile's n rows
-// (n: the longest row's real keys): four rows together (accumulate_four), else three rows at a
-// time over 32 columns where they fit (accumulate_three), then two (8 accumulators, 4 values,
+// (n: the longest row's real keys): four rows together over 16 columns, else three rows at a
+// time over 32 columns where they fit (accumulate_block), then two (8 accumulators, 4 values,
 // 2 weights), then one.
 template <typename T>
 void accumulate_rows(const float* p, const T* const* values, int64_t n, int64_t rows,
                      int64_t dim, const float* corr, float* acc) {
   int64_t r = 0;
   if (rows == 4 && dim % 16 == 0) {
-    for (int64_t d0 = 0; d0 < dim; d0 += 16) accumulate_four<T>(p, values, n, dim, d0, corr, acc);
+    for (int64_t d0 = 0; d0 < dim; d0 += 16)
+      accumulate_block<T, 4, 2>(p, values, n, dim, d0, corr, acc);
     return;
   }
   if (dim % 32 == 0) {
     for (; r + 3 <= rows; r += 3)
       for (int64_t d0 = 0; d0 < dim; d0 += 32)
-        accumulate_three<T>(p + r * kTileTokens, values, n, dim, d0, corr + r, acc + r * dim);
+        accumulate_block<T, 3, 4>(p + r * kTileTokens, values, n, dim, d0, corr + r,
+                                  acc + r * dim);
   }
   for (; r + 2 <= rows; r += 2)
     accumulate_rows_columns<T, 2>(p + r * kTileTokens, values, n, dim, corr + r, acc + r * dim);
