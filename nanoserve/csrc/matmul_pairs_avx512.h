@@ -181,7 +181,7 @@ void s8_pair(const uint8_t* wa, const uint8_t* wb, int64_t KB, const RowPtrs& ro
     }
     for (int t = 0; t < 8; ++t) {
       const __m512i q = signed_pair_chunk<L>(qa, qb, t);
-      const int half = kPerHalf ? t / 4 : kUnsigned ? 0 : t % 2;  // Q8_0: two chains, summed below
+      const int half = kPerHalf ? t / 4 : 0;  // (Q6_K's halves; every other layout one chain)
       if constexpr (kUnsigned) {
         const __m512i q_plus_128 = _mm512_xor_si512(q, flip);
         for (int r = 0; r < R; ++r)
@@ -205,8 +205,7 @@ void s8_pair(const uint8_t* wa, const uint8_t* wb, int64_t KB, const RowPtrs& ro
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][0]), _mm512_mul_ps(d0, da), acc[r]);
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][1]), _mm512_mul_ps(d1, da), acc[r]);
       } else {
-        const __m512i dot = kUnsigned ? sum[r][0] : _mm512_add_epi32(sum[r][0], sum[r][1]);
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d0, da), acc[r]);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][0]), _mm512_mul_ps(d0, da), acc[r]);
       }
     }
   }
