@@ -30,6 +30,7 @@ from nanoserve.engine.stop_signals import PARENT_STOP_SIGNAL, StopRequests, igno
 from nanoserve.entrypoints.app import build_app
 from nanoserve.entrypoints.openai.router_endpoints import instance_id, kv_event_sources
 from nanoserve.entrypoints.serving.async_engine import AsyncEngine
+from nanoserve.entrypoints.serving.closing_server import ClosingServer
 from nanoserve.entrypoints.serving.dp_client import DPEngineClient
 from nanoserve.entrypoints.serving.engine_start import (
     EngineStartError,
@@ -196,7 +197,7 @@ def _server_context(engine_config: EngineConfig, server_config: ServerConfig,
     return ctx
 
 
-class DrainingServer(uvicorn.Server):
+class DrainingServer(ClosingServer):
     """uvicorn, except that a stop first drains: /health says 503 and new requests get 503
     while in-flight ones finish (bounded), then it stops; a second stop stops at once. The
     signals are the process's `StopRequests`, not uvicorn's own handlers (which would stop

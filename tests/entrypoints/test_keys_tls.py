@@ -6,8 +6,10 @@ trust, as a user's would after adding their CA."""
 from __future__ import annotations
 
 import re
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +25,9 @@ from nanoserve.server_config import check_tls_files, read_api_keys
 KEYS = ("first-key", "second-key")  # given as --api-key, one of them repeated
 FILE_KEYS = ("third-key", "fourth-key")  # in the key file
 WRONG = "not-one-of-them"
+# asyncio waits this long for a TLS client's close_notify before it gives a connection up; a
+# stop that waited on an idle client would take at least this
+ASYNCIO_TLS_CLOSE_WAIT_S = 30.0
 
 
 @pytest.fixture(scope="module")
@@ -164,4 +169,36 @@ def test_a_router_serves_tls_and_its_model_servers_plain_http(
             openai.OpenAI(base_url=server.url + "/v1", api_key=WRONG, max_retries=0,
                           http_client=httpx.Client(verify=server.verify)).models.list()
     finally:
+        # the client above still holds its pooled connection: the stop does not wait on it
+        started = time.monotonic()
         assert server.stop() == 0
+        assert time.monotonic() - started < ASYNCIO_TLS_CLOSE_WAIT_S / 2
+
+
+@pytest.mark.server
+def test_a_stop_over_tls_finishes_the_stream_and_waits_on_no_idle_client(
+        tiny_model_dir: Any, tls_files: dict[str, Path]) -> None:
+    """A stopping `--ssl-*` server lets a stream in flight finish whole, then exits without
+    waiting for the goodbyes of clients that keep their connections pooled (it waited 30 s on
+    each: asyncio's wait for a TLS close_notify that an idle client never reads)."""
+    server = RunningServer(str(tiny_model_dir("llama")), "--served-model-name", "tiny",
+                           *tls_args(tls_files), ca_file=tls_files["ca"])
+    try:
+        idle = server.client()
+        assert idle.models.list().data  # its connection stays in the pool, idle
+        stream = server.client().completions.create(
+            model="tiny", prompt="Once upon a time", max_tokens=48, temperature=0,
+            stream=True, extra_body={"ignore_eos": True})
+        chunks = iter(stream)
+        texts = [next(chunks).choices[0].text]
+        started = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        finish = None
+        for chunk in chunks:
+            texts.append(chunk.choices[0].text)
+            finish = chunk.choices[0].finish_reason or finish
+        assert finish == "length" and len(texts) == 48  # every token of the stream arrived
+        assert server.proc.wait(timeout=2 * ASYNCIO_TLS_CLOSE_WAIT_S) == 0
+        assert time.monotonic() - started < ASYNCIO_TLS_CLOSE_WAIT_S / 2
+    finally:
+        server.stop()

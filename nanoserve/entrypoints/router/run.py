@@ -20,6 +20,7 @@ from nanoserve.entrypoints.router.app import build_router_app
 from nanoserve.entrypoints.router.catalog import find_models
 from nanoserve.entrypoints.router.pool import ModelPool
 from nanoserve.entrypoints.router.pulled_models import PulledModels
+from nanoserve.entrypoints.serving.closing_server import ClosingServer
 from nanoserve.entrypoints.serving.event_loop import run_event_loop
 from nanoserve.entrypoints.serving.listen import AddressInUseError, bind_listening_socket
 from nanoserve.entrypoints.web.router import page_banner
@@ -114,7 +115,7 @@ def run_router(args: argparse.Namespace, server: ServerConfig, argv: list[str]) 
         sock.close()
 
 
-class _RouterServer(uvicorn.Server):
+class _RouterServer(ClosingServer):
     """uvicorn, except that a stop signal (SIGTERM, SIGINT or SIGHUP, to the router alone or to
     its whole group: the model servers ignore them) ends the process with status 0 once its
     requests have finished and every model's server has drained and stopped (the app's
