@@ -32,9 +32,11 @@ from nanoserve.kernel_tuning.step_check import changed_groups, group_value
 from nanoserve.kernel_tuning.tuner import _Run, tune_kernels
 from nanoserve.kernel_tuning.workloads import AttentionWork, StepWeights, attention_work
 
-# what every slowed sweep lasts, besides its step's cost: well over a real sweep of the tiny
-# model (~0.05 s on a loaded 2-core machine), so only the sleeps' jitter is left
-BASE_S = 0.15
+# what every slowed sweep lasts, besides its step's cost: well over the real sweep it wraps
+# (one request of REAL_CONTEXT tokens on the tiny model, ~1 ms), so only the sleeps' jitter is
+# left; 3 % of a candidate's sweeps (the tuner's margin) is ~5 ms
+BASE_S = 0.05
+REAL_CONTEXT = 64
 
 
 @pytest.fixture(autouse=True)
@@ -45,12 +47,13 @@ def default_schedule_after() -> Any:
 
 @dataclass
 class SlowedAttention(AttentionWork):
-    """The model's attention sweeps, each ending BASE_S plus its step's cost after it began."""
+    """The model's attention sweeps, each ending BASE_S plus its step's cost after it began
+    (each runs the real kernel on one short request, whatever its size: the costs are set)."""
 
     costs: dict[int, float] = field(default_factory=dict)  # block tokens -> seconds
 
     def sweep(self, batch: int, context: int) -> Any:
-        real = super().sweep(batch, context)
+        real = super().sweep(1, REAL_CONTEXT)
         module = native.load_kernels("paged_attention")
 
         def run() -> None:
