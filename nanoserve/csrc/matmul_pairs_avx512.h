@@ -228,6 +228,11 @@ void matmul_groups(const uint8_t* packed, const int8_t* q, const float* d, const
   const int64_t KB = K / QK, group_bytes = KB * block_bytes<L, Wide>();
   const schedule::Prefetch pf = schedule::weights(schedule_slot(L), M);
   constexpr int64_t kGroupsPerChunk = 8;  // even: pairs never straddle a chunk
+  // the second pass over a chunk asks for the next one (schedule::next_chunk); the L2 of an
+  // AVX-512 CPU holds 1 MB or more
+  const int64_t chunk_bytes = kGroupsPerChunk * group_bytes;
+  const bool fill_next = Stream && M > TILE_M && chunk_bytes <= 256 * 1024;
+  const schedule::Prefetch next_chunk = schedule::next_chunk(chunk_bytes);
   alignas(64) float tail[TILE_M][PAIR_N];
   const std::vector<int32_t> offsets =  // for s8_pair's unsigned form
       has_unsigned_form(L) ? tile_rows::block_offsets(q, M, K) : std::vector<int32_t>();
@@ -235,6 +240,8 @@ void matmul_groups(const uint8_t* packed, const int8_t* q, const float* d, const
     const int64_t gc_end = std::min(g1, gc + kGroupsPerChunk);
     for (int64_t r0 = 0; r0 < M; r0 += TILE_M) {
       const int R = int(std::min<int64_t>(TILE_M, M - r0));
+      const bool filling = fill_next && r0 == TILE_M && gc_end < g1;
+      const schedule::Prefetch& ahead = filling ? next_chunk : pf;
       for (int64_t g = gc; g < gc_end; g += 2) {
         const bool is_pair = g + 1 < gc_end;
         const int64_t outputs = std::min<int64_t>(N - g * TILE_N, is_pair ? PAIR_N : TILE_N);
@@ -245,10 +252,10 @@ void matmul_groups(const uint8_t* packed, const int8_t* q, const float* d, const
         const uint8_t* wa = packed + g * group_bytes;
         const uint8_t* wb = is_pair ? wa + group_bytes : wa;
         switch (R) {
-          case 4: pair_kernel<L, 4, Wide, Stream>(wa, wb, KB, rows, pf); break;
-          case 3: pair_kernel<L, 3, Wide, Stream>(wa, wb, KB, rows, pf); break;
-          case 2: pair_kernel<L, 2, Wide, Stream>(wa, wb, KB, rows, pf); break;
-          default: pair_kernel<L, 1, Wide, Stream>(wa, wb, KB, rows, pf); break;
+          case 4: pair_kernel<L, 4, Wide, Stream>(wa, wb, KB, rows, ahead); break;
+          case 3: pair_kernel<L, 3, Wide, Stream>(wa, wb, KB, rows, ahead); break;
+          case 2: pair_kernel<L, 2, Wide, Stream>(wa, wb, KB, rows, ahead); break;
+          default: pair_kernel<L, 1, Wide, Stream>(wa, wb, KB, rows, ahead); break;
         }
         if (!is_full) {
           for (int r = 0; r < R; ++r)

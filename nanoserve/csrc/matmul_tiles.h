@@ -259,11 +259,18 @@ void matmul_groups(const uint8_t* packed, const int8_t* q, const float* d, const
       kUnsignedForm<L> ? tile_rows::block_offsets(q, M, K) : std::vector<int32_t>();
   // a few groups stay in L1/L2 while every tile of activation rows passes over them
   constexpr int64_t kGroupsPerChunk = 8;
+  // the second pass over a chunk asks for the next one (schedule::next_chunk); an AVX2 CPU's
+  // L2 may hold only 512 KB (a Zen 3's)
+  const int64_t chunk_bytes = kGroupsPerChunk * group_bytes;
+  const bool fill_next = Stream && M > TILE_M && chunk_bytes <= 128 * 1024;
+  const schedule::Prefetch next_chunk = schedule::next_chunk(chunk_bytes);
   alignas(32) float tail[TILE_M][TILE_N];
   for (int64_t gc = g0; gc < g1; gc += kGroupsPerChunk) {
     const int64_t gc_end = std::min(g1, gc + kGroupsPerChunk);
     for (int64_t r0 = 0; r0 < M; r0 += TILE_M) {
       const int R = int(std::min<int64_t>(TILE_M, M - r0));
+      const bool filling = fill_next && r0 == TILE_M && gc_end < g1;
+      const schedule::Prefetch& ahead = filling ? next_chunk : pf;
       for (int64_t g = gc; g < gc_end; ++g) {
         const bool is_full = (g + 1) * TILE_N <= N;
         const RowPtrs rows = tile_rows::rows_at(q, d, s, K, r0, R, [&](int r) {
@@ -271,10 +278,10 @@ void matmul_groups(const uint8_t* packed, const int8_t* q, const float* d, const
         }, offsets.empty() ? nullptr : offsets.data());
         const uint8_t* w = packed + g * group_bytes;
         switch (R) {
-          case 4: group_kernel<L, 4, Wide, Stream>(w, KB, rows, pf); break;
-          case 3: group_kernel<L, 3, Wide, Stream>(w, KB, rows, pf); break;
-          case 2: group_kernel<L, 2, Wide, Stream>(w, KB, rows, pf); break;
-          default: group_kernel<L, 1, Wide, Stream>(w, KB, rows, pf); break;
+          case 4: group_kernel<L, 4, Wide, Stream>(w, KB, rows, ahead); break;
+          case 3: group_kernel<L, 3, Wide, Stream>(w, KB, rows, ahead); break;
+          case 2: group_kernel<L, 2, Wide, Stream>(w, KB, rows, ahead); break;
+          default: group_kernel<L, 1, Wide, Stream>(w, KB, rows, ahead); break;
         }
         if (!is_full) {
           for (int r = 0; r < R; ++r)
