@@ -64,9 +64,8 @@ struct Prefetch {
 // pass streams the chunk from memory, the later ones read it from L2, and the memory would
 // idle through them. So the second pass asks for the next chunk's lines into L2, a block's
 // worth with each block it reads (this distance, the chunk's bytes, ahead of it), and the next
-// first pass finds them there (8 rows of Qwen3.5-0.8B's Q8_0 layers from memory, 2 threads of
-// a Zen 4: 1.15-1.9x; its 248,320 x 1,024 head 19.9 -> 10.7-12.3 ms). Only where two chunks
-// fit well within an L2, which each kernel's caller checks.
+// first pass finds them there (docs/benchmarks.md, "Many-row matmuls that keep the memory
+// streaming"). Only where two chunks fit well within an L2, which each kernel's caller checks.
 inline Prefetch next_chunk(int64_t chunk_bytes) { return {kT1, int32_t(chunk_bytes)}; }
 
 constexpr int kNumLayouts = 6;  // gguf_blocks::Layout
